@@ -1,0 +1,1 @@
+"""Offline analyses and planners over trace tables (see DESIGN.md §6)."""

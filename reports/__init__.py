@@ -1,0 +1,1 @@
+"""HTML rendering of analysis results (see DESIGN.md §2)."""

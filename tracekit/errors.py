@@ -1,0 +1,17 @@
+"""Named errors raised by tracekit's core; the CLI turns them into one-line messages."""
+
+
+class TracekitError(Exception):
+    """Base of every error tracekit expects and reports without a traceback."""
+
+
+class ConfigError(TracekitError, ValueError):
+    """Raised when a trainer option or combination of options is impossible."""
+
+
+class DataError(TracekitError):
+    """Raised when an input data file is missing or malformed; names the file and line."""
+
+
+class PolicyMismatch(TracekitError):
+    """Raised when a policy file does not match the model it is applied to."""
