@@ -1,0 +1,141 @@
+"""The trainer's configuration: one dataclass, one field per command-line option.
+
+Every check that can fail runs in `__post_init__`, before any process group starts, so an
+impossible configuration is refused with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+from tracekit.errors import ConfigError
+
+SHARDINGS = ("table", "row")
+OPTIMIZERS = ("sgd", "adagrad")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+@dataclass
+class TrainConfig:
+    # model
+    tables: int = 8  # number of embedding tables (sparse features)
+    rows: list[int] = field(default_factory=lambda: [100_000])  # rows per table; one value for all
+    dim: int = 64  # embedding dimension; must equal the bottom MLP's last width
+    dense: int = 13  # dense features
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64])
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
+    pooling: int = 1  # ids per bag (synthetic data)
+    sequence_tables: int = 0  # the first N tables are sequence (unpooled) features
+    # parallelism
+    sharding: str = "table"  # table-wise or row-wise model parallelism of the tables
+    # data
+    data: str = "synthetic"  # synthetic | criteo:PATH | parquet:PATH
+    preset: str | None = None  # criteo-kaggle: the 26 Kaggle tables, times --scale
+    scale: float = 1.0
+    samples: int = 1 << 20  # synthetic dataset size (train + eval)
+    zipf: list[float] | None = None  # synthetic skew per table (one value for all); 0 = uniform
+    drift: float = 0.0  # synthetic: hot set shift over the dataset, in table lengths
+    eval_fraction: float = 0.1  # held out from the end of the dataset
+    # optimisation
+    batch_size: int = 512  # per rank
+    steps: int | None = None  # stop after this many steps (default: run --epochs)
+    epochs: int = 1
+    lr: float = 0.1
+    optimizer: str = "sgd"  # sgd | adagrad (row-wise for the tables)
+    seed: int = 0
+    # output
+    eval_every: int = 0  # evaluate every N steps (0: only at the end)
+    log_every: int = 50  # progress line every N steps
+    warmup_steps: int = 5  # excluded from samples/s
+    json: bool = False  # print one JSON summary line instead of the human summary
+    device: str = "auto"  # auto | cpu | cuda
+
+    def __post_init__(self) -> None:
+        positive = ("tables", "dim", "dense", "batch_size", "pooling", "epochs", "samples", "log_every")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        for name in ("steps",):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        if self.eval_every < 0 or self.warmup_steps < 0:
+            raise ConfigError("--eval-every and --warmup-steps must not be negative")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not self.bottom_mlp or not self.top_mlp or min(self.bottom_mlp + self.top_mlp) <= 0:
+            raise ConfigError("--bottom-mlp and --top-mlp need positive widths, e.g. 512,256,64")
+        if self.bottom_mlp[-1] != self.dim:
+            raise ConfigError(
+                f"--bottom-mlp must end in --dim ({self.dim}) for the dot interaction, got {self.bottom_mlp[-1]}"
+            )
+        if self.top_mlp[-1] != 1:
+            raise ConfigError(f"--top-mlp must end in 1 (the click logit), got {self.top_mlp[-1]}")
+        if min(self.rows) <= 0:
+            raise ConfigError(f"--rows must be positive, got {self.rows}")
+        if len(self.rows) not in (1, self.tables) and self.preset is None:
+            raise ConfigError(f"--rows takes one value or one per table ({self.tables}), got {len(self.rows)}")
+        if not 0 <= self.sequence_tables <= self.tables:
+            raise ConfigError(f"--sequence-tables must be in [0, --tables], got {self.sequence_tables}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+    def check_world(self, world_size: int, num_tables: int) -> None:
+        """Refuse layouts that cannot be sharded over `world_size` ranks."""
+        if self.sharding == "table" and num_tables < world_size:
+            raise ConfigError(
+                f"table-wise sharding needs at least one table per rank: {num_tables} tables, "
+                f"{world_size} ranks (use --sharding row or more --tables)"
+            )
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of `train.py`, one option per TrainConfig field."""
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Reference DLRM trainer (hybrid data/model parallel). "
+        "Run with python (1 process) or torchrun --nproc-per-node N.",
+    )
+    defaults = TrainConfig()
+    types = {
+        "rows": _int_list, "bottom_mlp": _int_list, "top_mlp": _int_list, "zipf": _float_list,
+        "steps": int, "preset": str,
+    }
+    for f in fields(TrainConfig):
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(f"--{_flag(f.name)}", action="store_true")
+            continue
+        kind = types.get(f.name, type(default))
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        p.add_argument(f"--{_flag(f.name)}", type=kind, default=default, help=f"(default: {shown})")
+    return p
+
+
+def from_args(argv: list[str] | None = None) -> TrainConfig:
+    args = parser().parse_args(argv)
+    return TrainConfig(**vars(args))

@@ -1,0 +1,43 @@
+"""The dense part of DLRM: bottom MLP, pairwise dot interaction, top MLP.
+
+A plain `nn.Module` with no distributed code: it takes the dense features and the pooled
+embeddings of the local batch, already gathered by `sharding.ShardedEmbeddings`, and
+returns one click logit per sample.
+
+    dense [b, n] -> bottom MLP -> x [b, D]
+    z = [x, e_0 .. e_{T-1}]  [b, T+1, D]
+    dots = z z^T, strictly lower triangle  [b, (T+1)T/2]
+    top MLP([x, dots]) -> logit [b]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mlp(widths: list[int], *, last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(fan_in, fan_out))
+        if i < len(widths) - 2 or last_relu:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DenseArch(nn.Module):
+    def __init__(self, num_dense: int, bottom_mlp: list[int], top_mlp: list[int], num_tables: int) -> None:
+        super().__init__()
+        features = num_tables + 1
+        self.bottom = mlp([num_dense, *bottom_mlp], last_relu=True)
+        self.top = mlp([bottom_mlp[-1] + features * (features - 1) // 2, *top_mlp], last_relu=False)
+        rows, cols = torch.tril_indices(features, features, offset=-1)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """dense [b, n], embedded [b, T, D] -> logits [b]."""
+        x = self.bottom(dense)
+        z = torch.cat([x.unsqueeze(1), embedded], dim=1)
+        dots = torch.bmm(z, z.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
+        return self.top(torch.cat([x, dots], dim=1)).squeeze(1)

@@ -1,0 +1,51 @@
+"""Sparse optimizers for embedding rows, applied inside the backward pass.
+
+Only the rows a step looked up are read and written: a table is never touched by a dense
+gradient. `SparseSGD` adds the per-lookup gradients straight into the rows (duplicates add
+up, as a sum of gradients would). `RowWiseAdagrad` first sums the gradients of each distinct
+row, then keeps one accumulator per row (the mean of its squared gradient), as FBGEMM's
+row-wise Adagrad does: w -= lr * g / (sqrt(state) + eps), state += mean(g**2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SparseSGD:
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """`grads[i]` is the gradient of row `ids[i]`; ids may repeat."""
+        weight.index_add_(0, ids, grads, alpha=-self.lr)
+
+
+class RowWiseAdagrad:
+    def __init__(self, lr: float, eps: float = 1e-8) -> None:
+        self.lr = lr
+        self.eps = eps
+        self.state: dict[int, torch.Tensor] = {}  # id(weight) -> accumulator [rows]
+
+    def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        acc = self.state.get(id(weight))
+        if acc is None:
+            acc = self.state[id(weight)] = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        rows, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(rows.numel(), weight.shape[1], dtype=grads.dtype, device=grads.device)
+        summed.index_add_(0, inverse, grads)
+        acc_rows = acc[rows] + summed.pow(2).mean(dim=1)
+        acc[rows] = acc_rows
+        step = summed / (acc_rows.sqrt() + self.eps).unsqueeze(1)
+        weight.index_add_(0, rows, step.to(weight.dtype), alpha=-self.lr)
+
+
+def sparse_optimizer(name: str, lr: float) -> SparseSGD | RowWiseAdagrad:
+    return {"sgd": SparseSGD, "adagrad": RowWiseAdagrad}[name](lr)
+
+
+def dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """The optimizer of the MLPs: plain SGD, or Adagrad (element-wise) to match --optimizer."""
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, eps=1e-8)
+    return torch.optim.SGD(params, lr=lr)

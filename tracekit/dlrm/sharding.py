@@ -1,0 +1,306 @@
+"""Model-parallel embedding tables: the sharding plan, input dist, lookup and output dist.
+
+The split is TorchRec's (input dist -> lookup -> output dist) without its class hierarchy.
+Samples are data-parallel: rank r holds `b_r` samples. Tables are model-parallel, table-wise
+(each table lives whole on one rank) or row-wise (each table is cut into one contiguous
+block of rows per rank).
+
+One forward pass on rank r, 2 ranks, table-wise, t0 on rank 0 and t1 on rank 1, b = 2:
+
+    input dist 1 (lengths):  rank 0 sends its t1 bag lengths [1, 2] to rank 1, keeps t0's
+    input dist 2 (ids):      rank 0 sends its t1 ids [3, 9, 4] to rank 1, keeps t0's
+    lookup:                  rank 1 pools t1 for all 4 samples of the global batch
+    output dist (pooled):    rank 1 sends rows 0-1 of its pooled t1 [2, D] back to rank 0
+
+Sequence (unpooled) tables send every looked-up row back instead of one pooled row per bag
+(FlexShard's traffic); the data-parallel side then sums each sample's rows, so the dense
+model sees the same [b, T, D] input either way. Backward mirrors the output dist through
+autograd; the owner applies the sparse optimizer to the rows it looked up, inside backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
+
+_INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    rows: int
+    dim: int
+    pooled: bool = True
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Where every table (table-wise) or row block (row-wise) lives; identical on all ranks."""
+
+    tables: tuple[TableSpec, ...]
+    world_size: int
+    kind: str  # "table" | "row"
+    owners: tuple[int, ...]  # table-wise: owner rank of each table
+
+    @staticmethod
+    def build(tables: list[TableSpec], world_size: int, kind: str) -> "ShardingPlan":
+        """Table-wise: largest tables first, each to the rank holding the fewest rows so far."""
+        owners = [0] * len(tables)
+        if kind == "table":
+            load = [0] * world_size
+            for t in sorted(range(len(tables)), key=lambda t: (-tables[t].rows * tables[t].dim, t)):
+                rank = min(range(world_size), key=lambda r: (load[r], r))
+                owners[t] = rank
+                load[rank] += tables[t].rows * tables[t].dim
+        return ShardingPlan(tuple(tables), world_size, kind, tuple(owners))
+
+    def tables_on(self, rank: int) -> list[int]:
+        """Tables with a shard on `rank`, in table order."""
+        if self.kind == "row":
+            return list(range(len(self.tables)))
+        return [t for t, owner in enumerate(self.owners) if owner == rank]
+
+    def block_rows(self, t: int) -> int:
+        return math.ceil(self.tables[t].rows / self.world_size)
+
+    def row_range(self, t: int, rank: int) -> tuple[int, int]:
+        """Rows [start, stop) of table t held by `rank`."""
+        rows = self.tables[t].rows
+        if self.kind == "table":
+            return (0, rows) if self.owners[t] == rank else (0, 0)
+        block = self.block_rows(t)
+        return min(rows, rank * block), min(rows, (rank + 1) * block)
+
+    def describe(self) -> list[dict]:
+        """Per table: name, rows, dim, kind and where it lives (for logs and manifests)."""
+        out = []
+        for t, spec in enumerate(self.tables):
+            where = {"owner": self.owners[t]} if self.kind == "table" else {"row_block": self.block_rows(t)}
+            out.append({"name": spec.name, "num_rows": spec.rows, "dim": spec.dim,
+                        "pooled": spec.pooled, "sharding": self.kind, **where})
+        return out
+
+
+@dataclass
+class _Routing:
+    """What rank r sends in the input dist, and how to read what comes back in the output dist."""
+
+    lengths: torch.Tensor  # int32, ordered (dest, table on dest, sample)
+    values: torch.Tensor  # int64 ids, ordered (dest, table on dest, sample, position)
+    lengths_splits: list[int]  # per dest
+    values_splits: list[int]  # per dest
+    rows_back: list[int]  # embedding rows each owner returns in the output dist
+    keys_back: torch.Tensor  # for each returned row: t * b + sample, its slot in [T, b]
+
+
+def _init_shard(spec: TableSpec, t: int, start: int, stop: int, seed: int) -> torch.Tensor:
+    """Rows [start, stop) of table t, uniform(±sqrt(1/rows)), the same at any world size."""
+    bound = math.sqrt(1.0 / spec.rows)
+    pieces = []
+    for chunk in range(start // _INIT_CHUNK_ROWS, math.ceil(stop / _INIT_CHUNK_ROWS)):
+        lo = chunk * _INIT_CHUNK_ROWS
+        hi = min(spec.rows, lo + _INIT_CHUNK_ROWS)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + t) * 1_000_003 + chunk)
+        block = torch.empty(hi - lo, spec.dim).uniform_(-bound, bound, generator=gen)
+        pieces.append(block[max(start, lo) - lo : min(stop, hi) - lo])
+    return torch.cat(pieces) if pieces else torch.empty(0, spec.dim)
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Look rows up with the shard's own module; in backward, update those rows in place.
+
+    `anchor` is a scalar that requires grad, so the output joins the autograd graph even
+    though the table's weight does not require grad (it is never given a dense gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, module, optimizer, ids, offsets, bag_lengths):
+        ctx.module, ctx.optimizer = module, optimizer
+        ctx.save_for_backward(ids, bag_lengths)
+        return module(ids) if offsets is None else module(ids, offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, bag_lengths = ctx.saved_tensors
+        if bag_lengths is not None:
+            grad = grad.repeat_interleave(bag_lengths, dim=0, output_size=ids.numel())
+        ctx.optimizer.update(ctx.module.weight, ids, grad.contiguous())
+        return None, None, None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of rows whose backward sends the gradients back the same way.
+
+    Own function rather than torch.distributed.nn.functional's, which is deprecated in
+    torch 2.13 in favour of a private module.
+    """
+
+    @staticmethod
+    def forward(ctx, send, splits_out, splits_in, group):
+        ctx.splits_out, ctx.splits_in, ctx.group = splits_out, splits_in, group
+        recv = send.new_empty(sum(splits_in), *send.shape[1:])
+        dist.all_to_all_single(recv, send, splits_in, splits_out, group=group)
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_send = grad.new_empty(sum(ctx.splits_out), *grad.shape[1:])
+        dist.all_to_all_single(grad_send, grad.contiguous(), ctx.splits_out, ctx.splits_in, group=ctx.group)
+        return grad_send, None, None, None
+
+
+class ShardedEmbeddings(nn.Module):
+    """This rank's shards, and the collectives that serve every rank's lookups with them."""
+
+    def __init__(self, plan: ShardingPlan, rank: int, optimizer: SparseSGD | RowWiseAdagrad,
+                 *, seed: int, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.plan, self.rank, self.optimizer, self.group = plan, rank, optimizer, group
+        self.local_tables = plan.tables_on(rank)
+        self.row_start = {t: plan.row_range(t, rank)[0] for t in self.local_tables}
+        self.shards = nn.ModuleDict()
+        for t in self.local_tables:
+            spec = plan.tables[t]
+            start, stop = plan.row_range(t, rank)
+            weight = _init_shard(spec, t, start, stop, seed).to(device)
+            module = (nn.EmbeddingBag.from_pretrained(weight, mode="sum", freeze=True) if spec.pooled
+                      else nn.Embedding.from_pretrained(weight, freeze=True))
+            self.shards[spec.name] = module
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.register_buffer("blocks", torch.tensor([plan.block_rows(t) for t in range(len(plan.tables))],
+                                                    device=device), persistent=False)
+
+    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
+        """lengths [T, b], values (table, sample, pos) -> embeddings [b, T, D] of the local batch.
+
+        `batch_sizes[q]` is rank q's local batch this step (known to every rank).
+        """
+        routing = self._route(lengths, values)
+        recv_lengths, recv_values = self._input_dist(routing, batch_sizes)
+        pooled, rows_out = self._lookup(recv_lengths, recv_values, batch_sizes)
+        returned = self._output_dist(pooled, rows_out, routing.rows_back)
+        T, b = lengths.shape
+        out = torch.zeros(T * b, returned.shape[1], dtype=returned.dtype, device=returned.device)
+        out = out.index_add(0, routing.keys_back, returned)
+        return out.view(T, b, -1).transpose(0, 1)
+
+    # input dist ---------------------------------------------------------------------------
+
+    def _route(self, lengths: torch.Tensor, values: torch.Tensor) -> _Routing:
+        plan = self.plan
+        T, b = lengths.shape
+        W = plan.world_size
+        keys = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
+                                       output_size=values.numel())
+        if plan.kind == "table":
+            per_table = lengths.sum(dim=1).tolist()
+            starts = [0]
+            for n in per_table:
+                starts.append(starts[-1] + n)
+            order = [t for q in range(W) for t in plan.tables_on(q)]
+            if order == list(range(T)):
+                send_values, send_keys = values, keys
+            else:
+                send_values = torch.cat([values[starts[t]:starts[t + 1]] for t in order])
+                send_keys = torch.cat([keys[starts[t]:starts[t + 1]] for t in order])
+            send_lengths = lengths[order].flatten()
+            counts = [[per_table[t] if plan.owners[t] == q else 0 for t in range(T)] for q in range(W)]
+        else:
+            table_of = torch.div(keys, b, rounding_mode="floor")
+            dest = torch.div(values, self.blocks[table_of], rounding_mode="floor")
+            perm = torch.argsort(dest * T + table_of, stable=True)
+            send_values, send_keys = values[perm], keys[perm]
+            per_bag = torch.bincount(dest * (T * b) + keys, minlength=W * T * b)
+            send_lengths = per_bag
+            counts = per_bag.view(W, T, b).sum(dim=2).tolist()
+
+        lengths_splits, values_splits, rows_back, keys_back = [], [], [], []
+        offset = 0
+        for q in range(W):
+            tables = plan.tables_on(q)
+            lengths_splits.append(len(tables) * b)
+            values_splits.append(sum(counts[q][t] for t in tables))
+            rows = 0
+            for t in tables:
+                n = counts[q][t]
+                if plan.tables[t].pooled:
+                    keys_back.append(torch.arange(t * b, (t + 1) * b, device=lengths.device))
+                    rows += b
+                else:
+                    keys_back.append(send_keys[offset:offset + n])
+                    rows += n
+                offset += n
+            rows_back.append(rows)
+        return _Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
+                        rows_back, torch.cat(keys_back))
+
+    def _input_dist(self, routing: _Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows."""
+        if self.plan.world_size == 1:
+            return routing.lengths, routing.values
+        mine = len(self.local_tables)
+        lengths_in = [mine * bq for bq in batch_sizes]
+        recv_lengths = routing.lengths.new_empty(sum(lengths_in))
+        dist.all_to_all_single(recv_lengths, routing.lengths, lengths_in, routing.lengths_splits, group=self.group)
+        values_in = [int(n) for n in _segment_sums(recv_lengths, lengths_in)]
+        recv_values = routing.values.new_empty(sum(values_in))
+        dist.all_to_all_single(recv_values, routing.values, values_in, routing.values_splits, group=self.group)
+        return recv_lengths, recv_values
+
+    # lookup -------------------------------------------------------------------------------
+
+    def _lookup(self, recv_lengths: torch.Tensor, recv_values: torch.Tensor,
+                batch_sizes: list[int]) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """Look up every id this rank received, one call per local table.
+
+        Received data is ordered (source rank, local table, sample, position); each table's
+        pieces are joined across source ranks so the table sees the global batch in rank order.
+        Returns per local table its output rows (ordered source rank, then sample or id) and,
+        per source rank, how many of those rows belong to it.
+        """
+        W, mine = self.plan.world_size, len(self.local_tables)
+        lengths_by_src = recv_lengths.split([mine * bq for bq in batch_sizes])
+        per_src = [lq.view(mine, -1) for lq in lengths_by_src]
+        counts = torch.stack([lq.sum(dim=1) for lq in per_src]).tolist() if mine else [[] for _ in range(W)]
+        value_pieces = recv_values.split([n for row in counts for n in row])
+        outputs, rows_out = [], []
+        for j, t in enumerate(self.local_tables):
+            spec = self.plan.tables[t]
+            ids = torch.cat([value_pieces[q * mine + j] for q in range(W)])
+            if self.row_start[t]:
+                ids = ids - self.row_start[t]
+            module = self.shards[spec.name]
+            if spec.pooled:
+                bag_lengths = torch.cat([per_src[q][j] for q in range(W)]).long()
+                offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
+                out = _FusedLookup.apply(self.anchor, module, self.optimizer, ids, offsets, bag_lengths)
+                rows_out.append(list(batch_sizes))
+            else:
+                out = _FusedLookup.apply(self.anchor, module, self.optimizer, ids, None, None)
+                rows_out.append([counts[q][j] for q in range(W)])
+            outputs.append(out)
+        return outputs, rows_out
+
+    # output dist --------------------------------------------------------------------------
+
+    def _output_dist(self, outputs: list[torch.Tensor], rows_out: list[list[int]],
+                     rows_back: list[int]) -> torch.Tensor:
+        """One all-to-all (autograd-aware) returning each source rank its rows, table by table."""
+        W = self.plan.world_size
+        pieces = [out.split(rows) for out, rows in zip(outputs, rows_out)]
+        send = torch.cat([pieces[j][q] for q in range(W) for j in range(len(outputs))])
+        if W == 1:
+            return send
+        splits_out = [sum(rows[q] for rows in rows_out) for q in range(W)]
+        return _AllToAll.apply(send, splits_out, rows_back, self.group)
+
+
+def _segment_sums(values: torch.Tensor, sizes: list[int]) -> list[int]:
+    return [int(piece.sum()) for piece in values.split(sizes)]

@@ -1,0 +1,259 @@
+"""The training loop of the reference DLRM: hybrid parallel, deterministic, honest timing.
+
+    python train.py --steps 200                                  # one process
+    torchrun --standalone --nproc-per-node 2 train.py --steps 200  # two ranks (gloo on CPU)
+
+Step s consumes global samples [s*B, (s+1)*B) of the training split (B = batch per rank x
+world size); rank r takes its contiguous slice. So a run at world 1 with batch 1024 and one at
+world 2 with batch 512 see the same samples in the same steps, and give the same losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+
+from tracekit.dlrm import config as config_mod
+from tracekit.dlrm.config import TrainConfig
+from tracekit.dlrm.data import Dataset, open_dataset
+from tracekit.dlrm.metrics import log_loss, roc_auc
+from tracekit.dlrm.model import DenseArch
+from tracekit.dlrm.optim import dense_optimizer, sparse_optimizer
+from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec
+from tracekit.errors import TracekitError
+
+
+@dataclass
+class TrainResult:
+    world_size: int
+    backend: str
+    device: str
+    threads: int
+    steps: int
+    samples: int
+    samples_per_s: float  # global, after warm-up
+    train_loss: float  # mean over the last log window
+    eval_auc: float | None
+    eval_logloss: float | None
+    elapsed_s: float
+    losses: list[float] = field(default_factory=list)  # global mean loss of every step
+    shards: dict = field(default_factory=dict, repr=False)  # table name -> (first row, weight); in-process use
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out.pop("losses"), out.pop("shards")
+        return out
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which samples each step consumes, on every rank."""
+
+    num_train: int
+    global_batch: int
+    world_size: int
+    steps: int
+
+    def global_range(self, step: int) -> tuple[int, int]:
+        per_epoch = -(-self.num_train // self.global_batch)
+        start = (step % per_epoch) * self.global_batch
+        return start, min(start + self.global_batch, self.num_train)
+
+    def local_sizes(self, start: int, stop: int) -> list[int]:
+        n, W = stop - start, self.world_size
+        return [n // W + (1 if r < n % W else 0) for r in range(W)]
+
+
+def build_tables(cfg: TrainConfig, dataset: Dataset) -> list[TableSpec]:
+    names = getattr(dataset, "table_names", None) or [f"t{i}" for i in range(len(dataset.table_rows))]
+    return [TableSpec(name, rows, cfg.dim, pooled=t >= cfg.sequence_tables)
+            for t, (name, rows) in enumerate(zip(names, dataset.table_rows))]
+
+
+def make_schedule(cfg: TrainConfig, dataset: Dataset, world_size: int) -> Schedule:
+    num_eval = int(dataset.num_samples * cfg.eval_fraction)
+    num_train = dataset.num_samples - num_eval
+    global_batch = cfg.batch_size * world_size
+    per_epoch = -(-num_train // global_batch)
+    steps = cfg.epochs * per_epoch if cfg.steps is None else min(cfg.steps, cfg.epochs * per_epoch)
+    return Schedule(num_train, global_batch, world_size, steps)
+
+
+def _sum_allreduce_hook(group, bucket):
+    """DDP comm hook: sum gradients instead of averaging them; the loss is already divided
+    by the global batch, so the sum is the gradient of the global mean loss."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _log(cfg: TrainConfig, rank: int, message: str) -> None:
+    if rank == 0:
+        print(message, file=sys.stderr if cfg.json else sys.stdout, flush=True)
+
+
+def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
+        device: torch.device) -> TrainResult:
+    """Train on an initialised process group (or none at world size 1) and evaluate."""
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    schedule = make_schedule(cfg, dataset, world_size)
+    plan = ShardingPlan.build(build_tables(cfg, dataset), world_size, cfg.sharding)
+
+    # model: dense part replicated under DDP, tables sharded over the ranks
+    torch.manual_seed(cfg.seed)
+    dense = DenseArch(dataset.num_dense, cfg.bottom_mlp, cfg.top_mlp, len(plan.tables)).to(device)
+    if world_size > 1:
+        dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None)
+        dense.register_comm_hook(None, _sum_allreduce_hook)
+    embeddings = ShardedEmbeddings(plan, rank, sparse_optimizer(cfg.optimizer, cfg.lr), seed=cfg.seed, device=device)
+    optimizer = dense_optimizer(cfg.optimizer, dense.parameters(), cfg.lr)
+
+    losses = torch.zeros(schedule.steps, dtype=torch.float64)
+    timed_samples, t_timed = 0, None
+    t_begin = time.perf_counter()
+    for step in range(schedule.steps):
+        if step == min(cfg.warmup_steps, schedule.steps - 1):
+            t_timed, timed_samples = time.perf_counter(), 0
+        start, stop = schedule.global_range(step)
+        sizes = schedule.local_sizes(start, stop)
+        lo = start + sum(sizes[:rank])
+        batch = dataset.batch(lo, lo + sizes[rank]).to(device)
+
+        embedded = embeddings(batch.lengths, batch.values, sizes)
+        logits = dense(batch.dense, embedded)
+        loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        (loss_sum / (stop - start)).backward()  # embedding rows are updated inside backward
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        losses[step] = loss_sum.detach().double()
+        timed_samples += stop - start
+        if (step + 1) % cfg.log_every == 0 or step + 1 == schedule.steps:
+            _log_progress(cfg, rank, world_size, step, schedule, losses, device)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < schedule.steps:
+            auc, ll = evaluate(cfg, dataset, schedule, embeddings, dense, rank, world_size, device)
+            _log(cfg, rank, f"eval at step {step + 1}: auc {auc:.4f}  logloss {ll:.4f}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t_end = time.perf_counter()
+
+    # global mean loss of every step: one all-reduce of the per-step sums at the end
+    sizes = torch.tensor([float(b - a) for a, b in map(schedule.global_range, range(schedule.steps))],
+                         dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(losses)
+    step_losses = (losses / sizes).tolist()
+    auc = ll = None
+    if dataset.num_samples > schedule.num_train:
+        auc, ll = evaluate(cfg, dataset, schedule, embeddings, dense, rank, world_size, device)
+    window = step_losses[-cfg.log_every:]
+    timed_s = t_end - (t_timed if t_timed is not None else t_begin)
+    return TrainResult(
+        world_size=world_size, backend=backend, device=str(device), threads=torch.get_num_threads(),
+        steps=schedule.steps, samples=int(sizes.sum()),
+        samples_per_s=timed_samples / timed_s if timed_s > 0 else 0.0,
+        train_loss=sum(window) / max(1, len(window)), eval_auc=auc, eval_logloss=ll,
+        elapsed_s=t_end - t_begin, losses=step_losses,
+        shards={plan.tables[t].name: (embeddings.row_start[t], embeddings.shards[plan.tables[t].name].weight)
+                for t in embeddings.local_tables},
+    )
+
+
+def _log_progress(cfg, rank, world_size, step, schedule, losses, device) -> None:
+    first = max(0, step + 1 - cfg.log_every)
+    window = torch.tensor([losses[first:step + 1].sum().item(), 0.0], dtype=torch.float64)
+    window[1] = sum(b - a for a, b in map(schedule.global_range, range(first, step + 1))) / world_size
+    if world_size > 1:
+        dist.all_reduce(window)
+    _log(cfg, rank, f"step {step + 1}/{schedule.steps}  loss {window[0] / window[1]:.4f}")
+
+
+@torch.no_grad()
+def evaluate(cfg, dataset, schedule, embeddings, dense, rank, world_size, device) -> tuple[float, float]:
+    """AUC and log loss over the held-out tail of the dataset, gathered from every rank."""
+    logits, labels = [], []
+    for start in range(schedule.num_train, dataset.num_samples, schedule.global_batch):
+        stop = min(start + schedule.global_batch, dataset.num_samples)
+        sizes = schedule.local_sizes(start, stop)
+        lo = start + sum(sizes[:rank])
+        batch = dataset.batch(lo, lo + sizes[rank]).to(device)
+        logits.append(dense(batch.dense, embeddings(batch.lengths, batch.values, sizes)))
+        labels.append(batch.labels)
+    local = torch.stack([torch.cat(logits), torch.cat(labels)]).float()
+    if world_size > 1:
+        counts = [0] * world_size
+        for start in range(schedule.num_train, dataset.num_samples, schedule.global_batch):
+            stop = min(start + schedule.global_batch, dataset.num_samples)
+            counts = [c + n for c, n in zip(counts, schedule.local_sizes(start, stop))]
+        padded = torch.zeros(2, max(counts), device=device)
+        padded[:, :local.shape[1]] = local
+        gathered = [torch.empty_like(padded) for _ in range(world_size)]
+        dist.all_gather(gathered, padded)
+        local = torch.cat([g[:, :n] for g, n in zip(gathered, counts)], dim=1)
+    local = local.cpu()
+    return roc_auc(local[0], local[1]), log_loss(local[0], local[1])
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _print_summary(cfg: TrainConfig, result: TrainResult) -> None:
+    if cfg.json:
+        print(json.dumps(result.summary()), flush=True)
+        return
+    auc = "n/a" if result.eval_auc is None else f"{result.eval_auc:.4f}"
+    ll = "n/a" if result.eval_logloss is None else f"{result.eval_logloss:.4f}"
+    print(f"done: {result.steps} steps, {result.samples:,} samples, world {result.world_size} "
+          f"({result.backend}, {result.device}, {result.threads} thread(s) per rank)\n"
+          f"  samples/s {result.samples_per_s:,.0f} (global, after {cfg.warmup_steps} warm-up steps)\n"
+          f"  train loss {result.train_loss:.4f}   eval auc {auc}   eval logloss {ll}", flush=True)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    # everything that can be refused is checked before any process group starts
+    try:
+        cfg = config_mod.from_args(argv)
+        dataset = open_dataset(
+            cfg.data, tables=cfg.tables, rows=cfg.rows if len(cfg.rows) > 1 else cfg.rows[0],
+            num_dense=cfg.dense, pooling=cfg.pooling, samples=cfg.samples, seed=cfg.seed,
+            zipf=cfg.zipf if cfg.zipf is None or len(cfg.zipf) > 1 else cfg.zipf[0],
+            drift=cfg.drift, preset=cfg.preset, scale=cfg.scale)
+        cfg.check_world(world_size, len(dataset.table_rows))
+        if cfg.sequence_tables > len(dataset.table_rows):
+            raise TracekitError(f"--sequence-tables {cfg.sequence_tables} exceeds the {len(dataset.table_rows)} tables")
+    except TracekitError as err:
+        if rank == 0:
+            print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+
+    device = _device(cfg)
+    if "RANK" in os.environ:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    clean = False
+    try:
+        result = run(cfg, dataset, rank=rank, world_size=world_size, device=device)
+        if rank == 0:
+            _print_summary(cfg, result)
+        clean = True
+    finally:
+        if dist.is_initialized():
+            if clean:
+                dist.barrier()  # without it, gloo runs with DDP abort at exit now and then
+            dist.destroy_process_group()
+    return 0
