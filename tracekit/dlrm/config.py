@@ -29,40 +29,47 @@ def _float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _opt(default, help: str):
+    """A config field with its --help text; callables are default factories (for lists)."""
+    if callable(default):
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
     # model
-    tables: int = 8  # number of embedding tables (sparse features)
-    rows: list[int] = field(default_factory=lambda: [100_000])  # rows per table; one value for all
-    dim: int = 64  # embedding dimension; must equal the bottom MLP's last width
-    dense: int = 13  # dense features
-    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64])
-    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
-    pooling: int = 1  # ids per bag (synthetic data)
-    sequence_tables: int = 0  # the first N tables are sequence (unpooled) features
+    tables: int = _opt(8, 'number of embedding tables (sparse features)')
+    rows: list[int] | None = _opt(None, 'rows per table, one value for all (default 100000; Parquet: max id + 1)')
+    dim: int = _opt(64, "embedding dimension; must equal the bottom MLP's last width")
+    dense: int = _opt(13, 'dense features')
+    bottom_mlp: list[int] = _opt(lambda: [512, 256, 64], 'bottom MLP widths; the last must equal --dim')
+    top_mlp: list[int] = _opt(lambda: [512, 256, 1], 'top MLP widths; the last must be 1')
+    pooling: int = _opt(1, 'ids per bag (synthetic data)')
+    sequence_tables: int = _opt(0, 'the first N tables are sequence (unpooled) features')
     # parallelism
-    sharding: str = "table"  # table-wise or row-wise model parallelism of the tables
+    sharding: str = _opt("table", 'table-wise or row-wise model parallelism of the tables')
     # data
-    data: str = "synthetic"  # synthetic | criteo:PATH | parquet:PATH
-    preset: str | None = None  # criteo-kaggle: the 26 Kaggle tables, times --scale
-    scale: float = 1.0
-    samples: int = 1 << 20  # synthetic dataset size (train + eval)
-    zipf: list[float] | None = None  # synthetic skew per table (one value for all); 0 = uniform
-    drift: float = 0.0  # synthetic: hot set shift over the dataset, in table lengths
-    eval_fraction: float = 0.1  # held out from the end of the dataset
+    data: str = _opt("synthetic", 'synthetic | criteo:PATH | parquet:PATH')
+    preset: str | None = _opt(None, 'criteo-kaggle: the 26 Kaggle tables, times --scale')
+    scale: float = _opt(1.0, 'multiplies the preset table sizes')
+    samples: int = _opt(1 << 20, 'synthetic dataset size (train + eval)')
+    zipf: list[float] | None = _opt(None, 'synthetic skew per table (one value for all); 0 = uniform')
+    drift: float = _opt(0.0, 'synthetic: hot set shift over the dataset, in table lengths')
+    eval_fraction: float = _opt(0.1, 'held out from the end of the dataset')
     # optimisation
-    batch_size: int = 512  # per rank
-    steps: int | None = None  # stop after this many steps (default: run --epochs)
-    epochs: int = 1
-    lr: float = 0.1
-    optimizer: str = "sgd"  # sgd | adagrad (row-wise for the tables)
-    seed: int = 0
+    batch_size: int = _opt(512, 'samples per rank per step')
+    steps: int | None = _opt(None, 'stop after this many steps (default: run --epochs)')
+    epochs: int = _opt(1, 'passes over the training split (the last partial batch is kept)')
+    lr: float = _opt(0.1, 'learning rate of the tables and the MLPs')
+    optimizer: str = _opt("sgd", 'sgd | adagrad (row-wise for the tables)')
+    seed: int = _opt(0, 'fixes the data, the initial weights and so the whole loss curve')
     # output
-    eval_every: int = 0  # evaluate every N steps (0: only at the end)
-    log_every: int = 50  # progress line every N steps
-    warmup_steps: int = 5  # excluded from samples/s
-    json: bool = False  # print one JSON summary line instead of the human summary
-    device: str = "auto"  # auto | cpu | cuda
+    eval_every: int = _opt(0, 'evaluate every N steps (0: only at the end)')
+    log_every: int = _opt(50, 'progress line every N steps')
+    warmup_steps: int = _opt(5, 'first steps left out of samples/s')
+    json: bool = _opt(False, 'print one JSON summary line instead of the human summary')
+    device: str = _opt("auto", 'auto | cpu | cuda (auto: cuda with NCCL when available, else cpu with gloo)')
 
     def __post_init__(self) -> None:
         positive = ("tables", "dim", "dense", "batch_size", "pooling", "epochs", "samples", "log_every")
@@ -91,14 +98,20 @@ class TrainConfig:
             )
         if self.top_mlp[-1] != 1:
             raise ConfigError(f"--top-mlp must end in 1 (the click logit), got {self.top_mlp[-1]}")
-        if min(self.rows) <= 0:
+        if self.rows is not None and (not self.rows or min(self.rows) <= 0):
             raise ConfigError(f"--rows must be positive, got {self.rows}")
-        if len(self.rows) not in (1, self.tables) and self.preset is None:
+        if self.rows is not None and len(self.rows) not in (1, self.tables) and self.preset is None:
             raise ConfigError(f"--rows takes one value or one per table ({self.tables}), got {len(self.rows)}")
         if not 0 <= self.sequence_tables <= self.tables:
             raise ConfigError(f"--sequence-tables must be in [0, --tables], got {self.sequence_tables}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+    def rows_for_data(self) -> list[int] | int | None:
+        """--rows as the data layer takes it: one count, one per table, or None (Parquet: max id + 1)."""
+        if self.rows is None:
+            return None if self.data.startswith("parquet:") else 100_000
+        return self.rows[0] if len(self.rows) == 1 else self.rows
 
     def check_world(self, world_size: int, num_tables: int) -> None:
         """Refuse layouts that cannot be sharded over `world_size` ranks."""
@@ -123,16 +136,19 @@ def parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     types = {
         "rows": _int_list, "bottom_mlp": _int_list, "top_mlp": _int_list, "zipf": _float_list,
-        "steps": int, "preset": str,
+        "steps": int, "preset": str, "rows": _int_list,
     }
     for f in fields(TrainConfig):
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
-            p.add_argument(f"--{_flag(f.name)}", action="store_true")
+            p.add_argument(f"--{_flag(f.name)}", action="store_true", help=f.metadata["help"])
             continue
         kind = types.get(f.name, type(default))
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
-        p.add_argument(f"--{_flag(f.name)}", type=kind, default=default, help=f"(default: {shown})")
+        if default is None:
+            kind = types[f.name]
+        p.add_argument(f"--{_flag(f.name)}", type=kind, default=default, metavar=f.name.upper(),
+                       help=f.metadata["help"] + ("" if default is None else f" (default: {shown})"))
     return p
 
 

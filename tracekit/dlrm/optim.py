@@ -16,9 +16,23 @@ class SparseSGD:
     def __init__(self, lr: float) -> None:
         self.lr = lr
 
-    def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """`grads[i]` is the gradient of row `ids[i]`; ids may repeat."""
-        weight.index_add_(0, ids, grads, alpha=-self.lr)
+    def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
+               bag_lengths: torch.Tensor | None = None) -> None:
+        """Apply the gradient of a lookup to the rows it read; ids may repeat.
+
+        Without `bag_lengths`, `grads[i]` belongs to row `ids[i]`. With them, `grads[k]` is
+        the gradient of pooled bag k and applies to each of its `bag_lengths[k]` rows.
+        """
+        step = grads * -self.lr  # one scaled copy of the small per-bag gradient
+        if bag_lengths is not None:
+            bags, ids_per_bag = step.shape[0], ids.numel()
+            if bags and ids_per_bag % bags == 0 and bool((bag_lengths == ids_per_bag // bags).all()):
+                # equal bags: one index_add_ per position, without materialising per-id rows
+                for column in ids.view(bags, -1).t():
+                    weight.index_add_(0, column, step)
+                return
+            step = step.repeat_interleave(bag_lengths, dim=0, output_size=ids_per_bag)
+        weight.index_add_(0, ids, step)
 
 
 class RowWiseAdagrad:
@@ -27,7 +41,11 @@ class RowWiseAdagrad:
         self.eps = eps
         self.state: dict[int, torch.Tensor] = {}  # id(weight) -> accumulator [rows]
 
-    def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> None:
+    def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
+               bag_lengths: torch.Tensor | None = None) -> None:
+        """As `SparseSGD.update`; duplicate rows are summed before the accumulator update."""
+        if bag_lengths is not None:
+            grads = grads.repeat_interleave(bag_lengths, dim=0, output_size=ids.numel())
         acc = self.state.get(id(weight))
         if acc is None:
             acc = self.state[id(weight)] = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)

@@ -129,9 +129,7 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ids, bag_lengths = ctx.saved_tensors
-        if bag_lengths is not None:
-            grad = grad.repeat_interleave(bag_lengths, dim=0, output_size=ids.numel())
-        ctx.optimizer.update(ctx.module.weight, ids, grad.contiguous())
+        ctx.optimizer.update(ctx.module.weight, ids, grad.contiguous(), bag_lengths)
         return None, None, None, None, None, None
 
 

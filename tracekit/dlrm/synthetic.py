@@ -5,8 +5,9 @@ integer ops: no Python loop over samples and no global RNG state. So any slice o
 dataset can be generated on its own, and `batch(a, c)` equals
 `Batch.concat([batch(a, b), batch(b, c)])` bit for bit, whatever b: every rank of a job
 generates only its part of a global batch, and world size 1 and 2 see the same samples.
-No floating-point function other than +, -, *, / and conversions touches a sample, so a
-vectorised kernel and its scalar tail cannot round differently.
+Per sample, only integer ops and single IEEE float ops (*, conversions) run, so a
+vectorised kernel and its scalar tail cannot round differently. The lookup tables are
+built once, in float64, when the dataset is created.
 
 Per sample i, a 64-bit splitmix hash of (seed, i) gives a 32-bit base h_i; word m of the
 sample is lowbias32(h_i + m * 0x9E3779B9). Words 0 .. T*P-1 draw the ids (table t,
@@ -15,14 +16,16 @@ the label.
 
 Ids. Popularity rank k in table t follows a bounded power law P(k) ~ (k + 1)^-a_t
 (a_t = 0: uniform), sampled by inverse CDF over 4096 equal-probability buckets: the
-bucket is the top 12 bits of the word, the position inside it the low 20. Each bucket is
-uniform over the integer ranks between its quantiles, so the sampler's CDF agrees with the
-continuous law within 1/4096 everywhere: every top-k share is within 0.025 percentage
-points, a hot rank with more than 1/4096 of the mass gets its own buckets, and only the
-shape inside a bucket (the far tail, for large a) is approximated. Ranks map to rows by a
-fixed pseudo-random permutation: the integer rank ranges of the buckets are laid out in
-row space in a shuffled order, so the hottest rows are scattered over the table instead of
-being 0, 1, 2, ....
+bucket is the top 12 bits of the word, the position inside it the low 20. The bucket
+edges are the closed-form quantiles of the continuous law, rounded down to whole ranks,
+and each bucket is uniform over its ranks. So the sampler's CDF is within about 1/4096 of
+the continuous law's everywhere (any top-k share is off by at most ~0.025 percentage
+points), a rank with more than 1/4096 of the mass gets buckets of its own, and what is
+approximated is the shape inside a bucket: the tail, for a large exponent. A bucket wider
+than 2^20 ranks (a large exponent on a table of millions of rows) reaches only every
+(width / 2^20)-th rank of its range. Ranks map to rows by a fixed pseudo-random
+permutation: the buckets' rank ranges are laid out in row space in a shuffled order, so
+the hottest rows are scattered over the table, not 0, 1, 2, ....
 
 Drift d rotates row ids: at sample i every id moves to (row + floor(d * rows * i /
 samples)) mod rows, so over the whole dataset the mapping turns by d * rows. A hot row's
@@ -32,9 +35,10 @@ set, and there are about d * rows steps in all.
 Labels. logit = bias + w . dense + sum_t sqrt(P) * mean_p(e_t(row)) / sqrt(T), where e_t
 is uniform in [-1, 1] per (table, row) from a hash of the row, and label ~
 Bernoulli(sigmoid(logit)), with sigmoid read from a table on a 1/64 grid. The sqrt factors
-keep the planted signal the same strength for any pooling P and table count T; with the
-defaults the Bayes AUC is about 0.8 and a third of the labels are positive. Everything up
-to the sigmoid lookup is integer fixed point (2^-24 logit units), so it is exact too.
+keep the planted signal the same strength for any pooling P and table count T, and the
+bias absorbs the hot rows' effects; so for any shape the Bayes AUC is about 0.8 and about
+a third of the labels are positive. The logit is integer fixed point (2^-24 units), so
+it is exact too.
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ class _BucketTable:
 def _bucket_table(rows: int, exponent: float, key: int) -> _BucketTable:
     """Lay the buckets' integer rank ranges out in row space in a key-dependent shuffled order.
 
-    Bucket j covers ranks [L_j, L_j+1) with L_j = floor(q_j); a bucket with an empty range
+    Bucket j covers ranks [L_j, L_{j+1}) with L_j = floor(q_j); a bucket with an empty range
     (a hot rank that spans several buckets) is a point mass on rank L_j, which is the first
     rank of the next non-empty range, so it shares that range's row start.
     """
@@ -181,10 +185,11 @@ class SyntheticDataset:
         samples: int,
         seed: int,
         drift: float = 0.0,
+        table_names: list[str] | None = None,
     ) -> None:
         _check(table_rows, zipf, num_dense, pooling, samples, drift)
         self.table_rows = list(table_rows)
-        self.table_names = [f"t{t}" for t in range(len(table_rows))]
+        self.table_names = list(table_names) if table_names else [f"t{t}" for t in range(len(table_rows))]
         self.zipf = list(zipf)
         self.num_dense = num_dense
         self.pooling = pooling
@@ -220,10 +225,25 @@ class SyntheticDataset:
         self._dense_weight = (weights * unit / 2**_DENSE_SCALE_BITS).round().long()
         self._effect_weight = round(SPARSE_GAIN * unit / (255 * math.sqrt(T * P)))
         self._effect_offset = T * P
-        self._logit_bias = round(LOGIT_BIAS * unit)
+        # the hot rows' effects add a constant per table; take it out of the bias so that
+        # the share of positives does not depend on which rows the seed made hot
+        hot_offset = self._effect_weight * P * float(self._mean_effect_bytes().sum())
+        self._logit_bias = round(LOGIT_BIAS * unit - hot_offset)
         grid = 1 << SIGMOID_STEP_BITS
         centres = (torch.arange(2 * SIGMOID_RANGE * grid, dtype=torch.float64) + 0.5) / grid - SIGMOID_RANGE
         self._sigmoid = (torch.sigmoid(centres) * 2.0**32).round().long()
+
+    def _mean_effect_bytes(self, probes: int = 64) -> torch.Tensor:
+        """float64 [T]: E[2 x + 1] per table under the sampling law (x: a row's effect byte).
+
+        Each bucket has mass 1/4096; its mean is taken over `probes` evenly spaced rows.
+        """
+        T, K = len(self.table_rows), 1 << BUCKET_BITS
+        width = (self._width.double() * 2.0**FRAC_BITS).view(T, K, 1)
+        steps = torch.arange(probes, dtype=torch.float64) / probes
+        rows = self._start.view(T, K, 1) + (width * steps).int()
+        effects = (rows * self._effect_mult) >> 24
+        return (2 * effects.double() + 1).mean(dim=(1, 2))
 
     def _word_offsets(self, first: int, count: int) -> torch.Tensor:
         return torch.tensor(
@@ -232,19 +252,32 @@ class SyntheticDataset:
 
     def batch(self, start: int, stop: int) -> Batch:
         """Samples [start, stop): a pure function of (seed, sample index)."""
+        rows, dense_bytes, label_words = self._draw(start, stop)
+        cells = self._sigmoid.shape[0]
+        cell = (self._logit(dense_bytes, rows) >> (LOGIT_UNIT_BITS - SIGMOID_STEP_BITS)) + cells // 2
+        threshold = self._sigmoid[cell.clamp_(0, cells - 1)]
+        return Batch(
+            dense=dense_bytes.float().mul_(2.0**-_DENSE_SCALE_BITS),
+            lengths=torch.full(rows.shape[:2], self.pooling, dtype=torch.int64),
+            values=rows.view(-1).long(),
+            labels=((label_words.long() & 0xFFFFFFFF) < threshold).float(),
+        )
+
+    def click_probability(self, start: int, stop: int) -> torch.Tensor:
+        """float64 [b]: the true P(label = 1) of samples [start, stop), for measuring the Bayes AUC."""
+        rows, dense_bytes, _ = self._draw(start, stop)
+        return torch.sigmoid(self._logit(dense_bytes, rows).double() * 2.0**-LOGIT_UNIT_BITS)
+
+    def _draw(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row ids int32 [T, b, P], centred dense bytes int32 [b, D] and label words int32 [b]."""
         if not 0 <= start <= stop <= self.num_samples:
             raise IndexError(f"batch [{start}, {stop}) is outside the dataset's {self.num_samples} samples")
         index = torch.arange(start, stop, dtype=torch.int64)
-        base = (splitmix64(index + self._key) >> 32).int()  # h_i: the high 32 bits
-        id_words, tail_words = self._words(base)
+        id_words, tail_words = self._words((splitmix64(index + self._key) >> 32).int())
         rows = self._draw_rows(id_words, index)
-        dense, labels = self._dense_and_labels(tail_words, rows)
-        return Batch(
-            dense=dense,
-            lengths=torch.full(rows.shape[:2], self.pooling, dtype=torch.int64),
-            values=rows.view(-1).long(),
-            labels=labels,
-        )
+        D = self.num_dense
+        byte_sums = tail_words[:, :D].contiguous().view(torch.uint8).view(-1, D, 4).sum(-1, dtype=torch.int32)
+        return rows, byte_sums.sub_(_DENSE_BYTE_MEAN), tail_words[:, D]
 
     def _words(self, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The hashed words of each sample: int32 [T, b, P] for the ids, [b, D + 1] for the rest."""
@@ -275,34 +308,13 @@ class SyntheticDataset:
         rows += (rows >> 31) & self._rows32.unsqueeze(-1)
         return rows
 
-    def _dense_and_labels(self, words: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense features from the bytes of words 0..D-1; the label from word D and the logit."""
-        D = self.num_dense
-        byte_sums = words[:, :D].contiguous().view(torch.uint8).view(-1, D, 4).sum(-1, dtype=torch.int32)
-        centred = byte_sums - _DENSE_BYTE_MEAN
-        dense = centred.float().mul_(2.0**-_DENSE_SCALE_BITS)
-        cells = self._sigmoid.shape[0]
-        cell = ((self._logit(centred, rows) >> (LOGIT_UNIT_BITS - SIGMOID_STEP_BITS)) + cells // 2).clamp_(0, cells - 1)
-        uniform = words[:, D].long() & 0xFFFFFFFF
-        labels = (uniform < self._sigmoid[cell]).float()
-        return dense, labels
-
-    def _logit(self, centred: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """int64 [b] logits in units of 2^-24 from the centred dense bytes and the row ids."""
+    def _logit(self, dense_bytes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """int64 [b] logits in units of 2^-24 (integer sums: exact in any order)."""
         effects = (rows * self._effect_mult) >> 24  # a signed byte x per (table, row): e = (2 x + 1) / 255
-        effect_sum = effects.sum(dim=2, dtype=torch.int32).sum(0, dtype=torch.int64)
-        logit = (centred.long() * self._dense_weight).sum(-1)
+        effect_sum = effects.sum(0, dtype=torch.int32).sum(1, dtype=torch.int64)
+        logit = (dense_bytes.long() * self._dense_weight).sum(-1)
         logit += (2 * effect_sum + self._effect_offset) * self._effect_weight + self._logit_bias
         return logit
-
-    def click_probability(self, start: int, stop: int) -> torch.Tensor:
-        """float64 [b]: the true P(label = 1) of samples [start, stop), for measuring the Bayes AUC."""
-        index = torch.arange(start, stop, dtype=torch.int64)
-        id_words, tail_words = self._words((splitmix64(index + self._key) >> 32).int())
-        rows = self._draw_rows(id_words, index)
-        byte_sums = tail_words[:, : self.num_dense].contiguous().view(torch.uint8)
-        centred = byte_sums.view(-1, self.num_dense, 4).sum(-1, dtype=torch.int32) - _DENSE_BYTE_MEAN
-        return torch.sigmoid(self._logit(centred, rows).double() * 2.0**-LOGIT_UNIT_BITS)
 
 
 def _check(table_rows: list[int], zipf: list[float], num_dense: int, pooling: int, samples: int,

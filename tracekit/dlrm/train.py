@@ -10,6 +10,8 @@ world 2 with batch 512 see the same samples in the same steps, and give the same
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import sys
@@ -46,11 +48,12 @@ class TrainResult:
     eval_logloss: float | None
     elapsed_s: float
     losses: list[float] = field(default_factory=list)  # global mean loss of every step
-    shards: dict = field(default_factory=dict, repr=False)  # table name -> (first row, weight); in-process use
+    # in-process use (tests): {"tables": {name: (first row, weight)}, "dense": state_dict}
+    weights: dict = field(default_factory=dict, repr=False)
 
     def summary(self) -> dict:
         out = asdict(self)
-        out.pop("losses"), out.pop("shards")
+        del out["losses"], out["weights"]
         return out
 
 
@@ -162,8 +165,9 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
         samples_per_s=timed_samples / timed_s if timed_s > 0 else 0.0,
         train_loss=sum(window) / max(1, len(window)), eval_auc=auc, eval_logloss=ll,
         elapsed_s=t_end - t_begin, losses=step_losses,
-        shards={plan.tables[t].name: (embeddings.row_start[t], embeddings.shards[plan.tables[t].name].weight)
-                for t in embeddings.local_tables},
+        weights={"tables": {plan.tables[t].name: (embeddings.row_start[t], embeddings.shards[plan.tables[t].name].weight)
+                            for t in embeddings.local_tables},
+                 "dense": (dense.module if world_size > 1 else dense).state_dict()},
     )
 
 
@@ -202,6 +206,22 @@ def evaluate(cfg, dataset, schedule, embeddings, dense, rank, world_size, device
     return roc_auc(local[0], local[1]), log_loss(local[0], local[1])
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the OS after every step.
+
+    Each step allocates and frees the same multi-MB buffers; by default glibc serves them
+    with fresh mmaps and pays a page fault per 4 KiB every time (~10% of a CPU step,
+    bench/RESULTS.md). This is what jemalloc/tcmalloc give PyTorch on CPU. No-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    one_gib = 1 << 30
+    return bool(libc.mallopt(m_mmap_threshold, one_gib)) and bool(libc.mallopt(m_trim_threshold, one_gib))
+
+
 def _device(cfg: TrainConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -228,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_mod.from_args(argv)
         dataset = open_dataset(
-            cfg.data, tables=cfg.tables, rows=cfg.rows if len(cfg.rows) > 1 else cfg.rows[0],
+            cfg.data, tables=cfg.tables, rows=cfg.rows_for_data(),
             num_dense=cfg.dense, pooling=cfg.pooling, samples=cfg.samples, seed=cfg.seed,
             zipf=cfg.zipf if cfg.zipf is None or len(cfg.zipf) > 1 else cfg.zipf[0],
             drift=cfg.drift, preset=cfg.preset, scale=cfg.scale)
@@ -241,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     device = _device(cfg)
+    keep_freed_memory()
     if "RANK" in os.environ:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -253,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
     finally:
         if dist.is_initialized():
+            # DDP's reducer must be gone, and every rank done, before the group is destroyed,
+            # or gloo runs abort at exit now and then (research/env.md, pitfall 1)
+            gc.collect()
             if clean:
-                dist.barrier()  # without it, gloo runs with DDP abort at exit now and then
+                dist.barrier()
             dist.destroy_process_group()
     return 0
