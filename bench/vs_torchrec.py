@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,28 +102,29 @@ def run_once(impl: str, pooling: int, steps: int, timeout_s: float) -> dict:
     """Run one benchmark and return its JSON summary (the last stdout line)."""
     cmd = command(impl, pooling, steps)
     shown = " ".join(cmd)
+    # A session of its own, so a timeout or Ctrl-C can end torchrun and its ranks together.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        raise RunFailed(f"timed out after {timeout_s:.0f} s: {shown}\n"
-                        f"--- stderr ---\n{_text(e.stderr)}") from e
-    lines = proc.stdout.strip().splitlines()
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except BaseException as e:  # TimeoutExpired or KeyboardInterrupt: end the whole group
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise RunFailed(f"timed out after {timeout_s:.0f} s: {shown}\n"
+                            f"--- stderr ---\n{stderr}") from e
+        raise
+    lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise RunFailed(f"exit code {proc.returncode}: {shown}\n--- stdout ---\n{proc.stdout}"
-                        f"--- stderr ---\n{proc.stderr}")
+        raise RunFailed(f"exit code {proc.returncode}: {shown}\n--- stdout ---\n{stdout}"
+                        f"--- stderr ---\n{stderr}")
     try:
         summary = json.loads(lines[-1])
         float(summary["samples_per_s"])
     except (ValueError, KeyError, TypeError) as e:
-        raise RunFailed(f"last stdout line is not a JSON summary with samples_per_s ({e}): "
-                        f"{shown}\n--- stdout ---\n{proc.stdout}--- stderr ---\n{proc.stderr}") from e
+        raise RunFailed(f"last stdout line is not a JSON summary with samples_per_s ({e!r}): "
+                        f"{shown}\n--- stdout ---\n{stdout}--- stderr ---\n{stderr}") from e
     return summary
-
-
-def _text(data: bytes | str | None) -> str:
-    if isinstance(data, bytes):
-        return data.decode(errors="replace")
-    return data or ""
 
 
 def collect(impls: tuple[str, ...], runs: int, steps: int, timeout_s: float,

@@ -25,6 +25,24 @@ def mlp(widths: list[int], *, last_relu: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class _Gram(torch.autograd.Function):
+    """z z^T per sample, with a one-bmm backward: d(z z^T) = (G + G^T) z.
+
+    autograd's bmm backward would compute two bmms and add them; for a [512, 9, 64] batch
+    that is about 1 ms more per step on one CPU core.
+    """
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return torch.bmm(z, z.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (z,) = ctx.saved_tensors
+        return torch.bmm(grad + grad.transpose(1, 2), z)
+
+
 class DenseArch(nn.Module):
     def __init__(self, num_dense: int, bottom_mlp: list[int], top_mlp: list[int], num_tables: int) -> None:
         super().__init__()
@@ -39,5 +57,5 @@ class DenseArch(nn.Module):
         x = self.bottom(dense)
         z = torch.cat([x.unsqueeze(1), embedded], dim=1)
         # index_select on the flat Gram matrix: ~3x faster fwd+bwd on CPU than [:, rows, cols]
-        dots = torch.bmm(z, z.transpose(1, 2)).flatten(1).index_select(1, self.pairs)
+        dots = _Gram.apply(z).flatten(1).index_select(1, self.pairs)
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)

@@ -97,7 +97,7 @@ class _Routing:
     lengths_splits: list[int]  # per dest
     values_splits: list[int]  # per dest
     rows_back: list[int]  # embedding rows each owner returns in the output dist
-    keys_back: torch.Tensor  # for each returned row: t * b + sample, its slot in [T, b]
+    keys_back: torch.Tensor  # for each returned row: sample * T + table, its slot in [b, T]
 
 
 def _init_shard(spec: TableSpec, t: int, start: int, stop: int, seed: int) -> torch.Tensor:
@@ -185,18 +185,26 @@ class ShardedEmbeddings(nn.Module):
         pooled, rows_out = self._lookup(recv_lengths, recv_values, batch_sizes)
         returned = self._output_dist(pooled, rows_out, routing.rows_back)
         T, b = lengths.shape
-        out = torch.zeros(T * b, returned.shape[1], dtype=returned.dtype, device=returned.device)
-        out = out.index_add(0, routing.keys_back, returned)
-        return out.view(T, b, -1).transpose(0, 1)
+        out = torch.zeros(b * T, returned.shape[1], dtype=returned.dtype, device=returned.device)
+        return out.index_add(0, routing.keys_back, returned).view(b, T, -1)
 
     # input dist ---------------------------------------------------------------------------
 
     def _route(self, lengths: torch.Tensor, values: torch.Tensor) -> _Routing:
+        """Order this rank's ids by destination rank, and note where returned rows belong.
+
+        A returned row's slot is `sample * T + table` in the [b, T, D] output.
+        """
         plan = self.plan
         T, b = lengths.shape
         W = plan.world_size
-        keys = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
-                                       output_size=values.numel())
+        per_value_slots = plan.kind == "row" or any(not spec.pooled for spec in plan.tables)
+        slots = None
+        if per_value_slots:
+            bag = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
+                                          output_size=values.numel())  # t * b + sample
+            table_of = torch.div(bag, b, rounding_mode="floor")
+            slots = (bag - table_of * b) * T + table_of
         if plan.kind == "table":
             per_table = lengths.sum(dim=1).tolist()
             starts = [0]
@@ -204,22 +212,21 @@ class ShardedEmbeddings(nn.Module):
                 starts.append(starts[-1] + n)
             order = [t for q in range(W) for t in plan.tables_on(q)]
             if order == list(range(T)):
-                send_values, send_keys = values, keys
+                send_values, send_slots = values, slots
             else:
                 send_values = torch.cat([values[starts[t]:starts[t + 1]] for t in order])
-                send_keys = torch.cat([keys[starts[t]:starts[t + 1]] for t in order])
+                if slots is not None:
+                    send_slots = torch.cat([slots[starts[t]:starts[t + 1]] for t in order])
             send_lengths = lengths[order].flatten()
             counts = [[per_table[t] if plan.owners[t] == q else 0 for t in range(T)] for q in range(W)]
         else:
-            table_of = torch.div(keys, b, rounding_mode="floor")
             dest = torch.div(values, self.blocks[table_of], rounding_mode="floor")
             perm = torch.argsort(dest * T + table_of, stable=True)
-            send_values, send_keys = values[perm], keys[perm]
-            per_bag = torch.bincount(dest * (T * b) + keys, minlength=W * T * b)
-            send_lengths = per_bag
-            counts = per_bag.view(W, T, b).sum(dim=2).tolist()
+            send_values, send_slots = values[perm], slots[perm]
+            send_lengths = torch.bincount(dest * (T * b) + bag, minlength=W * T * b)
+            counts = send_lengths.view(W, T, b).sum(dim=2).tolist()
 
-        lengths_splits, values_splits, rows_back, keys_back = [], [], [], []
+        lengths_splits, values_splits, rows_back, slots_back = [], [], [], []
         offset = 0
         for q in range(W):
             tables = plan.tables_on(q)
@@ -229,15 +236,18 @@ class ShardedEmbeddings(nn.Module):
             for t in tables:
                 n = counts[q][t]
                 if plan.tables[t].pooled:
-                    keys_back.append(torch.arange(t * b, (t + 1) * b, device=lengths.device))
+                    slots_back.append(self._pooled_slots(b, t, lengths.device))
                     rows += b
                 else:
-                    keys_back.append(send_keys[offset:offset + n])
+                    slots_back.append(send_slots[offset:offset + n])
                     rows += n
                 offset += n
             rows_back.append(rows)
         return _Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
-                        rows_back, torch.cat(keys_back))
+                        rows_back, torch.cat(slots_back))
+
+    def _pooled_slots(self, b: int, t: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(b, device=device) * len(self.plan.tables) + t
 
     def _input_dist(self, routing: _Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows."""
