@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--bottom-mlp must end in --dim ({args.dim}), got {args.bottom_mlp}; "
                 f"e.g. --bottom-mlp 512,256,{args.dim}")
     if args.top_mlp[-1] != 1:
-        p.error(f"--top-mlp must end in 1 (one logit), got {args.top_mlp}; e.g. --top-mlp 512,256,1")
+        p.error(f"--top-mlp must end in 1 (one logit), got {args.top_mlp}; "
+                "e.g. --top-mlp 512,256,1")
     if args.pooling < 1 or args.steps < 1 or args.warmup < 0:
         p.error(f"need --pooling >= 1, --steps >= 1, --warmup >= 0; got "
                 f"{args.pooling}, {args.steps}, {args.warmup}")

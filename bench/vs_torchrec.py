@@ -44,6 +44,7 @@ SHAPE_ARGS = [
 IMPLS = ("ours", "torchrec")
 VENVS = {"ours": ROOT / ".venv", "torchrec": ROOT / "bench" / ".venv-torchrec"}
 SETUP_HINT = {"ours": "make venv", "torchrec": "bash bench/setup_torchrec_venv.sh"}
+STOP_GRACE_S = 30.0  # time torchrun gets to end its ranks after SIGTERM
 BUSY_WARN = 0.10  # warn when other processes used more than this fraction of the CPUs
 
 
@@ -98,18 +99,31 @@ def wait_until_idle(max_wait_s: float) -> None:
         log(f"CPUs still busy after waiting {max_wait_s:.0f} s; running anyway")
 
 
+def stop_torchrun(proc: subprocess.Popen) -> tuple[str, str]:
+    """End a torchrun and its ranks; return its remaining (stdout, stderr).
+
+    torchrun starts each rank in a session of its own, so killing torchrun's process group
+    misses them, and ranks left behind by a SIGKILLed torchrun hang. SIGTERM instead: torchrun
+    then terminates its ranks itself. SIGKILL only if it has not exited within STOP_GRACE_S.
+    """
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
 def run_once(impl: str, pooling: int, steps: int, timeout_s: float) -> dict:
     """Run one benchmark and return its JSON summary (the last stdout line)."""
     cmd = command(impl, pooling, steps)
     shown = " ".join(cmd)
-    # A session of its own, so a timeout or Ctrl-C can end torchrun and its ranks together.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
-    except BaseException as e:  # TimeoutExpired or KeyboardInterrupt: end the whole group
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+    except BaseException as e:  # TimeoutExpired or KeyboardInterrupt
+        stdout, stderr = stop_torchrun(proc)
         if isinstance(e, subprocess.TimeoutExpired):
             raise RunFailed(f"timed out after {timeout_s:.0f} s: {shown}\n"
                             f"--- stderr ---\n{stderr}") from e
@@ -179,7 +193,7 @@ def summarize(results: dict, impls: tuple[str, ...]) -> list[dict]:
 
 
 def busy_note(results: dict) -> str:
-    """'' when every run started on idle CPUs, else how many did not."""
+    """'' when other processes left the CPUs alone during every run, else how often not."""
     every = [s for v in results.values() for s in v]
     busy = sum(s["cpu_other_busy"] > BUSY_WARN for s in every)
     if not busy:
@@ -219,18 +233,17 @@ def format_table(rows: list[dict], impls: tuple[str, ...], info: dict, threads: 
 
 
 def format_markdown(rows: list[dict], impls: tuple[str, ...], info: dict, threads: str,
-                    runs: int, steps: int, note: str) -> str:
+                    runs: int, steps: int, note: str, reproduce: str) -> str:
     today = datetime.date.today().isoformat()
     out = [f"## DLRM training throughput: tracekit vs TorchRec ({today})", "",
            f"- Machine: {machine_line(info, threads)}.",
-           "- Model: 8 tables x 100k rows x dim 64, 13 dense features, bottom MLP 512-256-64, "
-           "top MLP 512-256-1, batch 512 per rank, SGD; uniform ids.",
+           f"- Model and batch, the same flags for both: `{' '.join(SHAPE_ARGS)}`; "
+           "uniform ids (`--zipf 0` for ours); SGD.",
            "- TorchRec 1.8.0 (fbgemm-gpu-cpu 1.8.0): table_wise sharding, fused (FBGEMM TBE) "
            "kernel, SGD fused into backward; input is a pool of 10 pre-generated batches per rank.",
            f"- {runs} runs per cell, run alternately (ours, torchrec, ...); each run times "
            f"{steps} steps after warm-up. Samples/s are global (all ranks).",
-           "- Reproduce: `python3 bench/vs_torchrec.py --runs "
-           f"{runs} --steps {steps} --markdown`", "",
+           f"- Reproduce: `{reproduce}`", "",
            "| pooling | impl | median samples/s | min | max | median step ms | ours / torchrec |",
            "|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -290,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(impls)
     note = busy_note(results)
     if args.markdown:
-        print(format_markdown(rows, impls, info, threads, args.runs, args.steps, note))
+        reproduce = " ".join(["python3", "bench/vs_torchrec.py", *(argv or sys.argv[1:])])
+        print(format_markdown(rows, impls, info, threads, args.runs, args.steps, note, reproduce))
     else:
         print(format_table(rows, impls, info, threads, note))
     return 0
