@@ -28,6 +28,7 @@ With ``--json``, rank 0 prints one JSON line on stdout; logs go to stderr.
 """
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
     p.add_argument("--seed", type=int, default=0, help="model seed; rank r's data uses seed + r")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line on stdout")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank to its own share of the cores (as tracekit's trainer does)")
     args = p.parse_args(argv)
     if args.bottom_mlp[-1] != args.dim:
         p.error(f"--bottom-mlp must end in --dim ({args.dim}), got {args.bottom_mlp}; "
@@ -145,8 +148,19 @@ def run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches,
         optimizer.step()
 
 
+def pin_to_cores(local_rank: int, local_world_size: int) -> None:
+    """The same rule as tracekit.dlrm.train.pin_to_cores (not imported: other venv)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if 1 < local_world_size <= len(cores):
+        share = len(cores) // local_world_size
+        os.sched_setaffinity(0, set(cores[local_rank * share:(local_rank + 1) * share]))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+
+    if args.pin:
+        pin_to_cores(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
     # init distributed (gloo on CPU; torchrun provides rank and world size)
     dist.init_process_group(backend="gloo")

@@ -41,9 +41,13 @@ SHAPE_ARGS = [
     "--tables", "8", "--rows", "100000", "--dim", "64", "--dense", "13",
     "--bottom-mlp", "512,256,64", "--top-mlp", "512,256,1", "--batch-size", "512",
 ]
-IMPLS = ("ours", "torchrec")
-VENVS = {"ours": ROOT / ".venv", "torchrec": ROOT / "bench" / ".venv-torchrec"}
-SETUP_HINT = {"ours": "make venv", "torchrec": "bash bench/setup_torchrec_venv.sh"}
+# torchrec-pinned: TorchRec with each rank pinned to its own core, as our trainer pins itself,
+# so the ratio to it shows what is left of our lead without the pinning.
+IMPLS = ("ours", "torchrec", "torchrec-pinned")
+TORCHREC_VENV = ROOT / "bench" / ".venv-torchrec"
+VENVS = {"ours": ROOT / ".venv", "torchrec": TORCHREC_VENV, "torchrec-pinned": TORCHREC_VENV}
+SETUP_HINT = {"ours": "make venv", "torchrec": "bash bench/setup_torchrec_venv.sh",
+              "torchrec-pinned": "bash bench/setup_torchrec_venv.sh"}
 STOP_GRACE_S = 30.0  # time torchrun gets to end its ranks after SIGTERM
 BUSY_WARN = 0.10  # warn when other processes used more than this fraction of the CPUs
 
@@ -58,9 +62,10 @@ def command(impl: str, pooling: int, steps: int) -> list[str]:
     launch = [torchrun, "--standalone", "--nproc-per-node", str(WORLD_SIZE)]
     if impl == "ours":
         return [*launch, "train.py", *SHAPE_ARGS, "--pooling", str(pooling), "--zipf", "0",
-                "--steps", str(steps), "--json"]
+                "--eval-fraction", "0", "--steps", str(steps), "--json"]
+    pin = ["--pin"] if impl == "torchrec-pinned" else []
     return [*launch, "bench/torchrec_dlrm.py", *SHAPE_ARGS, "--pooling", str(pooling),
-            "--steps", str(steps), "--json"]
+            "--steps", str(steps), *pin, "--json"]
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -186,8 +191,8 @@ def summarize(results: dict, impls: tuple[str, ...]) -> list[dict]:
         row: dict = {"pooling": pooling}
         for impl in impls:
             row[impl] = _stats(results[(impl, pooling)])
-        if set(IMPLS) <= set(impls):
-            row["ratio"] = row["ours"]["median"] / row["torchrec"]["median"]
+        if "ours" in impls:
+            row["ratio"] = {i: row["ours"]["median"] / row[i]["median"] for i in impls if i != "ours"}
         rows.append(row)
     return rows
 
@@ -217,15 +222,15 @@ def machine_line(info: dict, threads: str) -> str:
 
 def format_table(rows: list[dict], impls: tuple[str, ...], info: dict, threads: str,
                  note: str) -> str:
-    header = f"{'pooling':>7}  {'impl':<8}  {'runs':>4}  {'median':>9}  {'min':>9}  {'max':>9}  "
+    header = f"{'pooling':>7}  {'impl':<15}  {'runs':>4}  {'median':>9}  {'min':>9}  {'max':>9}  "
     lines = [f"machine: {machine_line(info, threads)}",
              "global samples/s (world size x batch per rank x steps / elapsed)",
-             header + "ours/torchrec", "-" * (len(header) + 13)]
+             header + "ours/impl", "-" * (len(header) + 9)]
     for row in rows:
         for impl in impls:
             s = row[impl]
-            ratio = f"{row['ratio']:.2f}" if "ratio" in row and impl == impls[-1] else ""
-            lines.append(f"{row['pooling']:>7}  {impl:<8}  {s['runs']:>4}  {s['median']:>9,.0f}  "
+            ratio = f"{row['ratio'][impl]:.2f}" if impl in row.get("ratio", {}) else ""
+            lines.append(f"{row['pooling']:>7}  {impl:<15}  {s['runs']:>4}  {s['median']:>9,.0f}  "
                          f"{s['min']:>9,.0f}  {s['max']:>9,.0f}  {ratio}")
     if note:
         lines.append(f"warning: {note}")
@@ -244,12 +249,12 @@ def format_markdown(rows: list[dict], impls: tuple[str, ...], info: dict, thread
            f"- {runs} runs per cell, run alternately (ours, torchrec, ...); each run times "
            f"{steps} steps after warm-up. Samples/s are global (all ranks).",
            f"- Reproduce: `{reproduce}`", "",
-           "| pooling | impl | median samples/s | min | max | median step ms | ours / torchrec |",
+           "| pooling | impl | median samples/s | min | max | median step ms | ours / impl |",
            "|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         for impl in impls:
             s = row[impl]
-            ratio = f"**{row['ratio']:.2f}**" if "ratio" in row and impl == impls[-1] else ""
+            ratio = f"**{row['ratio'][impl]:.2f}**" if impl in row.get("ratio", {}) else ""
             step = f"{s['step_ms_median']:.1f}" if s["step_ms_median"] is not None else "n/a"
             out.append(f"| {row['pooling']} | {impl} | {s['median']:,.0f} | {s['min']:,.0f} | "
                        f"{s['max']:,.0f} | {step} | {ratio} |")
@@ -267,7 +272,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="runs per implementation and pooling")
     p.add_argument("--steps", type=int, default=50, help="timed steps per run")
-    p.add_argument("--only", choices=IMPLS, help="run one implementation only (no ratio)")
+    p.add_argument("--only", metavar="IMPL[,IMPL]",
+                   help=f"comma-separated subset of {', '.join(IMPLS)} (default: all)")
     p.add_argument("--markdown", action="store_true",
                    help="print a Markdown section for bench/RESULTS.md instead of the table")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per run")
@@ -282,7 +288,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    impls = (args.only,) if args.only else IMPLS
+    impls = tuple(args.only.split(",")) if args.only else IMPLS
+    unknown = set(impls) - set(IMPLS)
+    if unknown:
+        log(f"--only: unknown implementation(s) {', '.join(sorted(unknown))}; choose from {', '.join(IMPLS)}")
+        return 2
     for impl in impls:
         if not (VENVS[impl] / "bin" / "torchrun").exists():
             log(f"{VENVS[impl].relative_to(ROOT)}/bin/torchrun not found; "
