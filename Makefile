@@ -9,10 +9,10 @@ BIN    := $(VENV)/bin
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml setup.py tracekit/dlrm/csrc/sparse_update.cpp
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .  # builds the C++ kernel (~1 min)
 	touch $(STAMP)
 
 demo: venv

@@ -11,18 +11,27 @@ from __future__ import annotations
 
 import torch
 
+try:  # the fused CPU kernel built by `make venv` (setup.py); without it, plain index_add_
+    from tracekit.dlrm import _sparse_update
+except ImportError:
+    _sparse_update = None
+
 
 class SparseSGD:
     def __init__(self, lr: float) -> None:
         self.lr = lr
 
     def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
-               bag_lengths: torch.Tensor | None = None) -> None:
+               bag_lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
         """Apply the gradient of a lookup to the rows it read; ids may repeat.
 
-        Without `bag_lengths`, `grads[i]` belongs to row `ids[i]`. With them, `grads[k]` is
-        the gradient of pooled bag k and applies to each of its `bag_lengths[k]` rows.
+        Without `bag_lengths`, `grads[i]` belongs to row `ids[i]`. With them (and the bags'
+        `offsets` into `ids`), `grads[k]` is the gradient of pooled bag k and applies to
+        each of its `bag_lengths[k]` rows.
         """
+        if bag_lengths is not None and use_fused_kernel(weight, grads):
+            _sparse_update.sgd_bags(weight, ids, offsets, grads, -self.lr)
+            return
         step = grads * -self.lr  # one scaled copy of the small per-bag gradient
         if bag_lengths is not None:
             bags, ids_per_bag = step.shape[0], ids.numel()
@@ -42,7 +51,7 @@ class RowWiseAdagrad:
         self.state: dict[int, torch.Tensor] = {}  # id(weight) -> accumulator [rows]
 
     def update(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor,
-               bag_lengths: torch.Tensor | None = None) -> None:
+               bag_lengths: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
         """As `SparseSGD.update`; duplicate rows are summed before the accumulator update."""
         if bag_lengths is not None:
             grads = grads.repeat_interleave(bag_lengths, dim=0, output_size=ids.numel())
@@ -56,6 +65,12 @@ class RowWiseAdagrad:
         acc[rows] = acc_rows
         step = summed / (acc_rows.sqrt() + self.eps).unsqueeze(1)
         weight.index_add_(0, rows, step.to(weight.dtype), alpha=-self.lr)
+
+
+def use_fused_kernel(weight: torch.Tensor, grads: torch.Tensor) -> bool:
+    """The fused kernel serves contiguous float32 CPU tables; CUDA keeps index_add_."""
+    return (_sparse_update is not None and weight.device.type == "cpu" and weight.is_contiguous()
+            and weight.dtype == grads.dtype == torch.float32)
 
 
 def sparse_optimizer(name: str, lr: float) -> SparseSGD | RowWiseAdagrad:

@@ -123,13 +123,13 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, module, optimizer, ids, offsets, bag_lengths):
         ctx.module, ctx.optimizer = module, optimizer
-        ctx.save_for_backward(ids, bag_lengths)
+        ctx.save_for_backward(ids, bag_lengths, offsets)
         return module(ids) if offsets is None else module(ids, offsets)
 
     @staticmethod
     def backward(ctx, grad):
-        ids, bag_lengths = ctx.saved_tensors
-        ctx.optimizer.update(ctx.module.weight, ids, grad.contiguous(), bag_lengths)
+        ids, bag_lengths, offsets = ctx.saved_tensors
+        ctx.optimizer.update(ctx.module.weight, ids, grad.contiguous(), bag_lengths, offsets)
         return None, None, None, None, None, None
 
 
