@@ -97,7 +97,7 @@ class _Routing:
     lengths_splits: list[int]  # per dest
     values_splits: list[int]  # per dest
     rows_back: list[int]  # embedding rows each owner returns in the output dist
-    keys_back: torch.Tensor  # for each returned row: sample * T + table, its slot in [b, T]
+    slots_back: torch.Tensor  # for each returned row: sample * T + table, its slot in [b, T]
 
 
 def _init_shard(spec: TableSpec, t: int, start: int, stop: int, seed: int) -> torch.Tensor:
@@ -186,7 +186,7 @@ class ShardedEmbeddings(nn.Module):
         returned = self._output_dist(pooled, rows_out, routing.rows_back)
         T, b = lengths.shape
         out = torch.zeros(b * T, returned.shape[1], dtype=returned.dtype, device=returned.device)
-        return out.index_add(0, routing.keys_back, returned).view(b, T, -1)
+        return out.index_add(0, routing.slots_back, returned).view(b, T, -1)
 
     # input dist ---------------------------------------------------------------------------
 
