@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO_ARGS = ["--steps", "3000", "--eval-every", "1000", "--log-every", "250", "--zipf", "1.05", "--samples", "3200000"]
+DEMO_ARGS = ["--steps", "3000", "--eval-every", "1000", "--log-every", "250", "--zipf", "1.05", "--samples", "3500000"]
 
 
 def main() -> int:
