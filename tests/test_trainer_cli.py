@@ -119,3 +119,9 @@ def test_planted_signal_is_learned() -> None:
     result = run(cfg, dataset, rank=0, world_size=1, device=torch.device("cpu"))
     assert result.eval_auc > 0.65, result.summary()
     assert result.losses[-1] < result.losses[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_requested_without_a_gpu_is_refused() -> None:
+    r = train(*TINY, "--device", "cuda")
+    assert r.returncode == 2 and "--device cuda: no CUDA device is available" in r.stderr, r.stderr

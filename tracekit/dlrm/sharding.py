@@ -186,7 +186,7 @@ class ShardedEmbeddings(nn.Module):
         returned = self._output_dist(pooled, rows_out, routing.rows_back)
         T, b = lengths.shape
         out = torch.zeros(b * T, returned.shape[1], dtype=returned.dtype, device=returned.device)
-        return out.index_add(0, routing.slots_back, returned).view(b, T, -1)
+        return out.index_add(0, routing.slots_back, returned).view(b, T, returned.shape[1])
 
     # input dist ---------------------------------------------------------------------------
 

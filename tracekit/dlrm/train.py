@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             zipf=cfg.zipf if cfg.zipf is None or len(cfg.zipf) > 1 else cfg.zipf[0],
             drift=cfg.drift, preset=cfg.preset, scale=cfg.scale)
         cfg.check_world(world_size, len(dataset.table_rows))
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise TracekitError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
         if cfg.sequence_tables > len(dataset.table_rows):
             raise TracekitError(f"--sequence-tables {cfg.sequence_tables} exceeds the {len(dataset.table_rows)} tables")
     except TracekitError as err:
