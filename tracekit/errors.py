@@ -15,3 +15,11 @@ class DataError(TracekitError):
 
 class PolicyMismatch(TracekitError):
     """Raised when a policy file does not match the model it is applied to."""
+
+
+class RunNotFound(TracekitError):
+    """Raised when a run directory or its manifest.json does not exist."""
+
+
+class SchemaVersionError(TracekitError):
+    """Raised when a trace file was written with a schema major version this tracekit cannot read."""

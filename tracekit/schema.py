@@ -1,0 +1,131 @@
+"""The trace tables of DESIGN.md §3, defined once as Arrow schemas, with the schema version and the
+manifest's file name and status values.
+
+Writers (collectors, through `tracekit.store`), readers (`tracekit.run`) and tests import these
+names; no other module spells a trace table's columns. Add columns freely; never change a column's
+meaning. A change that old readers cannot follow bumps the major version.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1.0"
+"""major.minor; readers accept any minor of a major they know."""
+
+VERSION_KEY = b"tracekit.schema_version"
+"""Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
+
+TABLE_KEY = b"tracekit.table"
+"""Parquet key-value metadata key holding the trace table's name in every part file."""
+
+MANIFEST = "manifest.json"
+
+STATUS_RUNNING = "running"
+STATUS_COMPLETED = "completed"
+STATUS_FAILED = "failed"
+STATUS_INTERRUPTED = "interrupted"
+STATUSES = (STATUS_RUNNING, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED)
+
+
+def _required(name: str, type_: pa.DataType) -> pa.Field:
+    return pa.field(name, type_, nullable=False)
+
+
+_STEP = _required("step", pa.int64())
+_TABLE_NAME = _required("table_name", pa.dictionary(pa.int32(), pa.string()))
+
+ACCESSES = pa.schema([_STEP, _TABLE_NAME, _required("row", pa.int64()), _required("count", pa.int32())])
+
+LOOKUPS = pa.schema(
+    [
+        _STEP,
+        _TABLE_NAME,
+        _required("sample", pa.int32()),  # position of the sample in the rank's local batch
+        _required("pos", pa.int32()),  # position of the lookup in its bag or sequence
+        _required("row", pa.int64()),
+    ]
+)
+
+COMMS = pa.schema(
+    [
+        _STEP,
+        _required("seq", pa.int64()),
+        _required("op", pa.string()),
+        _required("group", pa.string()),
+        _required("group_size", pa.int16()),
+        _required("dtype", pa.string()),
+        _required("bytes_out", pa.int64()),
+        _required("bytes_in", pa.int64()),
+        _required("splits_out", pa.list_(pa.int64())),  # bytes sent to each peer, in group-rank order
+        _required("splits_in", pa.list_(pa.int64())),  # bytes received from each peer
+        _required("t_start_ns", pa.int64()),
+        _required("t_end_ns", pa.int64()),  # completion (the Work finished), not the call's return
+        _required("tag", pa.string()),
+        _required("async", pa.bool_()),
+    ]
+)
+
+STEPS = pa.schema(
+    [
+        _STEP,
+        _required("t_start_ns", pa.int64()),
+        _required("t_end_ns", pa.int64()),
+        _required("samples", pa.int32()),
+        pa.field("loss", pa.float64(), nullable=True),
+    ]
+)
+
+# q* are quantiles of |g|. count_above_keep_X counts elements of |g| above the threshold that keeps
+# the top X of elements (DCT's keep ratio), the threshold being the one in force at that step.
+GRADS = pa.schema(
+    [
+        _STEP,
+        _required("name", pa.string()),
+        _required("numel", pa.int64()),
+        _required("l2", pa.float64()),
+        _required("absmax", pa.float64()),
+        _required("q50", pa.float64()),
+        _required("q90", pa.float64()),
+        _required("q99", pa.float64()),
+        _required("q999", pa.float64()),
+        _required("count_above_keep_0_1pct", pa.int64()),
+        _required("count_above_keep_1pct", pa.int64()),
+        _required("count_above_keep_10pct", pa.int64()),
+    ]
+)
+
+# Units as NVML reports them: utilisation in percent, memory in bytes, PCIe throughput in KB/s.
+GPU = pa.schema(
+    [
+        _required("t_ns", pa.int64()),
+        _required("device", pa.int16()),
+        _required("util_gpu", pa.int16()),
+        _required("util_mem", pa.int16()),
+        _required("mem_used", pa.int64()),
+        _required("power_mw", pa.int64()),
+        _required("sm_clock_mhz", pa.int32()),
+        _required("pcie_tx", pa.int64()),
+        _required("pcie_rx", pa.int64()),
+    ]
+)
+
+TABLES: dict[str, pa.Schema] = {
+    "accesses": ACCESSES,
+    "lookups": LOOKUPS,
+    "comms": COMMS,
+    "steps": STEPS,
+    "grads": GRADS,
+    "gpu": GPU,
+}
+
+
+def file_metadata(table: str) -> dict[bytes, bytes]:
+    """The key-value metadata stamped on every Parquet part file of `table`."""
+    return {VERSION_KEY: SCHEMA_VERSION.encode(), TABLE_KEY: table.encode()}
+
+
+def major(version: str) -> int | None:
+    """The major number of a "major.minor" version string, or None if it is not one."""
+    head, _, _ = version.partition(".")
+    return int(head) if head.isdigit() else None

@@ -1,0 +1,272 @@
+"""The run store's write side: trace rows to Parquet part files, and the run's manifest.json.
+
+It runs inside traced processes, so it imports only the standard library, pyarrow and tracekit
+core (never duckdb or polars). `RunWriter.append` only validates and queues; a daemon thread
+writes one zstd part file per table per flush to `<run>/<table>/rank=<R>/part-NNNNN.parquet`,
+under a hidden temporary name renamed into place when complete, so a reader globbing `*.parquet`
+never sees half a file and a crash loses at most the rows not yet flushed.
+
+    writer = RunWriter("runs/base", rank=0)
+    writer.append("steps", {"step": [0], "t_start_ns": [t0], "t_end_ns": [t1], "samples": [512], "loss": [0.69]})
+    writer.close()
+    write_manifest("runs/base", {**manifest, "dropped_rows": writer.dropped})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tracekit.errors import RunNotFound, TracekitError
+from tracekit.schema import MANIFEST, TABLES, file_metadata
+
+
+def to_batch(table: str, columns: dict[str, Any] | pa.RecordBatch) -> pa.RecordBatch:
+    """Columns (lists, numpy arrays or Arrow arrays) or a RecordBatch, checked against and cast to
+    the schema of trace table `table`. Raises ValueError naming the table and the column at fault."""
+    schema = _schema(table)
+    names = columns.schema.names if isinstance(columns, pa.RecordBatch) else list(columns)
+    missing = [name for name in schema.names if name not in names]
+    extra = [name for name in names if name not in schema.names]
+    if missing or extra:
+        raise ValueError(
+            f"trace table {table!r}: missing column(s) {missing}, unknown column(s) {extra}; "
+            f"expected {schema.names}"
+        )
+    if isinstance(columns, pa.RecordBatch):
+        arrays = [columns.column(name) for name in schema.names]
+    else:
+        arrays = [columns[name] for name in schema.names]
+    return pa.RecordBatch.from_arrays([_to_array(table, f, a) for f, a in zip(schema, arrays)], schema=schema)
+
+
+def _schema(table: str) -> pa.Schema:
+    if table not in TABLES:
+        raise ValueError(f"unknown trace table {table!r}; the trace tables are {list(TABLES)}")
+    return TABLES[table]
+
+
+def _to_array(table: str, field: pa.Field, values: Any) -> pa.Array:
+    try:
+        if isinstance(values, pa.Array):
+            array = values if values.type == field.type else values.cast(field.type)
+        else:
+            array = pa.array(values, type=field.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as e:
+        raise ValueError(f"trace table {table!r}, column {field.name!r} ({field.type}): {e}") from e
+    if not field.nullable and array.null_count:
+        raise ValueError(f"trace table {table!r}, column {field.name!r}: {array.null_count} null(s) in a required column")
+    return array
+
+
+class RunWriter:
+    """Writes one rank's trace rows under a run directory, from a background thread.
+
+    Parameters
+    ----------
+    run_dir
+        The run directory; `<run_dir>/<table>/rank=<rank>/` is created on first write.
+    rank
+        The global rank this process writes for; ranks never share a file.
+    flush_interval_s
+        Write a part file at most this long after the first unflushed row was appended.
+    flush_rows
+        Write as soon as this many rows (all tables together) are buffered.
+    max_queued_rows
+        Bound on rows appended but not yet written. `append` drops a batch that would exceed it
+        and counts its rows in `dropped`, so a slow disk never blocks or bloats the training loop.
+
+    Attributes `dropped` and `written` count rows per table; `errors` counts failed writes and
+    `first_error` keeps the first one's message (writes never raise into the caller).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        rank: int,
+        *,
+        flush_interval_s: float = 1.0,
+        flush_rows: int = 1_000_000,
+        max_queued_rows: int = 4_000_000,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.flush_interval_s = flush_interval_s
+        self.flush_rows = flush_rows
+        self.max_queued_rows = max_queued_rows
+        self.dropped: Counter[str] = Counter()
+        self.written: Counter[str] = Counter()
+        self.errors = 0
+        self.first_error: str | None = None
+        self._cond = threading.Condition()
+        self._pending: dict[str, list[pa.RecordBatch]] = {}
+        self._pending_rows = 0  # buffered, not yet taken by the thread
+        self._queued_rows = 0  # appended, not yet written (buffered plus being written)
+        self._first_pending_at: float | None = None
+        self._flush_requested = 0  # flush() calls so far
+        self._flush_done = 0  # flush() calls whose rows are written
+        self._closing = False
+        self._next_part: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._run, name=f"tracekit-writer-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def append(self, table: str, columns: dict[str, Any] | pa.RecordBatch) -> None:
+        """Queue rows for `table`; never blocks on I/O. Raises ValueError if the columns do not
+        match the table's schema; drops (and counts) the rows if the queue is full or the writer
+        is closed."""
+        batch = to_batch(table, columns)
+        n = batch.num_rows
+        if n == 0:
+            return
+        with self._cond:
+            if self._closing or self._queued_rows + n > self.max_queued_rows:
+                self.dropped[table] += n
+                return
+            self._pending.setdefault(table, []).append(batch)
+            self._pending_rows += n
+            self._queued_rows += n
+            if self._first_pending_at is None:
+                self._first_pending_at = time.monotonic()
+            if self._pending_rows >= self.flush_rows:
+                self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Write every row appended so far and wait until it is on disk."""
+        with self._cond:
+            self._flush_requested += 1
+            target = self._flush_requested
+            self._cond.notify_all()
+            while self._flush_done < target and self._thread.is_alive():
+                self._cond.wait(0.1)
+
+    def close(self) -> None:
+        """Write everything still queued and stop the thread. Later appends are dropped."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due():
+                    self._cond.wait(self._wait_s())
+                closing = self._closing
+                flush_seen = self._flush_requested
+                pending, self._pending = self._pending, {}
+                self._pending_rows = 0
+                self._first_pending_at = None
+            for table, batches in pending.items():
+                self._write(table, batches)
+            with self._cond:
+                self._queued_rows -= sum(b.num_rows for batches in pending.values() for b in batches)
+                self._flush_done = flush_seen
+                self._cond.notify_all()
+            if closing:
+                return
+
+    def _due(self) -> bool:
+        """Called with the lock held: is it time to write what is buffered?"""
+        if self._closing or self._flush_requested > self._flush_done or self._pending_rows >= self.flush_rows:
+            return True
+        started = self._first_pending_at
+        return started is not None and time.monotonic() - started >= self.flush_interval_s
+
+    def _wait_s(self) -> float | None:
+        if self._first_pending_at is None:
+            return None
+        return max(0.0, self._first_pending_at + self.flush_interval_s - time.monotonic())
+
+    def _write(self, table: str, batches: list[pa.RecordBatch]) -> None:
+        rows = sum(b.num_rows for b in batches)
+        try:
+            directory = self.run_dir / table / f"rank={self.rank}"
+            index = self._part_index(table, directory)
+            data = pa.Table.from_batches(batches).replace_schema_metadata(file_metadata(table))
+            write_part(data, directory, index)
+        except Exception as e:  # a trace write must never take the training process down
+            self._count_failure(table, rows, e)
+        else:
+            with self._cond:
+                self.written[table] += rows
+
+    def _count_failure(self, table: str, rows: int, error: Exception) -> None:
+        with self._cond:
+            self.errors += 1
+            self.dropped[table] += rows
+            first = self.first_error is None
+            if first:
+                self.first_error = f"{table}: {type(error).__name__}: {error}"
+        if first:
+            print(f"tracekit: rank {self.rank} could not write {table} rows ({self.first_error}); "
+                      "counting the lost rows and carrying on", file=sys.stderr)
+
+    def _part_index(self, table: str, directory: Path) -> int:
+        """The next part number in `directory`; continues after any part files already there."""
+        if table not in self._next_part:
+            directory.mkdir(parents=True, exist_ok=True)
+            existing = [int(p.stem.removeprefix("part-")) for p in directory.glob("part-*.parquet")
+                        if p.stem.removeprefix("part-").isdigit()]
+            self._next_part[table] = max(existing, default=-1) + 1
+        index = self._next_part[table]
+        self._next_part[table] = index + 1
+        return index
+
+
+def write_part(data: pa.Table, directory: Path, index: int) -> Path:
+    """Write `data` as `directory/part-<index>.parquet` (zstd) via a hidden temporary file in the
+    same directory, renamed into place once complete."""
+    final = directory / f"part-{index:05d}.parquet"
+    tmp = directory / f".{final.name}.tmp"
+    try:
+        pq.write_table(data, tmp, compression="zstd")
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def write_manifest(run_dir: str | os.PathLike, data: dict) -> Path:
+    """Write `<run_dir>/manifest.json` atomically: the old manifest stays intact unless the new one is
+    complete (data that JSON cannot encode raises TypeError before any file is touched)."""
+    run_dir = Path(run_dir)
+    text = json.dumps(data, sort_keys=True, indent=2) + "\n"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{MANIFEST}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, run_dir / MANIFEST)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return run_dir / MANIFEST
+
+
+def read_manifest(run_dir: str | os.PathLike) -> dict:
+    """The manifest of the run at `run_dir`; RunNotFound if the directory or its manifest is missing."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunNotFound(f"{run_dir} does not exist (a run directory from `tracekit record -o`?)")
+    path = run_dir / MANIFEST
+    if not path.is_file():
+        raise RunNotFound(f"{run_dir} has no {MANIFEST}; is it a tracekit run directory?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TracekitError(f"{path} is not valid JSON ({e})") from e
