@@ -149,7 +149,7 @@ def run_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches,
 
 
 def pin_to_cores(local_rank: int, local_world_size: int) -> None:
-    """The same rule as tracekit.dlrm.train.pin_to_cores (not imported: other venv)."""
+    """The same rule as tracekit.dlrm.runtime.pin_to_cores (not imported: other venv)."""
     cores = sorted(os.sched_getaffinity(0))
     if 1 < local_world_size <= len(cores):
         share = len(cores) // local_world_size

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tracekit.dlrm.metrics import log_loss, roc_auc
-from tracekit.dlrm.train import pin_to_cores, prefetched
+from tracekit.dlrm.runtime import pin_to_cores
+from tracekit.dlrm.schedule import prefetched
 
 
 def test_prefetched_keeps_order_and_ends() -> None:

@@ -10,13 +10,10 @@ world 2 with batch 512 see the same samples in the same steps, and give the same
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
-import queue
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -32,6 +29,8 @@ from tracekit.dlrm.data import Dataset, open_dataset
 from tracekit.dlrm.metrics import log_loss, roc_auc
 from tracekit.dlrm.model import DenseArch
 from tracekit.dlrm.optim import dense_optimizer, sparse_optimizer
+from tracekit.dlrm.runtime import keep_freed_memory, pin_to_cores
+from tracekit.dlrm.schedule import make_schedule, prefetched
 from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec
 from tracekit.errors import TracekitError
 
@@ -59,79 +58,10 @@ class TrainResult:
         return out
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """Which samples each step consumes, on every rank."""
-
-    num_train: int
-    global_batch: int
-    world_size: int
-    steps: int
-
-    def global_range(self, step: int) -> tuple[int, int]:
-        per_epoch = -(-self.num_train // self.global_batch)
-        start = (step % per_epoch) * self.global_batch
-        return start, min(start + self.global_batch, self.num_train)
-
-    def local_sizes(self, start: int, stop: int) -> list[int]:
-        n, W = stop - start, self.world_size
-        return [n // W + (1 if r < n % W else 0) for r in range(W)]
-
-    def local_batches(self, dataset: Dataset, rank: int, steps: range):
-        """Per step: the global sample range, every rank's batch size, and this rank's batch."""
-        for step in steps:
-            start, stop = self.global_range(step)
-            sizes = self.local_sizes(start, stop)
-            lo = start + sum(sizes[:rank])
-            yield start, stop, sizes, dataset.batch(lo, lo + sizes[rank])
-
-
-def prefetched(items, depth: int):
-    """Iterate `items` on a background thread, `depth` ahead, so batches are built while
-    the main thread waits on collectives (torch ops release the GIL). Errors re-raise here."""
-    buffer: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
-
-    def produce():
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        buffer.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            buffer.put(done)
-        except BaseException as err:  # handed to the consumer, which re-raises it
-            buffer.put(err)
-
-    thread = threading.Thread(target=produce, name="tracekit-prefetch", daemon=True)
-    thread.start()
-    try:
-        while (item := buffer.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-
-
 def build_tables(cfg: TrainConfig, dataset: Dataset) -> list[TableSpec]:
     names = getattr(dataset, "table_names", None) or [f"t{i}" for i in range(len(dataset.table_rows))]
     return [TableSpec(name, rows, cfg.dim, pooled=t >= cfg.sequence_tables)
             for t, (name, rows) in enumerate(zip(names, dataset.table_rows))]
-
-
-def make_schedule(cfg: TrainConfig, dataset: Dataset, world_size: int) -> Schedule:
-    num_eval = int(dataset.num_samples * cfg.eval_fraction)
-    num_train = dataset.num_samples - num_eval
-    global_batch = cfg.batch_size * world_size
-    per_epoch = -(-num_train // global_batch)
-    steps = cfg.epochs * per_epoch if cfg.steps is None else min(cfg.steps, cfg.epochs * per_epoch)
-    return Schedule(num_train, global_batch, world_size, steps)
 
 
 def _sum_allreduce_hook(group, bucket):
@@ -250,38 +180,6 @@ def evaluate(cfg, dataset, schedule, embeddings, dense, rank, world_size, device
         local = torch.cat([g[:, :n] for g, n in zip(gathered, counts)], dim=1)
     local = local.cpu()
     return roc_auc(local[0], local[1]), log_loss(local[0], local[1])
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory instead of returning it to the OS after every step.
-
-    Each step allocates and frees the same multi-MB buffers; by default glibc serves them
-    with fresh mmaps and pays a page fault per 4 KiB every time (~10% of a CPU step,
-    bench/RESULTS.md). This is what jemalloc/tcmalloc give PyTorch on CPU. No-op off glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    one_gib = 1 << 30
-    return bool(libc.mallopt(m_mmap_threshold, one_gib)) and bool(libc.mallopt(m_trim_threshold, one_gib))
-
-
-def pin_to_cores(local_rank: int, local_world_size: int) -> set[int] | None:
-    """Give each rank on this host its own slice of the cores it may use.
-
-    With as many ranks as cores, unpinned ranks and their gloo threads migrate and preempt
-    each other, and every collective waits for the slowest: pinning gave +10-20% samples/s
-    at 2 ranks on 2 cores (bench/RESULTS.md). One process, or more ranks than cores: no-op.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    if local_world_size <= 1 or local_world_size > len(cores):
-        return None
-    share = len(cores) // local_world_size
-    mine = set(cores[local_rank * share:(local_rank + 1) * share])
-    os.sched_setaffinity(0, mine)
-    return mine
 
 
 def _device(cfg: TrainConfig) -> torch.device:
