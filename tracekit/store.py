@@ -65,7 +65,8 @@ def _to_array(table: str, field: pa.Field, values: Any) -> pa.Array:
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as e:
         raise ValueError(f"trace table {table!r}, column {field.name!r} ({field.type}): {e}") from e
     if not field.nullable and array.null_count:
-        raise ValueError(f"trace table {table!r}, column {field.name!r}: {array.null_count} null(s) in a required column")
+        nulls = f"{array.null_count} null(s) in a required column"
+        raise ValueError(f"trace table {table!r}, column {field.name!r}: {nulls}")
     return array
 
 
@@ -86,8 +87,9 @@ class RunWriter:
         Bound on rows appended but not yet written. `append` drops a batch that would exceed it
         and counts its rows in `dropped`, so a slow disk never blocks or bloats the training loop.
 
-    Attributes `dropped` and `written` count rows per table; `errors` counts failed writes and
-    `first_error` keeps the first one's message (writes never raise into the caller).
+    `written` counts rows on disk per table; `dropped` counts rows lost per table (queue full, writer
+    closed, or a failed write). `errors` counts failed writes and `first_error` keeps the first
+    one's message: the thread never raises into the caller.
     """
 
     def __init__(
@@ -135,9 +137,10 @@ class RunWriter:
             self._pending.setdefault(table, []).append(batch)
             self._pending_rows += n
             self._queued_rows += n
-            if self._first_pending_at is None:
+            if self._first_pending_at is None:  # the thread now has a deadline to wait for
                 self._first_pending_at = time.monotonic()
-            if self._pending_rows >= self.flush_rows:
+                self._cond.notify_all()
+            elif self._pending_rows >= self.flush_rows:
                 self._cond.notify_all()
 
     def flush(self) -> None:
@@ -214,13 +217,12 @@ class RunWriter:
             if first:
                 self.first_error = f"{table}: {type(error).__name__}: {error}"
         if first:
-            print(f"tracekit: rank {self.rank} could not write {table} rows ({self.first_error}); "
-                      "counting the lost rows and carrying on", file=sys.stderr)
+            message = f"tracekit: rank {self.rank} could not write {table} rows ({self.first_error})"
+            print(f"{message}; counting the lost rows in `dropped` and carrying on", file=sys.stderr)
 
     def _part_index(self, table: str, directory: Path) -> int:
         """The next part number in `directory`; continues after any part files already there."""
         if table not in self._next_part:
-            directory.mkdir(parents=True, exist_ok=True)
             existing = [int(p.stem.removeprefix("part-")) for p in directory.glob("part-*.parquet")
                         if p.stem.removeprefix("part-").isdigit()]
             self._next_part[table] = max(existing, default=-1) + 1
@@ -234,6 +236,7 @@ def write_part(data: pa.Table, directory: Path, index: int) -> Path:
     same directory, renamed into place once complete."""
     final = directory / f"part-{index:05d}.parquet"
     tmp = directory / f".{final.name}.tmp"
+    directory.mkdir(parents=True, exist_ok=True)
     try:
         pq.write_table(data, tmp, compression="zstd")
         os.replace(tmp, final)

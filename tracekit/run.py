@@ -1,0 +1,98 @@
+"""The run store's read side: open a recorded run and read its trace tables with Polars or DuckDB.
+
+    run = open_run("runs/base")
+    run.tables()                                  # ['accesses', 'comms', 'steps']
+    run.scan("comms").group_by("op").agg(pl.col("bytes_out").sum()).collect()
+    run.relation("steps").aggregate("rank, count(*)").fetchall()
+
+Both readers see every rank's part files with `rank` as a column (hive partitioning). Before a
+table is read, each part file's schema version is checked: an unknown major version is refused.
+Polars and DuckDB are imported on first use, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tracekit.errors import SchemaVersionError, TracekitError
+from tracekit.schema import SCHEMA_VERSION, TABLES, VERSION_KEY, major
+from tracekit.store import read_manifest
+
+if TYPE_CHECKING:
+    import duckdb
+    import polars as pl
+
+
+def open_run(path: str | os.PathLike) -> Run:
+    """The run recorded at `path`; RunNotFound if it is not a run directory."""
+    return Run(Path(path))
+
+
+class Run:
+    """A recorded run: its manifest and its trace tables."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.manifest: dict = read_manifest(path)
+        self._checked: set[str] = set()
+
+    def tables(self) -> list[str]:
+        """The trace tables that have at least one part file, in schema order."""
+        return [table for table in TABLES if self._parts(table)]
+
+    def scan(self, table: str) -> pl.LazyFrame:
+        """All ranks' rows of `table` as a Polars LazyFrame, with a `rank` column. Dictionary
+        columns (table_name) read as String, as they do in DuckDB."""
+        import polars as pl
+
+        self._check(table)
+        frame = pl.scan_parquet(self._glob(table), hive_partitioning=True)
+        dictionaries = [f.name for f in TABLES[table] if pa.types.is_dictionary(f.type)]
+        return frame.with_columns(pl.col(dictionaries).cast(pl.String)) if dictionaries else frame
+
+    def relation(self, table: str, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyRelation:
+        """All ranks' rows of `table` as a DuckDB relation on `con` (a new in-memory connection if
+        None), with a `rank` column."""
+        import duckdb
+
+        self._check(table)
+        con = duckdb.connect() if con is None else con
+        return con.read_parquet(self._glob(table), hive_partitioning=True)
+
+    def _glob(self, table: str) -> str:
+        return str(self.path / table / "**" / "*.parquet")
+
+    def _parts(self, table: str) -> list[Path]:
+        return sorted((self.path / table).glob("*/*.parquet"))
+
+    def _check(self, table: str) -> None:
+        """Refuse an unknown or absent table, or part files of a schema major version we do not know."""
+        if table in self._checked:
+            return
+        if table not in TABLES:
+            raise TracekitError(f"unknown trace table {table!r}; the trace tables are {', '.join(TABLES)}")
+        parts = self._parts(table)
+        if not parts:
+            present = ", ".join(self.tables()) or "none"
+            raise TracekitError(f"{self.path} has no {table} table (recorded with --no-{table}?); it has: {present}")
+        for part in parts:
+            check_version(part)
+        self._checked.add(table)
+
+
+def check_version(part: Path) -> None:
+    """Raise SchemaVersionError unless Parquet file `part` was written with our schema major version."""
+    metadata = pq.read_schema(part).metadata or {}
+    version = metadata.get(VERSION_KEY, b"").decode(errors="replace")
+    if not version:
+        raise SchemaVersionError(f"{part} has no {VERSION_KEY.decode()} metadata; it was not written by tracekit")
+    if major(version) != major(SCHEMA_VERSION):
+        raise SchemaVersionError(
+            f"{part} has trace schema version {version}; this tracekit reads version {SCHEMA_VERSION} "
+            f"(major {major(SCHEMA_VERSION)}): use a tracekit that matches the recording"
+        )
