@@ -1,0 +1,208 @@
+"""The embedding collector: which rows of which table each step reads.
+
+`install(writer, clock)` registers two global torch hooks:
+
+- a module forward hook that sees every `nn.Embedding` / `nn.EmbeddingBag` call (other modules
+  return at one isinstance check). Each call's ids are counted with `torch.unique` on their own
+  device; ids equal to the module's `padding_idx` are not lookups and are left out, weighted
+  lookups (`per_sample_weights`) count like any other. When the clock's step ends, the step's
+  exact counts are written as `accesses` rows (step, table_name, row, count). On sampled steps
+  (`step % lookup_every == 0`) every lookup is also written to `lookups` with its `sample` (bag
+  index of an EmbeddingBag, row of a 2-D [B, L] input, dim-0 index of an N-D input, i for the
+  i-th id of a 1-D nn.Embedding input) and `pos` (position in the bag or sequence; padding ids
+  keep their position slot but write no row);
+- a module registration hook that records, weakly, each submodule's parent and attribute name as
+  it is assigned, so a table is named by its dotted path from the outermost module seen, e.g.
+  `tables.a` for `model.tables = nn.ModuleDict({"a": ...})`. The name is fixed at the table's first
+  call. A table whose registration happened before install, or that sits in no module, is named
+  `f"{type(m).__name__}_{k}"` with k counting such tables from 0 in first-call order.
+
+Rows are buffered per step (on the ids' device, unique rows only) and written at the step's end;
+a step not ended by the clock before `uninstall()` writes nothing.
+
+    clock = StepClock()
+    steps_handle = steps.install(writer, clock)
+    handle = embedding.install(writer, clock, lookup_every=10)
+    ...
+    handle.uninstall(); steps_handle.uninstall()
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pyarrow as pa
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from collectors.guard import Guard
+from collectors.steps import StepClock
+from tracekit.store import RunWriter
+
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+class TableNames:
+    """Qualified names of modules, from the (parent, attribute) pairs seen as modules are assigned."""
+
+    def __init__(self) -> None:
+        self._parents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # child -> (ref(parent), attr)
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> name, once asked
+        self._unnamed = 0  # tables named by the fallback so far
+
+    def on_register(self, parent: nn.Module, attr: str, child: nn.Module | None) -> None:
+        if child is not None:
+            self._parents[child] = (weakref.ref(parent), attr)
+
+    def name(self, module: nn.Module) -> str:
+        name = self._names.get(module)
+        if name is None:
+            name = self._names[module] = self._qualified(module)
+        return name
+
+    def _qualified(self, module: nn.Module) -> str:
+        attrs: list[str] = []
+        seen = {id(module)}
+        node = module
+        while node in self._parents:
+            parent, attr = self._parents[node]
+            node = parent()
+            if node is None or id(node) in seen:  # parent collected, or a cycle
+                break
+            seen.add(id(node))
+            attrs.append(attr)
+        if not attrs:
+            name = f"{type(module).__name__}_{self._unnamed}"
+            self._unnamed += 1
+            return name
+        return ".".join(reversed(attrs))
+
+
+def lookup_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ids tensor of an Embedding/EmbeddingBag call, and its offsets (None if not given)."""
+    ids = args[0] if args else kwargs["input"]
+    offsets = None
+    if isinstance(module, nn.EmbeddingBag):
+        offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+    return ids.detach(), offsets
+
+
+def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample, pos) of each id of `ids.reshape(-1)`, as int64 tensors on the ids' device."""
+    n, device = ids.numel(), ids.device
+    if ids.dim() == 1 and offsets is not None:  # bags: ids[offsets[b]:offsets[b + 1]] is bag b
+        index = torch.arange(n, device=device)
+        offsets = offsets.to(device=device, dtype=torch.int64)
+        sample = torch.searchsorted(offsets, index, right=True) - 1
+        return sample, index - offsets[sample]
+    if ids.dim() <= 1:  # one id per sample
+        return torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device)
+    batch = ids.shape[0]
+    length = n // batch if batch else 0
+    sample = torch.arange(batch, device=device).repeat_interleave(length)
+    return sample, torch.arange(length, device=device).repeat(batch)
+
+
+def dictionary_column(value: str, n: int) -> pa.DictionaryArray:
+    """`value` repeated n times, as a dictionary array with one entry."""
+    indices = pa.array(torch.zeros(n, dtype=torch.int32).numpy())
+    return pa.DictionaryArray.from_arrays(indices, pa.array([value]))
+
+
+def merge_counts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum per-call (rows, counts) pairs into one (rows, counts) pair with unique rows."""
+    rows = torch.cat([r for r, _ in parts])
+    counts = torch.cat([c for _, c in parts])
+    if len(parts) == 1:
+        return rows, counts
+    rows, inverse = torch.unique(rows, return_inverse=True)
+    return rows, torch.zeros(rows.numel(), dtype=counts.dtype, device=counts.device).index_add_(0, inverse, counts)
+
+
+class EmbeddingHandle:
+    """The installed embedding collector; `uninstall()` removes every hook it registered."""
+
+    def __init__(self, writer: RunWriter, clock: StepClock, lookup_every: int) -> None:
+        self.writer = writer
+        self.clock = clock
+        self.lookup_every = lookup_every
+        self.guard = Guard("embedding")
+        self.names = TableNames()
+        self._counts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._lookups: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._hooks = [
+            torch_module.register_module_module_registration_hook(self._on_register),
+            torch_module.register_module_forward_hook(self._on_forward, with_kwargs=True),
+        ]
+        clock.add_listener(self)
+
+    def uninstall(self) -> None:
+        global _installed
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.clock.remove_listener(self)
+        self._counts, self._lookups = {}, {}
+        if _installed is self:
+            _installed = None
+
+    def on_step_end(self, step: int) -> None:
+        counts, lookups = self._counts, self._lookups
+        self._counts, self._lookups = {}, {}
+        self.guard.run(self._write, step, counts, lookups)
+
+    def _on_register(self, parent: nn.Module, attr: str, child: nn.Module | None) -> None:
+        self.guard.run(self.names.on_register, parent, attr, child)  # returns None: child unchanged
+
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if isinstance(module, EMBEDDINGS):
+            self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
+
+    def _sampled(self) -> bool:
+        return self.lookup_every > 0 and self.clock.step % self.lookup_every == 0
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids, offsets = lookup_ids(module, args, kwargs)
+        table = self.names.name(module)
+        rows = ids.reshape(-1).to(torch.int64)
+        keep = None if module.padding_idx is None else rows != module.padding_idx
+        rows_kept = rows if keep is None else rows[keep]
+        self._counts.setdefault(table, []).append(torch.unique(rows_kept, return_counts=True))
+        if self._sampled():
+            sample, pos = positions(ids, offsets)
+            if keep is not None:
+                sample, pos = sample[keep], pos[keep]
+            self._lookups.setdefault(table, []).append((sample, pos, rows_kept.clone()))  # ids may be reused
+
+    def _write(self, step: int, counts: dict, lookups: dict) -> None:
+        for table, parts in counts.items():
+            rows, n = merge_counts(parts)
+            self._append("accesses", step, table, {"row": rows, "count": n})
+        for table, parts in lookups.items():
+            sample, pos, rows = (torch.cat(column) for column in zip(*parts))
+            self._append("lookups", step, table, {"sample": sample, "pos": pos, "row": rows})
+
+    def _append(self, table: str, step: int, name: str, columns: dict[str, torch.Tensor]) -> None:
+        n = next(iter(columns.values())).numel()
+        arrays = {key: pa.array(value.cpu().numpy()) for key, value in columns.items()}
+        steps = pa.array(torch.full((n,), step, dtype=torch.int64).numpy())
+        self.writer.append(table, {"step": steps, "table_name": dictionary_column(name, n), **arrays})
+
+
+# The module hooks are process-wide, so the record of them is too: one slot, set by install and
+# cleared by uninstall, makes a second install a no-op.
+_installed: EmbeddingHandle | None = None
+
+
+def install(writer: RunWriter, clock: StepClock, *, lookup_every: int = 10) -> EmbeddingHandle:
+    """Count every embedding lookup per (step, table, row) into `accesses`, and write the raw
+    lookups of every `lookup_every`-th step (0: never) into `lookups`. A second call while
+    installed returns the installed handle unchanged."""
+    global _installed
+    if lookup_every < 0:
+        raise ValueError(f"lookup_every must be >= 0 (0 writes no lookups), got {lookup_every}")
+    if _installed is None:
+        _installed = EmbeddingHandle(writer, clock, lookup_every)
+    return _installed

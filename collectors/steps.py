@@ -1,0 +1,129 @@
+"""The step clock, and the collector that advances it on every optimizer step.
+
+`StepClock` holds the current step (0 first) for every collector of the process. `advance()` ends
+the current step: it writes one `steps` row (if the clock has a writer), tells the listeners
+(`on_step_end(step)`, e.g. the embedding collector writing that step's accesses), then moves to
+the next step. A step runs from the end of the previous one (or the clock's creation) to the
+`advance()` call, timed with `time.monotonic_ns()`.
+
+`install(writer, clock)` attaches `writer` to the clock and registers a global optimizer-step
+post hook that calls `clock.advance()`. Loops without an optimizer (inference) call
+`clock.advance()` themselves; do not do both, or each step is counted twice.
+
+    clock = StepClock()
+    handle = steps.install(writer, clock)
+    ...                                   # train: each optimizer.step() ends a step
+    handle.uninstall()
+
+With several optimizers, only the first one seen to step (while it lives) advances the clock, so
+a dense plus a sparse optimizer still count one step per iteration.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from collectors.guard import Guard
+from tracekit.store import RunWriter
+
+
+class StepListener(Protocol):
+    def on_step_end(self, step: int) -> None:
+        """Called once per step, before the clock moves on; must not raise."""
+
+
+class StepClock:
+    """The process's current step, and who to tell when it ends.
+
+    Parameters
+    ----------
+    writer
+        Where `advance` writes `steps` rows; None writes nothing (set by `install`).
+    """
+
+    def __init__(self, writer: RunWriter | None = None) -> None:
+        self.step = 0
+        self.writer = writer
+        self.guard = Guard("steps")
+        self._listeners: list[StepListener] = []
+        self._t_start_ns = time.monotonic_ns()
+
+    def add_listener(self, listener: StepListener) -> None:
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: StepListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def advance(self, samples: int | None = None, loss: float | torch.Tensor | None = None) -> None:
+        """End the current step. `samples` defaults to 0 (unknown), `loss` to null; a tensor loss is
+        read with float(), which waits for the device (a sync point on CUDA)."""
+        t_end_ns = time.monotonic_ns()
+        if self.writer is not None:
+            self.guard.run(self._write, t_end_ns, samples, loss)
+        for listener in list(self._listeners):
+            listener.on_step_end(self.step)
+        self.step += 1
+        self._t_start_ns = t_end_ns
+
+    def _write(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
+        row = {
+            "step": [self.step],
+            "t_start_ns": [self._t_start_ns],
+            "t_end_ns": [t_end_ns],
+            "samples": [0 if samples is None else int(samples)],
+            "loss": [None if loss is None else float(loss)],
+        }
+        self.writer.append("steps", row)
+
+
+class StepsHandle:
+    """The installed steps collector; `uninstall()` removes the hook and detaches the writer."""
+
+    def __init__(self, writer: RunWriter, clock: StepClock) -> None:
+        self.clock = clock
+        self._previous_writer = clock.writer
+        self._optimizer: weakref.ref | None = None  # the optimizer whose steps count
+        self.guard = Guard("steps")  # the hook's own: a failed write (clock.guard) keeps the clock going
+        self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        clock.writer = writer
+
+    def uninstall(self) -> None:
+        global _installed
+        if self._hook is None:
+            return
+        self._hook.remove()
+        self._hook = None
+        self.clock.writer = self._previous_writer
+        if _installed is self:
+            _installed = None
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.guard.run(self._count, optimizer)
+
+    def _count(self, optimizer: torch.optim.Optimizer) -> None:
+        first = self._optimizer() if self._optimizer is not None else None
+        if first is None:
+            self._optimizer, first = weakref.ref(optimizer), optimizer
+        if optimizer is first:
+            self.clock.advance()
+
+
+# The optimizer hook is process-wide, so the record of it is too: one slot, set by install and
+# cleared by uninstall, makes a second install a no-op.
+_installed: StepsHandle | None = None
+
+
+def install(writer: RunWriter, clock: StepClock) -> StepsHandle:
+    """Advance `clock` on every optimizer step and write its `steps` rows to `writer`. A second
+    call while installed returns the installed handle unchanged (its writer and clock stay)."""
+    global _installed
+    if _installed is None:
+        _installed = StepsHandle(writer, clock)
+    return _installed

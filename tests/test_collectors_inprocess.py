@@ -1,0 +1,222 @@
+"""Tests for the in-process collectors: the step clock and the embedding collector, writing through
+a real RunWriter and read back with open_run."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from collectors import embedding, steps
+from collectors.steps import StepClock
+from tracekit.run import open_run
+from tracekit.store import RunWriter, write_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def global_hook_counts() -> dict[str, int]:
+    """How many global hooks torch holds, by kind. Reads private torch attributes (checked on torch
+    2.13): the public API can register these hooks but not list them."""
+    import torch.nn.modules.module as m
+    import torch.optim.optimizer as o
+
+    return {
+        "optimizer_post": len(o._global_optimizer_post_hooks),
+        "forward": len(m._global_forward_hooks),
+        "forward_pre": len(m._global_forward_pre_hooks),
+        "module_registration": len(m._global_module_registration_hooks),
+    }
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleDict({"a": nn.EmbeddingBag(100, 4, mode="sum"), "b": nn.Embedding(50, 4, padding_idx=0)})
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, a_ids, a_offsets, a_weights, b_ids):
+        pooled = self.tables["a"](a_ids, a_offsets, per_sample_weights=a_weights)
+        return self.head(torch.cat([pooled, self.tables["b"](b_ids).sum(1)], dim=1))
+
+
+def make_batches(steps: int, batch: int = 4, seed: int = 0) -> list[tuple]:
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 5, (batch,), generator=g)  # includes empty bags
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+        a_ids = torch.randint(0, 100, (int(lengths.sum()),), generator=g)
+        b_ids = torch.randint(0, 8, (batch, 3), generator=g)  # 0 is the padding id
+        batches.append((a_ids, offsets, torch.rand(a_ids.numel(), generator=g), b_ids))
+    return batches
+
+
+def train(model: nn.Module, batches: list[tuple]) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    for batch in batches:
+        optimizer.zero_grad()
+        out = model(*batch)
+        out.pow(2).mean().backward()
+        optimizer.step()
+        outputs.append(out.detach().clone())
+    return outputs
+
+
+def expected_rows(batches: list[tuple], lookup_every: int) -> tuple[Counter, list[tuple]]:
+    """accesses as Counter[(step, table, row)] and lookups as sorted (step, table, sample, pos, row),
+    from the fed ids with plain Python."""
+    counts: Counter = Counter()
+    lookups = []
+    for step, (a_ids, offsets, _, b_ids) in enumerate(batches):
+        ends = offsets.tolist()[1:] + [a_ids.numel()]
+        for bag, (start, end) in enumerate(zip(offsets.tolist(), ends)):
+            for pos in range(end - start):
+                row = int(a_ids[start + pos])
+                counts[(step, "tables.a", row)] += 1
+                lookups.append((step, "tables.a", bag, pos, row))
+        for sample, seq in enumerate(b_ids.tolist()):
+            for pos, row in enumerate(seq):
+                if row != 0:
+                    counts[(step, "tables.b", row)] += 1
+                    lookups.append((step, "tables.b", sample, pos, row))
+    return counts, sorted(x for x in lookups if x[0] % lookup_every == 0)
+
+
+@pytest.fixture
+def recording(tmp_path):
+    """A writer, a clock and both collectors installed (lookup_every=2); uninstalled afterwards."""
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock()
+    handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=2)]
+    yield writer, clock, handles
+    for handle in reversed(handles):
+        handle.uninstall()
+    writer.close()
+
+
+def read(run_dir: Path, table: str) -> list[tuple]:
+    write_manifest(run_dir, {"status": "completed"})
+    return sorted(open_run(run_dir).scan(table).drop("rank").collect().rows())
+
+
+def test_accesses_and_steps_match_the_fed_ids(recording, tmp_path):
+    writer, clock, _ = recording
+    batches = make_batches(5)
+    train(Model(), batches)
+    writer.close()
+    counts, _ = expected_rows(batches, lookup_every=2)
+    accesses = read(tmp_path, "accesses")
+    assert Counter({(s, t, r): c for s, t, r, c in accesses}) == counts
+    assert len(accesses) == len(counts)  # one row per (step, table, row)
+    assert [row[0] for row in read(tmp_path, "steps")] == [0, 1, 2, 3, 4]
+    assert clock.step == 5
+
+
+def test_lookups_are_written_on_sampled_steps_only(recording, tmp_path):
+    writer, _, _ = recording
+    batches = make_batches(5)
+    train(Model(), batches)
+    writer.close()
+    _, lookups = expected_rows(batches, lookup_every=2)
+    rows = read(tmp_path, "lookups")
+    assert {row[0] for row in rows} == {0, 2, 4}
+    assert rows == lookups
+
+
+def test_second_install_is_a_no_op_and_uninstall_restores(tmp_path):
+    before = global_hook_counts()
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock()
+    step_handle = steps.install(writer, clock)
+    embedding_handle = embedding.install(writer, clock)
+    installed = global_hook_counts()
+    assert steps.install(writer, clock) is step_handle
+    assert embedding.install(writer, clock) is embedding_handle
+    assert global_hook_counts() == installed != before
+
+    train(Model(), make_batches(2))
+    embedding_handle.uninstall()
+    step_handle.uninstall()
+    assert global_hook_counts() == before
+    train(Model(), make_batches(3))  # after uninstall: nothing more is written
+    writer.close()
+    assert [row[0] for row in read(tmp_path, "steps")] == [0, 1]
+    assert {row[0] for row in read(tmp_path, "accesses")} == {0, 1}
+    assert clock.step == 2
+
+
+def test_importing_the_collectors_registers_nothing():
+    # in a fresh interpreter: this test module has imported the collectors already
+    code = inspect.getsource(global_hook_counts) + (
+        "import json, torch\n"
+        "before = global_hook_counts()\n"
+        "import collectors.steps, collectors.embedding\n"
+        "print(json.dumps([before, global_hook_counts()]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    before, after = json.loads(r.stdout)
+    assert before == after
+
+
+class FailingWriter:
+    def append(self, table, columns):
+        raise OSError("disk full")
+
+
+def test_a_failing_writer_does_not_change_training(capsys):
+    batches = make_batches(5)
+    torch.manual_seed(0)
+    untraced = train(Model(), batches)
+
+    clock = StepClock()
+    handles = [steps.install(FailingWriter(), clock), embedding.install(FailingWriter(), clock, lookup_every=1)]
+    try:
+        torch.manual_seed(0)
+        traced = train(Model(), batches)
+    finally:
+        for handle in reversed(handles):
+            handle.uninstall()
+
+    assert all(torch.equal(a, b) for a, b in zip(traced, untraced))
+    assert clock.step == 5  # the clock keeps counting after its writes fail
+    assert (clock.guard.errors, handles[1].guard.errors) == (1, 1)
+    assert not handles[1].guard.enabled and handles[1].guard.dropped > 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("OSError: disk full" in line for line in lines), lines
+
+
+def test_positions_of_bags_and_sequences():
+    # 1-D ids with offsets (include_last_offset style, with an empty bag 1)
+    sample, pos = embedding.positions(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 2, 2, 4]))
+    assert sample.tolist() == [0, 0, 2, 2] and pos.tolist() == [0, 1, 0, 1]
+    sample, pos = embedding.positions(torch.tensor([[1, 2, 3], [4, 5, 6]]), None)  # [B, L]
+    assert sample.tolist() == [0, 0, 0, 1, 1, 1] and pos.tolist() == [0, 1, 2, 0, 1, 2]
+    sample, pos = embedding.positions(torch.tensor([9, 9]), None)  # 1-D nn.Embedding input
+    assert sample.tolist() == [0, 1] and pos.tolist() == [0, 0]
+
+
+def test_tables_outside_a_model_get_a_fallback_name(tmp_path):
+    early = nn.Embedding(10, 2)  # created before install: its parent is never seen
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock(writer)
+    handle = embedding.install(writer, clock, lookup_every=0)
+    try:
+        late = nn.EmbeddingBag(10, 2)
+        early(torch.tensor([1, 1]))
+        late(torch.tensor([[3, 4]]))
+        clock.advance()
+    finally:
+        handle.uninstall()
+    writer.close()
+    assert read(tmp_path, "accesses") == [(0, "EmbeddingBag_1", 3, 1), (0, "EmbeddingBag_1", 4, 1),
+                                          (0, "Embedding_0", 1, 2)]
