@@ -6,6 +6,9 @@ Heavy modules (torch, duckdb, polars, plotly) are imported inside commands, so
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import click
 
 from tracekit import __version__
@@ -15,6 +18,43 @@ from tracekit import __version__
 @click.version_option(__version__, prog_name="tracekit")
 def cli() -> None:
     """Trace-driven profiling and analysis of distributed recommendation-model training."""
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.option("-o", "--output", "run_dir", type=click.Path(path_type=Path), default=None,
+              help="Run directory (default: runs/<timestamp>-<script>).")
+@click.option("--force", is_flag=True, help="Replace a non-empty run directory.")
+@click.option("--lookup-every", type=click.IntRange(min=0), default=10, show_default=True,
+              envvar="TRACEKIT_LOOKUP_EVERY", help="Write raw per-sample lookups every N steps (0: never).")
+@click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Seconds between flushes of each rank's trace rows to Parquet.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def record(run_dir: Path | None, force: bool, lookup_every: int, flush_interval: float,
+           command: tuple[str, ...]) -> None:
+    """Run COMMAND with the collectors injected; keep a trace of it.
+
+    Every embedding lookup (exact counts per step and row) and every optimizer step of
+    every Python process that trains is written to Parquet under the run directory,
+    with a manifest finalised when COMMAND ends. Exits with COMMAND's exit code.
+
+    \b
+    Example:
+      tracekit record -o runs/base -- torchrun --standalone --nproc-per-node 2 train.py --steps 300
+    """
+    import datetime
+
+    from tracekit import recording
+
+    command = list(command)
+    run_dir = run_dir or recording.default_run_dir(command, datetime.datetime.now())
+    try:
+        recording.check_command(command)
+        recording.prepare_run_dir(run_dir, force=force)
+    except recording.RecordError as err:
+        raise click.UsageError(str(err)) from None
+    click.echo(f"tracekit: recording into {run_dir}", err=True)
+    code = recording.record(command, run_dir, lookup_every=lookup_every, flush_interval_s=flush_interval)
+    sys.exit(code)
 
 
 def main() -> None:

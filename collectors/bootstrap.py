@@ -1,0 +1,97 @@
+"""Starts the collectors inside a process that `tracekit record` launched, lazily.
+
+`arm()` (called from collectors/site/sitecustomize.py) watches for the first `import torch`.
+Only then, and only in a process that trains (not the torchrun launcher), does `activate()` open
+this rank's RunWriter and install the step and embedding collectors. At exit it closes the
+writer and leaves `ranks/rank=R.json` with what the rank wrote, dropped and failed, for the
+manifest. Settings come from TRACEKIT_* variables, read here once into `Settings`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    run_dir: Path
+    rank: int
+    lookup_every: int
+    flush_interval_s: float
+
+    @staticmethod
+    def from_env(env: dict) -> "Settings":
+        return Settings(run_dir=Path(env["TRACEKIT_RUN_DIR"]), rank=int(env.get("RANK", 0)),
+                        lookup_every=int(env.get("TRACEKIT_LOOKUP_EVERY", 10)),
+                        flush_interval_s=float(env.get("TRACEKIT_FLUSH_INTERVAL_S", 1.0)))
+
+
+def is_launcher(argv: list[str]) -> bool:
+    """torchrun (or python -m torch.distributed.run) only starts workers: nothing to trace."""
+    first = os.path.basename(argv[0]) if argv else ""
+    return first == "torchrun" or argv[0].endswith(os.path.join("torch", "distributed", "run.py"))
+
+
+class _TorchImportWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; when `torch` is first imported, runs `activate` right after it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            activate(Settings.from_env(os.environ))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def arm() -> None:
+    if is_launcher(sys.argv):
+        return
+    if "torch" in sys.modules:
+        activate(Settings.from_env(os.environ))
+    elif not any(isinstance(f, _TorchImportWatcher) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchImportWatcher())
+
+
+def activate(settings: Settings) -> None:
+    """Install the collectors in this process, once."""
+    from collectors import embedding, steps
+    from tracekit.store import RunWriter
+
+    if getattr(activate, "done", False):
+        return
+    activate.done = True
+    writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s)
+    clock = steps.StepClock()
+    handles = [steps.install(writer, clock),
+               embedding.install(writer, clock, lookup_every=settings.lookup_every)]
+
+    def finish() -> None:
+        for handle in reversed(handles):
+            handle.uninstall()
+        writer.close()
+        report = {"rank": settings.rank, "pid": os.getpid(), "steps": clock.step,
+                  "written_rows": dict(writer.written), "dropped_rows": dict(writer.dropped),
+                  "errors": writer.errors, "settings": {**asdict(settings), "run_dir": str(settings.run_dir)}}
+        path = settings.run_dir / "ranks" / f"rank={settings.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(report, sort_keys=True, indent=2))
+        os.replace(tmp, path)
+
+    atexit.register(finish)
