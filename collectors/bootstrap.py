@@ -2,7 +2,7 @@
 
 `arm()` (called from collectors/site/sitecustomize.py) watches for the first `import torch`.
 Only then, and only in a process that trains (not the torchrun launcher), does `activate()` open
-this rank's RunWriter and install the step and embedding collectors. At exit it closes the
+this rank's RunWriter and install the step, embedding and comm collectors. At exit it closes the
 writer and leaves `ranks/rank=R.json` with what the rank wrote, dropped and failed, for the
 manifest. Settings come from TRACEKIT_* variables, read here once into `Settings`.
 """
@@ -70,7 +70,7 @@ def arm() -> None:
 
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
-    from collectors import embedding, steps
+    from collectors import comm, embedding, steps
     from tracekit.store import RunWriter
 
     if getattr(activate, "done", False):
@@ -79,7 +79,8 @@ def activate(settings: Settings) -> None:
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s)
     clock = steps.StepClock()
     handles = [steps.install(writer, clock),
-               embedding.install(writer, clock, lookup_every=settings.lookup_every)]
+               embedding.install(writer, clock, lookup_every=settings.lookup_every),
+               comm.install(writer, clock)]
 
     def finish() -> None:
         for handle in reversed(handles):

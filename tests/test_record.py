@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import polars as pl
 import pytest
 from click.testing import CliRunner
 
@@ -91,3 +92,29 @@ def test_bad_invocations_are_refused_with_one_line(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "command not found: no-such-command-xyz" in r.output, r.output
     r = runner.invoke(cli, ["record", "--frobnicate", "--", "true"])
     assert r.exit_code == 2 and "No such option" in r.output, r.output
+
+
+@pytest.mark.slow
+def test_collectives_are_recorded_with_exact_bytes(tmp_path: Path) -> None:
+    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(REPO / "train.py"), *TINY)
+    assert code == 0
+    comms = open_run(run_dir).scan("comms").collect()
+    a2a = comms.filter(comms["op"] == "all_to_all_single").sort("rank", "seq")
+    per_rank = [a2a.filter(a2a["rank"] == r).to_dicts() for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 4 * 4  # lengths, ids, pooled fwd, pooled bwd
+    for mine, theirs in zip(*per_rank):  # the k-th all-to-all of rank 0 pairs with rank 1's
+        assert mine["step"] == theirs["step"]
+        assert mine["splits_out"][1] == theirs["splits_in"][0] and mine["splits_in"][1] == theirs["splits_out"][0]
+    # table-wise, 2 tables per rank, 32 samples per rank, pooling 3, dim 8:
+    # lengths int32 2*32*4, ids int64 2*32*3*8, pooled rows float32 2*32*8*4 to each peer
+    implied = [[256, 256], [1536, 1536], [2048, 2048], [2048, 2048]]
+    for rows in per_rank:
+        assert [r["splits_out"] for r in rows[:4]] == implied
+    from tracekit.dlrm.model import DenseArch
+    dense_bytes = 4 * sum(p.numel() for p in DenseArch(13, [16, 8], [16, 1], 4).parameters())
+    ddp = comms.filter(comms["tag"] == "_sum_allreduce_hook")
+    for r in (0, 1):
+        steps = ddp.filter(pl.col("rank") == r).group_by("step").agg(pl.col("bytes_out").sum()).sort("step")
+        assert steps["step"].to_list() == [0, 1, 2, 3] and set(steps["bytes_out"].to_list()) == {dense_bytes}
+    assert (comms["t_end_ns"] >= comms["t_start_ns"]).all()

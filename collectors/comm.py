@@ -1,0 +1,168 @@
+"""The comm collector: every torch.distributed collective and point-to-point call of a rank.
+
+`install(writer, clock)` wraps the public functions of `torch.distributed` (and the same
+functions in `torch.distributed.distributed_c10d`, which torch's own modules call). Each call
+becomes one `comms` row: op, group, dtype, bytes out and in, bytes per peer for all-to-all and
+point-to-point, start time, completion time and a tag. Completion of an async call is taken
+from its Work future, not from the call's return. Rows are buffered and written when the step
+ends. DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
+reference trainer's); DDP's built-in C++ all-reduce is not (a dispatch-level hook would be).
+
+The tag is the calling function's qualified name (e.g. `_AllToAll.forward`,
+`_sum_allreduce_hook`), until `tracekit.label()` lands.
+
+Splits of an all-to-all, two ranks, rank 0 sending 3 rows of 8 bytes to itself and 1 to rank 1
+(input_split_sizes [3, 1]) and receiving 2 from rank 1: splits_out [24, 8], splits_in [24, 16].
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from collectors.guard import Guard
+from collectors.steps import StepClock
+from tracekit.store import RunWriter
+
+OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
+       "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "send", "recv", "isend", "irecv")
+COLUMNS = ("step", "seq", "op", "group", "group_size", "dtype", "bytes_out", "bytes_in", "splits_out",
+           "splits_in", "t_start_ns", "t_end_ns", "tag", "async")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _split_bytes(t: torch.Tensor, sizes: list[int] | None, world: int) -> list[int]:
+    row = _nbytes(t) // t.shape[0] if t.dim() and t.shape[0] else 0
+    if sizes is None or len(sizes) == 0:
+        return [_nbytes(t) // world] * world
+    return [int(s) * row for s in sizes]
+
+
+def describe(op: str, args: inspect.BoundArguments, group_size: int, rank: int) -> dict:
+    """dtype, bytes and per-peer bytes of one call (the row minus step, times and tag)."""
+    a = args.arguments
+    if op == "all_to_all_single":
+        out = _split_bytes(a["input"], a.get("input_split_sizes"), group_size)
+        inn = _split_bytes(a["output"], a.get("output_split_sizes"), group_size)
+        return dict(dtype=str(a["input"].dtype), bytes_out=sum(out), bytes_in=sum(inn), splits_out=out, splits_in=inn)
+    if op == "all_to_all":
+        out = [_nbytes(t) for t in a["input_tensor_list"]]
+        inn = [_nbytes(t) for t in a["output_tensor_list"]]
+        return dict(dtype=str(a["input_tensor_list"][0].dtype), bytes_out=sum(out), bytes_in=sum(inn),
+                    splits_out=out, splits_in=inn)
+    if op in ("send", "isend", "recv", "irecv"):
+        n, peers = _nbytes(a["tensor"]), [0] * group_size
+        peer = a.get("dst") if op in ("send", "isend") else a.get("src")
+        if peer is not None and 0 <= peer < group_size:
+            peers[peer] = n
+        sending = op in ("send", "isend")
+        return dict(dtype=str(a["tensor"].dtype), bytes_out=n if sending else 0, bytes_in=0 if sending else n,
+                    splits_out=peers if sending else [], splits_in=[] if sending else peers)
+    if op == "barrier":
+        return dict(dtype="", bytes_out=0, bytes_in=0, splits_out=[], splits_in=[])
+    if op == "all_gather":
+        t = a["tensor"]
+        return dict(dtype=str(t.dtype), bytes_out=_nbytes(t), bytes_in=sum(_nbytes(x) for x in a["tensor_list"]),
+                    splits_out=[], splits_in=[])
+    if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        return dict(dtype=str(a["input_tensor"].dtype), bytes_out=_nbytes(a["input_tensor"]),
+                    bytes_in=_nbytes(a["output_tensor"]), splits_out=[], splits_in=[])
+    t = a["tensor"]  # all_reduce, broadcast, reduce: the logical buffer, whatever the algorithm
+    return dict(dtype=str(t.dtype), bytes_out=_nbytes(t), bytes_in=_nbytes(t), splits_out=[], splits_in=[])
+
+
+class CommHandle:
+    def __init__(self, writer: RunWriter, clock: StepClock) -> None:
+        self.writer, self.clock = writer, clock
+        self.guard = Guard("comm")
+        self.seq = 0
+        self.rows: list[dict] = []
+        self.lock = threading.Lock()  # async completions append from the backend's thread
+        self.originals: dict[tuple[Any, str], Callable] = {}
+        for module in (dist, c10d):
+            for op in OPS:
+                fn = getattr(module, op, None)
+                if fn is not None:
+                    self.originals[(module, op)] = fn
+                    setattr(module, op, self._wrap(op, fn))
+        clock.add_listener(self)
+
+    def _wrap(self, op: str, fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            t_start = time.monotonic_ns()
+            result = fn(*args, **kwargs)
+            self.guard.run(self._record, op, signature, args, kwargs, result, t_start, sys._getframe(1))
+            return result
+
+        traced.__wrapped_by_tracekit__ = True
+        return traced
+
+    def _record(self, op, signature, args, kwargs, result, t_start, caller) -> None:
+        bound = signature.bind(*args, **kwargs)
+        group = bound.arguments.get("group")
+        pg = group if group is not None else c10d._get_default_group()
+        size = dist.get_world_size(pg)
+        row = dict(step=self.clock.step, op=op, group=str(getattr(pg, "group_name", "") or "default"),
+                   group_size=size, tag=caller.f_code.co_qualname,
+                   **describe(op, bound, size, dist.get_rank(pg)), t_start_ns=t_start)
+        with self.lock:
+            row["seq"] = self.seq
+            self.seq += 1
+        is_work = result is not None and hasattr(result, "get_future")
+        row["async"] = bool(is_work)
+        if not is_work:
+            row["t_end_ns"] = time.monotonic_ns()
+            self._keep(row)
+            return
+        result.get_future().then(lambda fut: self._complete(row))
+
+    def _complete(self, row: dict) -> None:
+        row["t_end_ns"] = time.monotonic_ns()
+        self._keep(row)
+
+    def _keep(self, row: dict) -> None:
+        with self.lock:
+            self.rows.append(row)
+
+    def on_step_end(self, step: int) -> None:
+        self.guard.run(self._flush)
+
+    def _flush(self) -> None:
+        with self.lock:
+            rows, self.rows = self.rows, []
+        if rows:
+            rows.sort(key=lambda r: r["seq"])
+            self.writer.append("comms", {c: [r[c] for r in rows] for c in COLUMNS})
+
+    def uninstall(self) -> None:
+        global _installed
+        for (module, op), fn in self.originals.items():
+            setattr(module, op, fn)
+        self.clock.remove_listener(self)
+        self.guard.run(self._flush)
+        _installed = None
+
+
+_installed: CommHandle | None = None  # the wrapped functions are process-wide, so is their record
+
+
+def install(writer: RunWriter, clock: StepClock) -> CommHandle:
+    """Record every collective of this process; a second call returns the installed handle."""
+    global _installed
+    if _installed is None:
+        _installed = CommHandle(writer, clock)
+    return _installed
