@@ -118,3 +118,49 @@ def test_collectives_are_recorded_with_exact_bytes(tmp_path: Path) -> None:
         steps = ddp.filter(pl.col("rank") == r).group_by("step").agg(pl.col("bytes_out").sum()).sort("step")
         assert steps["step"].to_list() == [0, 1, 2, 3] and set(steps["bytes_out"].to_list()) == {dense_bytes}
     assert (comms["t_end_ns"] >= comms["t_start_ns"]).all()
+
+
+KILL_SCRIPT = """
+import os, signal, sys, time, torch
+model = torch.nn.EmbeddingBag(100, 4, mode="sum")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1000):
+    model(torch.tensor([step % 100, 7]), torch.tensor([0])).sum().backward()
+    opt.step()
+    if step == 40:
+        time.sleep(0.6)  # past two flush intervals: steps 0..39 are on disk
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_process_leaves_readable_files_and_a_failed_manifest(tmp_path: Path) -> None:
+    code, run_dir = record(tmp_path, sys.executable, "-c", KILL_SCRIPT)
+    assert code == 128 + 9
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["status"], manifest["exit_code"]) == ("failed", -9)
+    steps = open_run(run_dir).scan("steps").collect()["step"].to_list()
+    assert set(range(40)) <= set(steps), steps  # everything flushed before the kill
+    accesses = open_run(run_dir).scan("accesses").collect()
+    assert accesses.filter(pl.col("step") < 40)["count"].sum() == 2 * 40
+    assert not list(run_dir.rglob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_marks_the_run_interrupted(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--",
+                             sys.executable, str(REPO / "train.py"), *TINY[:-2], "--steps", "100000",
+                             "--log-every", "10"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("step 20/"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+    assert proc.wait(timeout=60) == 130
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted", manifest
+    assert len(open_run(run_dir).scan("steps").collect()) >= 20
