@@ -57,6 +57,7 @@ def test_single_process_trainer_is_recorded_exactly(tmp_path: Path) -> None:
     assert recorded_accesses(run_dir) == expected_accesses(1, 4)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert (manifest["status"], manifest["exit_code"], manifest["ranks"]) == ("completed", 0, [0])
+    assert manifest["gpu"]["samples"] is False and manifest["gpu"]["reason"]  # says why: no sampler yet / no GPU
     steps = open_run(run_dir).scan("steps").collect()
     assert steps["step"].to_list() == [0, 1, 2, 3]
 

@@ -75,7 +75,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, flush_interv
         "command": command, "cwd": os.getcwd(), "started_at": started.isoformat(), "ended_at": None,
         "status": STATUS_RUNNING, "exit_code": None, "hosts": [socket.gethostname()],
         "devices": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "torch_version": _version("torch"), "collector_settings": settings,
+        "torch_version": _version("torch"), "collector_settings": settings, "gpu": gpu_status(),
         "environment": {k: v for k, v in os.environ.items() if k in ENV_ALLOW or k.startswith("TRACEKIT_")},
     }
     write_manifest(run_dir, manifest)
@@ -113,6 +113,26 @@ def finalise(run_dir: Path, code: int, interrupted: bool) -> dict:
 
 def read_rank_report(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def gpu_status() -> dict:
+    """Whether NVML sees a GPU here; where it does not, why there will be no `gpu` samples."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+        finally:
+            pynvml.nvmlShutdown()
+    except ImportError:
+        return {"devices": [], "samples": False, "reason": "nvidia-ml-py is not installed"}
+    except Exception as err:  # pynvml.NVMLError and its subclasses, e.g. no driver library
+        return {"devices": [], "samples": False, "reason": f"NVML unavailable: {err}"}
+    names = [n.decode() if isinstance(n, bytes) else n for n in names]
+    return {"devices": names, "samples": False,
+            "reason": "GPU found; the NVML sampler is not built yet" if names else "NVML found no GPU"}
 
 
 def _version(dist: str) -> str | None:
