@@ -68,6 +68,15 @@ def arm() -> None:
         sys.meta_path.insert(0, _TorchImportWatcher())
 
 
+_clock = None  # this process's step clock once activated: the process is traced once
+
+
+def advance_step(samples: int | None, loss: float | None) -> None:
+    """`tracekit.step()`: end the current step (only once the collectors are active)."""
+    if _clock is not None:
+        _clock.advance(samples=samples, loss=loss)
+
+
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
     from collectors import comm, embedding, steps
@@ -76,8 +85,9 @@ def activate(settings: Settings) -> None:
     if getattr(activate, "done", False):
         return
     activate.done = True
+    global _clock
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s)
-    clock = steps.StepClock()
+    clock = _clock = steps.StepClock()
     handles = [steps.install(writer, clock),
                embedding.install(writer, clock, lookup_every=settings.lookup_every),
                comm.install(writer, clock)]

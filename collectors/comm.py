@@ -8,8 +8,10 @@ from its Work future, not from the call's return. Rows are buffered and written 
 ends. DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
 reference trainer's); DDP's built-in C++ all-reduce is not (a dispatch-level hook would be).
 
-The tag is the calling function's qualified name (e.g. `_AllToAll.forward`,
-`_sum_allreduce_hook`), until `tracekit.label()` lands.
+The tag is the innermost `tracekit.label(name)` around the call, else `ddp_bucket_<i>` for DDP's
+gradient buckets, else the calling function's qualified name (e.g. `_AllToAll.forward`).
+A DDP model that registers no comm hook of its own gets, at its first forward, a Python hook that
+does what DDP's built-in one does (average each bucket with one all-reduce), so its traffic is seen.
 
 Splits of an all-to-all, two ranks, rank 0 sending 3 rows of 8 bytes to itself and 1 to rank 1
 (input_split_sizes [3, 1]) and receiving 2 from rank 1: splits_out [24, 8], splits_in [24, 16].
@@ -27,9 +29,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.nn.parallel import DistributedDataParallel
 
 from collectors.guard import Guard
 from collectors.steps import StepClock
+from tracekit.labels import current_label, label
 from tracekit.store import RunWriter
 
 OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
@@ -96,6 +100,8 @@ class CommHandle:
                 if fn is not None:
                     self.originals[(module, op)] = fn
                     setattr(module, op, self._wrap(op, fn))
+        self.ddp_forward = DistributedDataParallel.forward
+        DistributedDataParallel.forward = _hooking_forward(self.ddp_forward)
         clock.add_listener(self)
 
     def _wrap(self, op: str, fn: Callable) -> Callable:
@@ -117,7 +123,7 @@ class CommHandle:
         pg = group if group is not None else c10d._get_default_group()
         size = dist.get_world_size(pg)
         row = dict(step=self.clock.step, op=op, group=str(getattr(pg, "group_name", "") or "default"),
-                   group_size=size, tag=caller.f_code.co_qualname,
+                   group_size=size, tag=current_label.get() or caller.f_code.co_qualname,
                    **describe(op, bound, size, dist.get_rank(pg)), t_start_ns=t_start)
         with self.lock:
             row["seq"] = self.seq
@@ -152,9 +158,37 @@ class CommHandle:
         global _installed
         for (module, op), fn in self.originals.items():
             setattr(module, op, fn)
+        DistributedDataParallel.forward = self.ddp_forward
         self.clock.remove_listener(self)
         self.guard.run(self._flush)
         _installed = None
+
+
+def _average_bucket_hook(process_group, bucket):
+    """DDP's default behaviour as a Python comm hook: average the bucket over the group."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    with label(f"ddp_bucket_{bucket.index()}"):
+        tensor = bucket.buffer().div_(dist.get_world_size(group))
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _has_comm_hook(ddp: DistributedDataParallel) -> bool:
+    """Whether the model registered a comm hook. Reads DDP's private `_comm_hooks` list (checked on
+    torch 2.13); if it ever disappears, assume a hook exists, so the model is left untouched."""
+    return bool(getattr(ddp, "_comm_hooks", True))
+
+
+def _hooking_forward(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def traced_forward(self, *args, **kwargs):
+        if not getattr(self, "_tracekit_checked", False):
+            self._tracekit_checked = True
+            if not _has_comm_hook(self):
+                self.register_comm_hook(None, _average_bucket_hook)
+        return forward(self, *args, **kwargs)
+
+    return traced_forward
 
 
 _installed: CommHandle | None = None  # the wrapped functions are process-wide, so is their record

@@ -165,3 +165,48 @@ def test_ctrl_c_marks_the_run_interrupted(tmp_path: Path) -> None:
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "interrupted", manifest
     assert len(open_run(run_dir).scan("steps").collect()) >= 20
+
+
+USER_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+emb = torch.nn.EmbeddingBag(1000, 8, mode="sum")
+head = DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(list(emb.parameters()) + list(head.parameters()), lr=0.1)
+send, recv = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+for step in range(5):
+    ids = torch.arange(step * 8, step * 8 + 8) + rank * 100
+    pooled = emb(ids, torch.tensor([0, 2, 4, 6]))
+    out = torch.empty(sum(recv), 8)
+    dist.all_to_all_single(out, pooled.detach(), recv, send)
+    (head(pooled).sum() + out.sum() * 0).backward()
+    opt.step()
+    opt.zero_grad()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_user_script_is_recorded_without_changing_it(tmp_path: Path) -> None:
+    script = tmp_path / "user_train.py"
+    script.write_text(USER_SCRIPT)
+    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script))
+    assert code == 0
+    run = open_run(run_dir)
+    accesses = run.scan("accesses").collect()
+    for r in (0, 1):
+        mine = accesses.filter(pl.col("rank") == r)
+        assert set(mine["table_name"]) == {"EmbeddingBag_0"}
+        expected = {(s, s * 8 + i + r * 100) for s in range(5) for i in range(8)}
+        assert set(zip(mine["step"], mine["row"])) == expected and set(mine["count"]) == {1}
+    comms = run.scan("comms").collect()
+    a2a = comms.filter(pl.col("op") == "all_to_all_single").sort("rank", "step")
+    assert a2a.filter(pl.col("rank") == 0)["splits_out"].to_list() == [[32, 96]] * 5  # 8 floats a row
+    assert a2a.filter(pl.col("rank") == 1)["splits_in"].to_list() == [[96, 64]] * 5
+    ddp = comms.filter(pl.col("tag") == "ddp_bucket_0")
+    assert len(ddp) == 10 and set(ddp["bytes_out"]) == {(8 + 1) * 4}  # Linear(8, 1): 9 floats
