@@ -105,12 +105,6 @@ def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Te
     return sample, torch.arange(length, device=device).repeat(batch)
 
 
-def dictionary_column(value: str, n: int) -> pa.DictionaryArray:
-    """`value` repeated n times, as a dictionary array with one entry."""
-    indices = pa.array(torch.zeros(n, dtype=torch.int32).numpy())
-    return pa.DictionaryArray.from_arrays(indices, pa.array([value]))
-
-
 def merge_counts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum per-call (rows, counts) pairs into one (rows, counts) pair with unique rows."""
     rows = torch.cat([r for r, _ in parts])
@@ -177,18 +171,28 @@ class EmbeddingHandle:
             self._lookups.setdefault(table, []).append((sample, pos, rows_kept.clone()))  # ids may be reused
 
     def _write(self, step: int, counts: dict, lookups: dict) -> None:
-        for table, parts in counts.items():
-            rows, n = merge_counts(parts)
-            self._append("accesses", step, table, {"row": rows, "count": n})
-        for table, parts in lookups.items():
-            sample, pos, rows = (torch.cat(column) for column in zip(*parts))
-            self._append("lookups", step, table, {"sample": sample, "pos": pos, "row": rows})
+        """One append per trace table per step, every table's rows together."""
+        if counts:
+            merged = {table: merge_counts(parts) for table, parts in counts.items()}
+            self._append("accesses", step, list(merged), {
+                "row": [rows for rows, _ in merged.values()],
+                "count": [n.to(torch.int32) for _, n in merged.values()]})
+        if lookups:
+            joined = {table: [torch.cat(column) for column in zip(*parts)] for table, parts in lookups.items()}
+            self._append("lookups", step, list(joined), {
+                "sample": [c[0].to(torch.int32) for c in joined.values()],
+                "pos": [c[1].to(torch.int32) for c in joined.values()],
+                "row": [c[2] for c in joined.values()]})
 
-    def _append(self, table: str, step: int, name: str, columns: dict[str, torch.Tensor]) -> None:
-        n = next(iter(columns.values())).numel()
-        arrays = {key: pa.array(value.cpu().numpy()) for key, value in columns.items()}
+    def _append(self, trace_table: str, step: int, names: list[str], columns: dict[str, list[torch.Tensor]]) -> None:
+        """Rows of several tables at once: `columns[key][i]` holds table `names[i]`'s values."""
+        sizes = torch.tensor([part.numel() for part in next(iter(columns.values()))])
+        n = int(sizes.sum())
+        which = torch.repeat_interleave(torch.arange(len(names), dtype=torch.int32), sizes)
+        table_name = pa.DictionaryArray.from_arrays(pa.array(which.numpy()), pa.array(names))
+        arrays = {key: pa.array(torch.cat(parts).cpu().numpy()) for key, parts in columns.items()}
         steps = pa.array(torch.full((n,), step, dtype=torch.int64).numpy())
-        self.writer.append(table, {"step": steps, "table_name": dictionary_column(name, n), **arrays})
+        self.writer.append(trace_table, {"step": steps, "table_name": table_name, **arrays})
 
 
 # The module hooks are process-wide, so the record of them is too: one slot, set by install and
