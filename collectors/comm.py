@@ -53,7 +53,7 @@ def _split_bytes(t: torch.Tensor, sizes: list[int] | None, world: int) -> list[i
     return [int(s) * row for s in sizes]
 
 
-def describe(op: str, args: inspect.BoundArguments, group_size: int, rank: int) -> dict:
+def describe(op: str, args: inspect.BoundArguments, group_size: int) -> dict:
     """dtype, bytes and per-peer bytes of one call (the row minus step, times and tag)."""
     a = args.arguments
     if op == "all_to_all_single":
@@ -124,7 +124,7 @@ class CommHandle:
         size = dist.get_world_size(pg)
         row = dict(step=self.clock.step, op=op, group=str(getattr(pg, "group_name", "") or "default"),
                    group_size=size, tag=current_label.get() or caller.f_code.co_qualname,
-                   **describe(op, bound, size, dist.get_rank(pg)), t_start_ns=t_start)
+                   **describe(op, bound, size), t_start_ns=t_start)
         with self.lock:
             row["seq"] = self.seq
             self.seq += 1

@@ -78,15 +78,6 @@ class ShardingPlan:
         block = self.block_rows(t)
         return min(rows, rank * block), min(rows, (rank + 1) * block)
 
-    def describe(self) -> list[dict]:
-        """Per table: name, rows, dim, kind and where it lives (for logs and manifests)."""
-        out = []
-        for t, spec in enumerate(self.tables):
-            where = {"owner": self.owners[t]} if self.kind == "table" else {"row_block": self.block_rows(t)}
-            out.append({"name": spec.name, "num_rows": spec.rows, "dim": spec.dim,
-                        "pooled": spec.pooled, "sharding": self.kind, **where})
-        return out
-
 
 @dataclass
 class _Routing:
