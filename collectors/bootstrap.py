@@ -2,9 +2,9 @@
 
 `arm()` (called from collectors/site/sitecustomize.py) watches for the first `import torch`.
 Only then, and only in a process that trains (not the torchrun launcher), does `activate()` open
-this rank's RunWriter and install the step, embedding and comm collectors. At exit it closes the
-writer and leaves `ranks/rank=R.json` with what the rank wrote, dropped and failed, for the
-manifest. Settings come from TRACEKIT_* variables, read here once into `Settings`.
+this rank's RunWriter and install the step, embedding, comm, grads and gpu collectors. At exit it closes
+the writer and leaves `ranks/rank=R.json` with what the rank wrote, dropped and failed, the tables
+it looked up and the GPU it sampled (or why none), for the manifest. Settings come from TRACEKIT_* variables, read here once into `Settings`.
 """
 
 from __future__ import annotations
@@ -24,19 +24,34 @@ class Settings:
     run_dir: Path
     rank: int
     lookup_every: int
+    grad_every: int
     flush_interval_s: float
+    gpu_interval_s: float
+    local_rank: int  # with cuda_visible_devices, which GPU the gpu collector samples
+    cuda_visible_devices: str | None
 
     @staticmethod
     def from_env(env: dict) -> "Settings":
         return Settings(run_dir=Path(env["TRACEKIT_RUN_DIR"]), rank=int(env.get("RANK", 0)),
                         lookup_every=int(env.get("TRACEKIT_LOOKUP_EVERY", 10)),
-                        flush_interval_s=float(env.get("TRACEKIT_FLUSH_INTERVAL_S", 1.0)))
+                        grad_every=int(env.get("TRACEKIT_GRAD_EVERY", 10)),
+                        flush_interval_s=float(env.get("TRACEKIT_FLUSH_INTERVAL_S", 1.0)),
+                        gpu_interval_s=float(env.get("TRACEKIT_GPU_INTERVAL_S", 0.1)),
+                        local_rank=int(env.get("LOCAL_RANK", 0)), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"))
 
 
-def is_launcher(argv: list[str]) -> bool:
-    """torchrun (or python -m torch.distributed.run) only starts workers: nothing to trace."""
-    first = os.path.basename(argv[0]) if argv else ""
-    return first == "torchrun" or argv[0].endswith(os.path.join("torch", "distributed", "run.py"))
+def is_launcher(orig_argv: list[str]) -> bool:
+    """torchrun (or python -m torch.distributed.run) only starts workers: nothing to trace.
+
+    Takes sys.orig_argv: while site runs, and while -m imports the module's packages (torch, so
+    activation too), sys.argv[0] is just "-m".
+    """
+    for i, arg in enumerate(orig_argv[1:], start=1):
+        if arg == "-m":
+            return orig_argv[i + 1:i + 2] in (["torch.distributed.run"], ["torch.distributed.launch"])
+        if not arg.startswith("-"):  # the script
+            return os.path.basename(arg) == "torchrun" or arg.endswith(os.path.join("torch", "distributed", "run.py"))
+    return False
 
 
 class _TorchImportWatcher(importlib.abc.MetaPathFinder):
@@ -60,7 +75,7 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
 
 
 def arm() -> None:
-    if is_launcher(sys.argv):
+    if is_launcher(sys.orig_argv):
         return
     if "torch" in sys.modules:
         activate(Settings.from_env(os.environ))
@@ -79,7 +94,7 @@ def advance_step(samples: int | None, loss: float | None) -> None:
 
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
-    from collectors import comm, embedding, steps
+    from collectors import comm, embedding, gpu, grads, steps
     from tracekit.store import RunWriter
 
     if getattr(activate, "done", False):
@@ -88,9 +103,11 @@ def activate(settings: Settings) -> None:
     global _clock
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s)
     clock = _clock = steps.StepClock()
-    handles = [steps.install(writer, clock),
-               embedding.install(writer, clock, lookup_every=settings.lookup_every),
-               comm.install(writer, clock)]
+    tables = embedding.install(writer, clock, lookup_every=settings.lookup_every)
+    sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
+                          visible_devices=settings.cuda_visible_devices)
+    handles = [steps.install(writer, clock), tables, comm.install(writer, clock),
+               grads.install(writer, clock, grad_every=settings.grad_every), sampler]
 
     def finish() -> None:
         for handle in reversed(handles):
@@ -98,7 +115,8 @@ def activate(settings: Settings) -> None:
         writer.close()
         report = {"rank": settings.rank, "pid": os.getpid(), "steps": clock.step,
                   "written_rows": dict(writer.written), "dropped_rows": dict(writer.dropped),
-                  "errors": writer.errors, "settings": {**asdict(settings), "run_dir": str(settings.run_dir)}}
+                  "errors": writer.errors, "settings": {**asdict(settings), "run_dir": str(settings.run_dir)},
+                  "tables": tables.tables, "gpu": sampler.status()}
         path = settings.run_dir / "ranks" / f"rank={settings.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")

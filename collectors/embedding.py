@@ -11,11 +11,18 @@
   index of an EmbeddingBag, row of a 2-D [B, L] input, dim-0 index of an N-D input, i for the
   i-th id of a 1-D nn.Embedding input) and `pos` (position in the bag or sequence; padding ids
   keep their position slot but write no row);
-- a module registration hook that records, weakly, each submodule's parent and attribute name as
-  it is assigned, so a table is named by its dotted path from the outermost module seen, e.g.
-  `tables.a` for `model.tables = nn.ModuleDict({"a": ...})`. The name is fixed at the table's first
-  call. A table whose registration happened before install, or that sits in no module, is named
-  `f"{type(m).__name__}_{k}"` with k counting such tables from 0 in first-call order.
+- a module registration hook feeding `collectors.names.ModuleNames`, so a table is named by its
+  dotted path from the outermost module seen, e.g. `tables.a` for
+  `model.tables = nn.ModuleDict({"a": ...})`, fixed at the table's first call. A table registered
+  before install, or in no module, is named `f"{type(m).__name__}_{k}"`, k counting from 0 in
+  first-call order.
+
+A module tagged with `tracekit.shard(m, table=..., first_row=...)` is named by its `table`, and
+`first_row` is added to each of its ids, so `row` is the table's global row in both trace tables.
+At each module's first call, `handle.tables` gets an entry with what the manifest lists of it:
+`table`, `first_row`, `num_rows` (this module's rows), `table_rows` (the whole table's), `dim`,
+`dtype`, `kind` ("pooled" for an EmbeddingBag, "sequence" for an Embedding) and `padding_idx`
+(a global row, or None).
 
 Rows are buffered per step (on the ids' device, unique rows only) and written at the step's end;
 a step not ended by the clock before `uninstall()` writes nothing.
@@ -38,46 +45,12 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from collectors.guard import Guard
+from collectors.names import ModuleNames
 from collectors.steps import StepClock
+from tracekit.shards import Shard, shard_of
 from tracekit.store import RunWriter
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-
-
-class TableNames:
-    """Qualified names of modules, from the (parent, attribute) pairs seen as modules are assigned."""
-
-    def __init__(self) -> None:
-        self._parents: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # child -> (ref(parent), attr)
-        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> name, once asked
-        self._unnamed = 0  # tables named by the fallback so far
-
-    def on_register(self, parent: nn.Module, attr: str, child: nn.Module | None) -> None:
-        if child is not None:
-            self._parents[child] = (weakref.ref(parent), attr)
-
-    def name(self, module: nn.Module) -> str:
-        name = self._names.get(module)
-        if name is None:
-            name = self._names[module] = self._qualified(module)
-        return name
-
-    def _qualified(self, module: nn.Module) -> str:
-        attrs: list[str] = []
-        seen = {id(module)}
-        node = module
-        while node in self._parents:
-            parent, attr = self._parents[node]
-            node = parent()
-            if node is None or id(node) in seen:  # parent collected, or a cycle
-                break
-            seen.add(id(node))
-            attrs.append(attr)
-        if not attrs:
-            name = f"{type(module).__name__}_{self._unnamed}"
-            self._unnamed += 1
-            return name
-        return ".".join(reversed(attrs))
 
 
 def lookup_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,6 +78,16 @@ def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Te
     return sample, torch.arange(length, device=device).repeat(batch)
 
 
+def table_entry(module: nn.Module, shard: Shard) -> dict:
+    """What the manifest lists of a table module, described in the module docstring."""
+    padding = module.padding_idx
+    return {"table": shard.table, "first_row": shard.first_row, "num_rows": module.num_embeddings,
+            "table_rows": shard.num_rows, "dim": module.embedding_dim,
+            "dtype": str(module.weight.dtype).removeprefix("torch."),
+            "kind": "pooled" if isinstance(module, nn.EmbeddingBag) else "sequence",
+            "padding_idx": None if padding is None else shard.first_row + padding}
+
+
 def merge_counts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum per-call (rows, counts) pairs into one (rows, counts) pair with unique rows."""
     rows = torch.cat([r for r, _ in parts])
@@ -123,7 +106,9 @@ class EmbeddingHandle:
         self.clock = clock
         self.lookup_every = lookup_every
         self.guard = Guard("embedding")
-        self.names = TableNames()
+        self.names = ModuleNames()
+        self.tables: list[dict] = []  # one entry per module seen, in first-call order (module docstring)
+        self._shards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its Shard
         self._counts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lookups: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._hooks = [
@@ -148,7 +133,7 @@ class EmbeddingHandle:
         self.guard.run(self._write, step, counts, lookups)
 
     def _on_register(self, parent: nn.Module, attr: str, child: nn.Module | None) -> None:
-        self.guard.run(self.names.on_register, parent, attr, child)  # returns None: child unchanged
+        self.guard.run(self.names.on_module, parent, attr, child)  # returns None: child unchanged
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if isinstance(module, EMBEDDINGS):
@@ -157,18 +142,30 @@ class EmbeddingHandle:
     def _sampled(self) -> bool:
         return self.lookup_every > 0 and self.clock.step % self.lookup_every == 0
 
+    def _shard(self, module: nn.Module) -> Shard:
+        """The module's table and first row (its whole table at 0 if untagged); on its first call,
+        its entry in `tables`."""
+        shard = self._shards.get(module)
+        if shard is None:
+            shard = shard_of(module) or Shard(self.names.module_name(module), 0, module.num_embeddings)
+            self._shards[module] = shard
+            self.tables.append(table_entry(module, shard))
+        return shard
+
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         ids, offsets = lookup_ids(module, args, kwargs)
-        table = self.names.name(module)
+        shard = self._shard(module)
         rows = ids.reshape(-1).to(torch.int64)
         keep = None if module.padding_idx is None else rows != module.padding_idx
         rows_kept = rows if keep is None else rows[keep]
-        self._counts.setdefault(table, []).append(torch.unique(rows_kept, return_counts=True))
+        if shard.first_row:
+            rows_kept = rows_kept + shard.first_row
+        self._counts.setdefault(shard.table, []).append(torch.unique(rows_kept, return_counts=True))
         if self._sampled():
             sample, pos = positions(ids, offsets)
             if keep is not None:
                 sample, pos = sample[keep], pos[keep]
-            self._lookups.setdefault(table, []).append((sample, pos, rows_kept.clone()))  # ids may be reused
+            self._lookups.setdefault(shard.table, []).append((sample, pos, rows_kept.clone()))  # ids may be reused
 
     def _write(self, step: int, counts: dict, lookups: dict) -> None:
         """One append per trace table per step, every table's rows together."""

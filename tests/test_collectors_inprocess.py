@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+import tracekit
 from collectors import embedding, steps
+from collectors.bootstrap import is_launcher
 from collectors.steps import StepClock
 from tracekit.run import open_run
 from tracekit.store import RunWriter, write_manifest
@@ -29,10 +31,12 @@ def global_hook_counts() -> dict[str, int]:
     import torch.optim.optimizer as o
 
     return {
+        "optimizer_pre": len(o._global_optimizer_pre_hooks),
         "optimizer_post": len(o._global_optimizer_post_hooks),
         "forward": len(m._global_forward_hooks),
         "forward_pre": len(m._global_forward_pre_hooks),
         "module_registration": len(m._global_module_registration_hooks),
+        "parameter_registration": len(m._global_parameter_registration_hooks),
     }
 
 
@@ -159,7 +163,7 @@ def test_importing_the_collectors_registers_nothing():
     code = inspect.getsource(global_hook_counts) + (
         "import json, torch\n"
         "before = global_hook_counts()\n"
-        "import collectors.steps, collectors.embedding\n"
+        "import collectors.steps, collectors.embedding, collectors.grads\n"
         "print(json.dumps([before, global_hook_counts()]))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -220,3 +224,34 @@ def test_tables_outside_a_model_get_a_fallback_name(tmp_path):
     writer.close()
     assert read(tmp_path, "accesses") == [(0, "EmbeddingBag_1", 3, 1), (0, "EmbeddingBag_1", 4, 1),
                                           (0, "Embedding_0", 1, 2)]
+
+
+def test_a_tagged_shard_is_named_by_its_table_and_writes_global_rows(recording, tmp_path):
+    writer, clock, handles = recording
+    shard = tracekit.shard(nn.Embedding(10, 4, padding_idx=0), table="big", first_row=100, num_rows=300)
+    plain = nn.EmbeddingBag(5, 2)
+    shard(torch.tensor([[0, 3], [3, 9]]))  # local ids; 0 is padding
+    plain(torch.tensor([[1, 1]]))
+    clock.advance()  # step 0: lookups are sampled too
+    writer.close()
+    assert read(tmp_path, "accesses") == [(0, "EmbeddingBag_0", 1, 2), (0, "big", 103, 2), (0, "big", 109, 1)]
+    assert read(tmp_path, "lookups") == [(0, "EmbeddingBag_0", 0, 0, 1), (0, "EmbeddingBag_0", 0, 1, 1),
+                                         (0, "big", 0, 1, 103), (0, "big", 1, 0, 103), (0, "big", 1, 1, 109)]
+    assert handles[1].tables == [
+        {"table": "big", "first_row": 100, "num_rows": 10, "table_rows": 300, "dim": 4, "dtype": "float32",
+         "kind": "sequence", "padding_idx": 100},
+        {"table": "EmbeddingBag_0", "first_row": 0, "num_rows": 5, "table_rows": 5, "dim": 2, "dtype": "float32",
+         "kind": "pooled", "padding_idx": None},
+    ]
+
+
+@pytest.mark.parametrize(("orig_argv", "launcher"), [
+    (["python", "-m", "torch.distributed.run", "--standalone", "train.py"], True),
+    (["python", "-u", "-m", "torch.distributed.launch", "train.py"], True),
+    (["python", "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], True),
+    (["python", "train.py", "-m", "torch.distributed.run"], False),  # the script's own arguments
+    (["python", "-m", "pytest"], False),
+    (["python", "-c", "import torch"], False),
+])
+def test_the_torchrun_launcher_is_recognised_from_the_original_command_line(orig_argv, launcher):
+    assert is_launcher(orig_argv) is launcher

@@ -20,9 +20,9 @@ TINY = ["--tables", "4", "--rows", "500", "--dim", "8", "--bottom-mlp", "16,8", 
         "--batch-size", "32", "--samples", "4096", "--pooling", "3", "--eval-fraction", "0", "--steps", "4"]
 
 
-def record(tmp_path: Path, *command: str) -> tuple[int, Path]:
+def record(tmp_path: Path, *command: str, options: tuple[str, ...] = ()) -> tuple[int, Path]:
     run_dir = tmp_path / "run"
-    r = CliRunner().invoke(cli, ["record", "-o", str(run_dir), "--flush-interval", "0.2", "--", *command])
+    r = CliRunner().invoke(cli, ["record", "-o", str(run_dir), "--flush-interval", "0.2", *options, "--", *command])
     return r.exit_code, run_dir
 
 
@@ -38,9 +38,23 @@ def expected_accesses(world_size: int, steps: int, sequence_tables: int = 0) -> 
         start = 0
         for t, n in enumerate(per_table):
             for row in b.values[start:start + n].tolist():
-                counts[(step, f"shards.t{t}", row)] += 1
+                counts[(step, f"t{t}", row)] += 1
             start += n
     return counts
+
+
+def expected_tables(world_size: int, sharding: str, sequence_tables: int) -> list[dict]:
+    """Manifest `tables` of a TINY run: 4 tables of 500 rows and dim 8, the first `sequence_tables`
+    unpooled; table-wise, t0..t3 go to ranks 0, 1, 0, 1 (equal sizes: round robin); row-wise,
+    rank r holds rows [r * 500 / world_size, (r + 1) * 500 / world_size) of every table."""
+    block = 500 // world_size
+    tables = []
+    for t in range(4):
+        shards = ([{"rank": t % world_size, "first_row": 0, "num_rows": 500}] if sharding == "table" else
+                  [{"rank": r, "first_row": r * block, "num_rows": block} for r in range(world_size)])
+        tables.append({"name": f"t{t}", "num_rows": 500, "dim": 8, "dtype": "float32", "padding_idx": None,
+                       "kind": "sequence" if t < sequence_tables else "pooled", "shards": shards})
+    return tables
 
 
 def recorded_accesses(run_dir: Path) -> Counter:
@@ -57,21 +71,30 @@ def test_single_process_trainer_is_recorded_exactly(tmp_path: Path) -> None:
     assert recorded_accesses(run_dir) == expected_accesses(1, 4)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert (manifest["status"], manifest["exit_code"], manifest["ranks"]) == ("completed", 0, [0])
-    assert manifest["gpu"]["samples"] is False and manifest["gpu"]["reason"]  # says why: no sampler yet / no GPU
+    assert manifest["tables"] == expected_tables(1, "table", 0)
     steps = open_run(run_dir).scan("steps").collect()
     assert steps["step"].to_list() == [0, 1, 2, 3]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_tables", [0, 2])
-def test_torchrun_two_ranks_are_recorded_exactly(tmp_path: Path, sequence_tables: int) -> None:
+@pytest.mark.parametrize(("sharding", "sequence_tables"), [("table", 0), ("table", 2), ("row", 2)])
+def test_torchrun_two_ranks_are_recorded_exactly(tmp_path: Path, sharding: str, sequence_tables: int) -> None:
     code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(REPO / "train.py"), *TINY,
-                           "--sequence-tables", str(sequence_tables))
+                           "--sharding", sharding, "--sequence-tables", str(sequence_tables))
     assert code == 0
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "completed" and manifest["ranks"] == [0, 1], manifest  # not the launcher
-    assert recorded_accesses(run_dir) == expected_accesses(2, 4)
+    assert manifest["tables"] == expected_tables(2, sharding, sequence_tables)
+    expected = expected_accesses(2, 4)
+    assert recorded_accesses(run_dir) == expected  # global rows: row-wise shards are looked up with local ids
+    run = open_run(run_dir)
+    lookups = Counter(run.scan("lookups").select("step", "table_name", "row").collect().rows())
+    assert lookups == Counter({key: n for key, n in expected.items() if key[0] == 0})  # step 0 is sampled
+    held = {(table["name"], shard["rank"]): range(shard["first_row"], shard["first_row"] + shard["num_rows"])
+            for table in manifest["tables"] for shard in table["shards"]}
+    for table, rank, row in run.scan("accesses").select("table_name", "rank", "row").collect().rows():
+        assert row in held.get((table, rank), range(0)), (table, rank, row)  # each rank reads its own rows
 
 
 def test_exit_code_passes_through_and_the_run_is_marked_failed(tmp_path: Path) -> None:
@@ -96,9 +119,9 @@ def test_bad_invocations_are_refused_with_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_collectives_are_recorded_with_exact_bytes(tmp_path: Path) -> None:
+def test_collectives_and_gradients_are_recorded_exactly(tmp_path: Path) -> None:
     code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(REPO / "train.py"), *TINY)
+                           "--nproc-per-node", "2", str(REPO / "train.py"), *TINY, options=("--grad-every", "2"))
     assert code == 0
     comms = open_run(run_dir).scan("comms").collect()
     a2a = comms.filter(comms["op"] == "all_to_all_single").sort("rank", "seq")
@@ -113,12 +136,24 @@ def test_collectives_are_recorded_with_exact_bytes(tmp_path: Path) -> None:
     for rows in per_rank:
         assert [r["splits_out"] for r in rows[:4]] == implied
     from tracekit.dlrm.model import DenseArch
-    dense_bytes = 4 * sum(p.numel() for p in DenseArch(13, [16, 8], [16, 1], 4).parameters())
+    dense = DenseArch(13, [16, 8], [16, 1], 4)
+    dense_bytes = 4 * sum(p.numel() for p in dense.parameters())
     ddp = comms.filter(comms["tag"] == "_sum_allreduce_hook")
     for r in (0, 1):
         steps = ddp.filter(pl.col("rank") == r).group_by("step").agg(pl.col("bytes_out").sum()).sort("step")
         assert steps["step"].to_list() == [0, 1, 2, 3] and set(steps["bytes_out"].to_list()) == {dense_bytes}
     assert (comms["t_end_ns"] >= comms["t_start_ns"]).all()
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["collector_settings"]["grad_every"] == 2
+    grads = open_run(run_dir).scan("grads").collect()
+    per_rank_grads = [grads.filter(pl.col("rank") == r).drop("rank").sort("step", "name") for r in (0, 1)]
+    assert per_rank_grads[0].equals(per_rank_grads[1])  # read after DDP's all-reduce: the same on both ranks
+    for step in (0, 2):  # the sampled steps of 4
+        rows = per_rank_grads[0].filter(pl.col("step") == step)
+        assert rows["name"].to_list() == sorted(name for name, _ in dense.named_parameters())  # no `module.`
+        assert rows["numel"].sum() == dense_bytes // 4
+    assert set(per_rank_grads[0]["step"]) == {0, 2}
 
 
 KILL_SCRIPT = """
@@ -197,6 +232,10 @@ def test_a_user_script_is_recorded_without_changing_it(tmp_path: Path) -> None:
     code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(script))
     assert code == 0
+    replicas = [{"rank": r, "first_row": 0, "num_rows": 1000} for r in (0, 1)]  # data-parallel: a copy per rank
+    assert json.loads((run_dir / "manifest.json").read_text())["tables"] == [
+        {"name": "EmbeddingBag_0", "num_rows": 1000, "dim": 8, "dtype": "float32", "kind": "pooled",
+         "padding_idx": None, "shards": replicas}]
     run = open_run(run_dir)
     accesses = run.scan("accesses").collect()
     for r in (0, 1):

@@ -26,16 +26,21 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Replace a non-empty run directory.")
 @click.option("--lookup-every", type=click.IntRange(min=0), default=10, show_default=True,
               envvar="TRACEKIT_LOOKUP_EVERY", help="Write raw per-sample lookups every N steps (0: never).")
+@click.option("--grad-every", type=click.IntRange(min=0), default=10, show_default=True,
+              envvar="TRACEKIT_GRAD_EVERY",
+              help="Write gradient statistics (grads table) of every optimized parameter every N steps (0: never).")
 @click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
               help="Seconds between flushes of each rank's trace rows to Parquet.")
+@click.option("--gpu-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
+              envvar="TRACEKIT_GPU_INTERVAL_S", help="Seconds between NVML samples of each rank's GPU.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(run_dir: Path | None, force: bool, lookup_every: int, flush_interval: float,
-           command: tuple[str, ...]) -> None:
+def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int, flush_interval: float,
+           gpu_interval: float, command: tuple[str, ...]) -> None:
     """Run COMMAND with the collectors injected; keep a trace of it.
 
     Every embedding lookup (exact counts per step and row) and every optimizer step of
-    every Python process that trains is written to Parquet under the run directory,
-    with a manifest finalised when COMMAND ends. Exits with COMMAND's exit code.
+    every Python process that trains is written to Parquet under the run directory, with
+    NVML samples of the GPU each one uses, and a manifest finalised when COMMAND ends. Exits with COMMAND's exit code.
 
     \b
     Example:
@@ -53,7 +58,8 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, flush_interval:
     except recording.RecordError as err:
         raise click.UsageError(str(err)) from None
     click.echo(f"tracekit: recording into {run_dir}", err=True)
-    code = recording.record(command, run_dir, lookup_every=lookup_every, flush_interval_s=flush_interval)
+    code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
+                            flush_interval_s=flush_interval, gpu_interval_s=gpu_interval)
     sys.exit(code)
 
 

@@ -66,10 +66,12 @@ def check_command(command: list[str]) -> None:
         raise RecordError(f"command not found: {command[0]}")
 
 
-def record(command: list[str], run_dir: Path, *, lookup_every: int, flush_interval_s: float) -> int:
+def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: int, flush_interval_s: float,
+           gpu_interval_s: float) -> int:
     """Run `command` traced into `run_dir`; returns its exit code (130 for Ctrl-C)."""
     started = datetime.datetime.now(datetime.timezone.utc)
-    settings = {"lookup_every": lookup_every, "flush_interval_s": flush_interval_s}
+    settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
+                "gpu_interval_s": gpu_interval_s}
     manifest = {
         "schema_version": SCHEMA_VERSION, "tracekit_version": __version__, "run_id": uuid.uuid4().hex,
         "command": command, "cwd": os.getcwd(), "started_at": started.isoformat(), "ended_at": None,
@@ -80,7 +82,8 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, flush_interv
     }
     write_manifest(run_dir, manifest)
     env = {**os.environ, "TRACEKIT_RUN_DIR": str(run_dir.resolve()), "TRACEKIT_LOOKUP_EVERY": str(lookup_every),
-           "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s),
+           "TRACEKIT_GRAD_EVERY": str(grad_every),
+           "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
            "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
     child = subprocess.Popen(command, env=env)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
@@ -105,7 +108,8 @@ def finalise(run_dir: Path, code: int, interrupted: bool) -> dict:
         ended_at=datetime.datetime.now(datetime.timezone.utc).isoformat(), status=status, exit_code=code,
         ranks=[r["rank"] for r in ranks], world_size=len(ranks) or None,
         dropped_rows={str(r["rank"]): r["dropped_rows"] for r in ranks if r["dropped_rows"]},
-        writer_errors=sum(r["errors"] for r in ranks),
+        writer_errors=sum(r["errors"] for r in ranks), tables=merge_tables(ranks),
+        gpu=gpu_outcome(manifest["gpu"], ranks, manifest["collector_settings"]["gpu_interval_s"]),
     )
     write_manifest(run_dir, manifest)
     return manifest
@@ -115,24 +119,48 @@ def read_rank_report(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def gpu_status() -> dict:
-    """Whether NVML sees a GPU here; where it does not, why there will be no `gpu` samples."""
-    try:
-        import pynvml
+def merge_tables(ranks: list[dict]) -> list[dict]:
+    """The manifest's `tables`: one entry per logical table, from what each rank's embedding collector
+    saw, with `shards` saying which rank holds which rows (a replicated table lists every copy)."""
+    seen: dict[str, list[dict]] = {}
+    for report in ranks:
+        for entry in report["tables"]:
+            seen.setdefault(entry["table"], []).append({**entry, "rank": report["rank"]})
+    tables = []
+    for name, entries in sorted(seen.items()):
+        entries.sort(key=lambda e: (e["first_row"], e["rank"]))
+        first = entries[0]
+        tables.append({"name": name, "num_rows": max(e["table_rows"] for e in entries), "dim": first["dim"],
+                       "dtype": first["dtype"], "kind": first["kind"], "padding_idx": first["padding_idx"],
+                       "shards": [{k: e[k] for k in ("rank", "first_row", "num_rows")} for e in entries]})
+    return tables
 
-        pynvml.nvmlInit()
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-            names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
-        finally:
-            pynvml.nvmlShutdown()
-    except ImportError:
-        return {"devices": [], "samples": False, "reason": "nvidia-ml-py is not installed"}
-    except Exception as err:  # pynvml.NVMLError and its subclasses, e.g. no driver library
+
+def gpu_status() -> dict:
+    """Whether NVML sees a GPU here; where it does not, why there will be no `gpu` samples.
+    `gpu_outcome` completes it from what the ranks sampled."""
+    from collectors import gpu
+
+    nvml, reason = gpu.open_nvml()
+    if nvml is None:
+        return {"devices": [], "samples": False, "reason": reason}
+    try:
+        names = gpu.device_names(nvml)
+    except nvml.NVMLError as err:
         return {"devices": [], "samples": False, "reason": f"NVML unavailable: {err}"}
-    names = [n.decode() if isinstance(n, bytes) else n for n in names]
-    return {"devices": names, "samples": False,
-            "reason": "GPU found; the NVML sampler is not built yet" if names else "NVML found no GPU"}
+    finally:
+        nvml.nvmlShutdown()
+    return {"devices": names, "samples": False, "reason": "no traced process used a GPU" if names else gpu.NO_GPU}
+
+
+def gpu_outcome(gpu: dict, ranks: list[dict], interval_s: float) -> dict:
+    """The manifest's `gpu` once the ranks have reported: the NVML index of the GPU each rank sampled
+    (`sampled_devices`), or why none was sampled."""
+    sampled = {str(r["rank"]): r["gpu"]["device"] for r in ranks if r["written_rows"].get("gpu")}
+    if sampled:
+        return {**gpu, "samples": True, "interval_s": interval_s, "sampled_devices": sampled, "reason": None}
+    why = [f"rank {r['rank']}: {r['gpu']['reason']}" for r in ranks if r["gpu"]["reason"]]
+    return {**gpu, "reason": "; ".join(why)} if gpu["devices"] and why else gpu
 
 
 def _version(dist: str) -> str | None:

@@ -76,8 +76,17 @@ STEPS = pa.schema(
     ]
 )
 
-# q* are quantiles of |g|. count_above_keep_X counts elements of |g| above the threshold that keeps
-# the top X of elements (DCT's keep ratio), the threshold being the one in force at that step.
+GRAD_QUANTILES = {"q50": 0.5, "q90": 0.9, "q99": 0.99, "q999": 0.999}
+"""The quantile columns of `grads` and their q: quantiles of |g|, interpolated linearly between
+order statistics (torch.quantile's and numpy's default definition)."""
+
+KEEP_RATIOS = {"0_1pct": 0.001, "1pct": 0.01, "10pct": 0.1}
+"""DCT keep ratios in `grads`, by the suffix of their columns `count_above_keep_<s>` and
+`thr_keep_<s>`."""
+
+# count_above_keep_X counts elements of |g| above the threshold that keeps the top X of elements
+# (DCT's keep ratio), the threshold being the one in force at that step: thr_keep_X, the (1 - X)
+# quantile of |g| at the step it was last refreshed.
 GRADS = pa.schema(
     [
         _STEP,
@@ -85,28 +94,25 @@ GRADS = pa.schema(
         _required("numel", pa.int64()),
         _required("l2", pa.float64()),
         _required("absmax", pa.float64()),
-        _required("q50", pa.float64()),
-        _required("q90", pa.float64()),
-        _required("q99", pa.float64()),
-        _required("q999", pa.float64()),
-        _required("count_above_keep_0_1pct", pa.int64()),
-        _required("count_above_keep_1pct", pa.int64()),
-        _required("count_above_keep_10pct", pa.int64()),
+        *[_required(column, pa.float64()) for column in GRAD_QUANTILES],
+        *[_required(f"count_above_keep_{suffix}", pa.int64()) for suffix in KEEP_RATIOS],
+        *[_required(f"thr_keep_{suffix}", pa.float64()) for suffix in KEEP_RATIOS],
     ]
 )
 
-# Units as NVML reports them: utilisation in percent, memory in bytes, PCIe throughput in KB/s.
+# Units as NVML reports them: utilisation in percent, memory in bytes, PCIe throughput in KB/s;
+# device is the NVML index. A metric is null where the GPU does not report it (collectors/gpu.py).
 GPU = pa.schema(
     [
         _required("t_ns", pa.int64()),
         _required("device", pa.int16()),
-        _required("util_gpu", pa.int16()),
-        _required("util_mem", pa.int16()),
-        _required("mem_used", pa.int64()),
-        _required("power_mw", pa.int64()),
-        _required("sm_clock_mhz", pa.int32()),
-        _required("pcie_tx", pa.int64()),
-        _required("pcie_rx", pa.int64()),
+        pa.field("util_gpu", pa.int16(), nullable=True),
+        pa.field("util_mem", pa.int16(), nullable=True),
+        pa.field("mem_used", pa.int64(), nullable=True),
+        pa.field("power_mw", pa.int64(), nullable=True),
+        pa.field("sm_clock_mhz", pa.int32(), nullable=True),
+        pa.field("pcie_tx", pa.int64(), nullable=True),
+        pa.field("pcie_rx", pa.int64(), nullable=True),
     ]
 )
 

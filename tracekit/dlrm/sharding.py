@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import tracekit
 from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
@@ -146,7 +147,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ShardedEmbeddings(nn.Module):
-    """This rank's shards, and the collectives that serve every rank's lookups with them."""
+    """This rank's shards, and the collectives that serve every rank's lookups with them.
+
+    A shard is looked up with shard-local ids; `tracekit.shard` tags each with its table and first
+    row, so a trace names it by the table and records global rows.
+    """
 
     def __init__(self, plan: ShardingPlan, rank: int, optimizer: SparseSGD | RowWiseAdagrad,
                  *, seed: int, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
@@ -161,7 +166,7 @@ class ShardedEmbeddings(nn.Module):
             weight = _init_shard(spec, t, start, stop, seed).to(device)
             module = (nn.EmbeddingBag.from_pretrained(weight, mode="sum", freeze=True) if spec.pooled
                       else nn.Embedding.from_pretrained(weight, freeze=True))
-            self.shards[spec.name] = module
+            self.shards[spec.name] = tracekit.shard(module, table=spec.name, first_row=start, num_rows=spec.rows)
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.register_buffer("blocks", torch.tensor([plan.block_rows(t) for t in range(len(plan.tables))],
                                                     device=device), persistent=False)

@@ -1,0 +1,259 @@
+"""The grads collector: magnitude statistics of every gradient an optimizer steps, on sampled steps,
+for DCT's hard-threshold gradient compression (research/papers.md §3).
+
+`install(writer, clock, grad_every=10)` registers three global torch hooks:
+
+- an optimizer step pre-hook. There gradients are final (DDP has all-reduced them during backward)
+  and not yet applied. On sampled steps (`step % grad_every == 0`; 0: never) each parameter of the
+  stepping optimizer that has a dense `.grad` with elements gets one `grads` row; a parameter is
+  written once per step, by the first optimizer that steps it. The step is the clock's when the
+  optimizer steps: the clock advances when its optimizer (the first seen to step) finishes, so a
+  second optimizer stepped after it in the same iteration (`opt_a.step(); opt_b.step()`) is counted
+  in the next step, as the `steps` and `comms` tables time it;
+- module and parameter registration hooks feeding `collectors.names.ModuleNames`, which names a
+  parameter by its qualified name in its model (`top.0.weight`, with no `module.` from a DDP
+  wrapper), or `param_<k>` for one registered before install.
+
+Statistics of |g| per tensor, with |g| in float32 (exact for fp32, fp16 and bf16 gradients; fp64
+ones are rounded):
+- `l2` (summed in float64), `absmax`, and the quantiles `q50` .. `q999`, interpolated linearly
+  between order statistics as torch.quantile does (which refuses tensors over 16M elements);
+- `thr_keep_X`, DCT-DP's hard threshold for keep ratio X: the (1 - X) quantile of |g|, computed at
+  the tensor's first sampled step and then left in force, stale, until a sampled step at least
+  `refresh_every` steps later recomputes it (DCT's L);
+- `count_above_keep_X`, how many elements of |g| exceed the threshold in force, so it drifts from
+  X * numel between refreshes: DCT's actual compression at that step. There is no error feedback
+  here: DCT's f = g + e is taken as f = g.
+
+They are computed on the gradients' device for many tensors at once, in a number of device
+operations that does not grow with theirs: the |g| of up to BATCH_ELEMENTS elements are
+concatenated and sorted together as int64 keys `tensor index << 31 | float32 bits of |g|` (a
+non-negative float's bits order like its value), which sorts each tensor's values within its own
+block. The step's rows stay on the device until the step ends, and reach the host in one copy.
+
+    clock = StepClock()
+    steps_handle = steps.install(writer, clock)
+    handle = grads.install(writer, clock, grad_every=10)
+    ...
+    handle.uninstall(); steps_handle.uninstall()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.nn.modules import module as torch_module
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from collectors.guard import Guard
+from collectors.names import ModuleNames
+from collectors.steps import StepClock
+from tracekit.schema import GRAD_QUANTILES, KEEP_RATIOS
+from tracekit.store import RunWriter
+
+REFRESH_EVERY = 1000
+"""Steps a threshold stays in force: kraken's `life_span` default; the DCT paper updates it "only
+once every few thousand iterations"."""
+
+BATCH_ELEMENTS = 1 << 22
+"""Gradient elements sorted together at most (unless one tensor alone is larger): each takes about
+50 bytes of temporary device memory while they are (20 on CPU), so ~200 MB at most."""
+
+# The quantiles each tensor needs: the q* columns, then the thresholds' (1 - keep ratio).
+QS = (*GRAD_QUANTILES.values(), *(1 - keep for keep in KEEP_RATIOS.values()))
+COUNTS = tuple(f"count_above_keep_{suffix}" for suffix in KEEP_RATIOS)
+# The columns of a row of statistics, in the order `GradsHandle._stats` puts them.
+STATS = ("l2", "absmax", *GRAD_QUANTILES, *COUNTS, *(f"thr_keep_{suffix}" for suffix in KEEP_RATIOS))
+_BITS = (1 << 31) - 1  # the float32 bits of a sort key
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where P tensors of given sizes lie in one flat buffer, on one device, and where the quantiles
+    QS of each fall among its sorted values, as torch.quantile places them."""
+
+    numel: int  # N, of all P tensors together
+    split: tuple[int, ...]  # the P sizes
+    sizes: torch.Tensor  # [P] int64, the same on the device
+    ends: torch.Tensor  # [P] int64: where each tensor's block ends (exclusive)
+    bases: torch.Tensor  # [P] int64: each tensor's index << 31, the high bits of its sort keys
+    index: torch.Tensor  # [P, 2 len(QS) + 1] int64: flat positions below, above each quantile, and of the max
+    weights: torch.Tensor  # [P, len(QS)] float64: the interpolation weights of `above`
+
+    @staticmethod
+    def of(sizes: tuple[int, ...], device: torch.device) -> Layout:
+        n = torch.tensor(sizes, dtype=torch.int64)
+        ends = n.cumsum(0)
+        ranks = torch.tensor(QS, dtype=torch.float64) * (n[:, None] - 1)
+        below = ranks.long()
+        index = (ends - n)[:, None] + torch.cat([below, ranks.ceil().long(), (n - 1)[:, None]], dim=1)
+        bases = torch.arange(len(sizes), device=device) << 31
+        return Layout(int(ends[-1]), sizes, n.to(device), ends.to(device), bases, index.to(device),
+                      (ranks - below).to(device))
+
+
+def sort_keys(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The sort keys of `flat`, the |g| of the tensors of `layout` in float32 (module docstring), sorted.
+    On CPU `flat` is sorted in place, tensor by tensor."""
+    if flat.device.type != "cpu":
+        keys = torch.repeat_interleave(layout.bases, layout.sizes, output_size=layout.numel)
+        return keys.add_(flat.view(torch.int32)).sort().values
+    # numpy, tensor by tensor, is ~2.5x faster here (torch 2.13: torch.sort of float32 is ~10x slower)
+    values = flat.numpy()
+    keys = np.empty(layout.numel, dtype=np.int64)
+    cuts = np.cumsum(layout.split[:-1])
+    for i, (block, out) in enumerate(zip(np.split(values, cuts), np.split(keys, cuts))):
+        block.sort()
+        np.add(block.view(np.int32), i << 31, out=out, dtype=np.int64)
+    return torch.from_numpy(keys)
+
+
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """The |g| of sort keys, as float64."""
+    return (keys & _BITS).int().view(torch.float32).double()
+
+
+def round_down(thresholds: torch.Tensor) -> torch.Tensor:
+    """Each float64 threshold t as the largest float32 <= t: for a float32 x, x > t exactly when
+    x > round_down(t), so a count against it is a count against the float64 threshold."""
+    t = thresholds.float()
+    return torch.where(t.double() > thresholds, torch.nextafter(t, torch.zeros_like(t)), t)
+
+
+def count_above(keys: torch.Tensor, layout: Layout, thresholds: torch.Tensor) -> torch.Tensor:
+    """How many |g| of each tensor exceed each of its thresholds ([P, R] float64), as [P, R] int64."""
+    bounds = round_down(thresholds).view(torch.int32) + layout.bases[:, None]
+    return layout.ends[:, None] - torch.searchsorted(keys, bounds, right=True)
+
+
+def batches(params: list[torch.Tensor], budget: int) -> Iterator[list[torch.Tensor]]:
+    """`params` in order, cut into runs on one device of at most `budget` gradient elements (or one
+    larger gradient alone)."""
+    batch: list[torch.Tensor] = []
+    size = 0
+    for param in params:
+        if batch and (param.grad.device != batch[0].grad.device or size + param.grad.numel() > budget):
+            yield batch
+            batch, size = [], 0
+        batch.append(param)
+        size += param.grad.numel()
+    if batch:
+        yield batch
+
+
+class GradsHandle:
+    """The installed grads collector; `uninstall()` removes every hook it registered."""
+
+    def __init__(self, writer: RunWriter, clock: StepClock, grad_every: int, refresh_every: int) -> None:
+        self.writer = writer
+        self.clock = clock
+        self.grad_every = grad_every
+        self.refresh_every = refresh_every
+        self.guard = Guard("grads")
+        self.names = ModuleNames()
+        self._thresholds = WeakIdKeyDictionary()  # parameter -> (step computed, float64 [keep ratios])
+        self._layouts: dict[tuple[tuple[int, ...], torch.device], Layout] = {}
+        self._rows: list[tuple[list[str], list[int], torch.Tensor]] = []  # this step's, a batch at a time
+        self._covered: set[int] = set()  # ids of the parameters written this step
+        self._hooks = [
+            torch_module.register_module_module_registration_hook(self._on_module),
+            torch_module.register_module_parameter_registration_hook(self._on_parameter),
+            register_optimizer_step_pre_hook(self._on_optimizer_step),
+        ]
+        clock.add_listener(self)
+
+    def uninstall(self) -> None:
+        global _installed
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.clock.remove_listener(self)
+        self._rows, self._covered = [], set()
+        if _installed is self:
+            _installed = None
+
+    def on_step_end(self, step: int) -> None:
+        rows, self._rows, self._covered = self._rows, [], set()
+        if rows:
+            self.guard.run(self._write, step, rows)
+
+    def _on_module(self, parent: torch.nn.Module, attr: str, child: torch.nn.Module | None) -> None:
+        self.guard.run(self.names.on_module, parent, attr, child)  # returns None: child unchanged
+
+    def _on_parameter(self, module: torch.nn.Module, attr: str, param: torch.nn.Parameter | None) -> None:
+        self.guard.run(self.names.on_parameter, module, attr, param)  # returns None: param unchanged
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        step = self.clock.step
+        if self.grad_every and step % self.grad_every == 0:
+            self.guard.run(self._record, optimizer, step)  # returns None: the step's arguments unchanged
+
+    def _record(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None and p.grad.layout == torch.strided and p.grad.numel()
+                  and id(p) not in self._covered]
+        self._covered.update(map(id, params))
+        for batch in batches(params, BATCH_ELEMENTS):
+            self._rows.append(([self.names.parameter_name(p) for p in batch], [p.grad.numel() for p in batch],
+                               self._stats(batch, step)))
+
+    def _stats(self, params: list[torch.Tensor], step: int) -> torch.Tensor:
+        """The statistics of the gradients of `params` at `step`, one row each in STATS order,
+        float64 on their device."""
+        grads = [p.grad for p in params]
+        key = (tuple(g.numel() for g in grads), grads[0].device)
+        if key not in self._layouts:
+            if len(self._layouts) > 64:  # parameter subsets that vary from step to step
+                self._layouts.clear()
+            self._layouts[key] = Layout.of(*key)
+        layout = self._layouts[key]
+        flat = torch.cat([g.detach().reshape(-1) for g in grads]).float().abs_()
+        keys = sort_keys(flat, layout)
+        picked = key_values(keys[layout.index])
+        k = len(QS)
+        quantiles = picked[:, :k].lerp(picked[:, k:2 * k], layout.weights)
+        fresh = quantiles[:, len(GRAD_QUANTILES):]
+        in_force = [self._thresholds.get(p) for p in params]
+        refresh = [f is None or step - f[0] >= self.refresh_every for f in in_force]
+        thresholds = fresh if all(refresh) else torch.stack(
+            [fresh[i] if r else f[1] for i, (r, f) in enumerate(zip(refresh, in_force))])
+        for i, param in enumerate(params):
+            if refresh[i]:
+                self._thresholds[param] = (step, thresholds[i])
+        # unsafe: skips checking that the lengths add up to flat's size (they do), a sync on CUDA
+        l2 = torch.segment_reduce(flat.double().square_(), "sum", lengths=layout.sizes, unsafe=True).sqrt_()
+        return torch.cat([l2[:, None], picked[:, 2 * k:], quantiles[:, :len(GRAD_QUANTILES)],
+                          count_above(keys, layout, thresholds).double(), thresholds], dim=1)
+
+    def _write(self, step: int, rows: list[tuple[list[str], list[int], torch.Tensor]]) -> None:
+        device = rows[0][2].device
+        # the step's one copy to the host: on CUDA, a sync point
+        values = torch.cat([stats.to(device) for _, _, stats in rows]).T.contiguous().cpu()
+        columns = {c: (v.long() if c in COUNTS else v).numpy() for c, v in zip(STATS, values)}
+        names = [name for batch, _, _ in rows for name in batch]
+        self.writer.append("grads", {"step": [step] * len(names), "name": names,
+                                     "numel": [n for _, numels, _ in rows for n in numels], **columns})
+
+
+# The hooks are process-wide, so the record of them is too: one slot, set by install and cleared by
+# uninstall, makes a second install a no-op.
+_installed: GradsHandle | None = None
+
+
+def install(writer: RunWriter, clock: StepClock, *, grad_every: int = 10,
+            refresh_every: int = REFRESH_EVERY) -> GradsHandle:
+    """Write `grads` rows for every parameter an optimizer steps, every `grad_every`-th step (0:
+    never), with DCT thresholds refreshed every `refresh_every` steps or more. A second call while
+    installed returns the installed handle unchanged."""
+    global _installed
+    if grad_every < 0:
+        raise ValueError(f"grad_every must be >= 0 (0 writes no grads), got {grad_every}")
+    if refresh_every < 1:
+        raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+    if _installed is None:
+        _installed = GradsHandle(writer, clock, grad_every, refresh_every)
+    return _installed

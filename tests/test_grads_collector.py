@@ -1,0 +1,259 @@
+"""Tests for the grads collector: every column of `grads` against statistics computed independently
+(numpy, torch.quantile) from the gradients fed, written through a real RunWriter and read back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from collectors import grads, steps
+from collectors.steps import StepClock
+from tests.test_collectors_inprocess import global_hook_counts, read
+from tracekit.schema import GRAD_QUANTILES, KEEP_RATIOS
+from tracekit.store import RunWriter, to_batch
+
+
+def make_model() -> nn.Sequential:
+    """Parameters 0.weight (200), 0.bias (40), 2.0.weight (1200), 2.0.bias (30)."""
+    return nn.Sequential(nn.Linear(5, 40), nn.ReLU(), nn.Sequential(nn.Linear(40, 30)))
+
+
+def feed(model: nn.Module, step: int, gen: torch.Generator, *, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Set gradients k * (step + 1) / 64 (random integers |k| <= 1000) on every parameter but those in
+    `skip`, which get none. Dyadic values keep every statistic exact in float64; the growing scale
+    makes a stale threshold visible. Returns the gradients set, by qualified name."""
+    fed = {}
+    for name, param in model.named_parameters():
+        if name in skip:
+            param.grad = None
+            continue
+        k = torch.randint(-1000, 1001, param.shape, generator=gen).float()
+        param.grad = k.to(param.device) * (step + 1) / 64
+        fed[name] = param.grad.cpu()
+    return fed
+
+
+def expected_rows(fed: list[tuple[int, str, torch.Tensor]], refresh_every: int) -> list[tuple]:
+    """`grads` rows, in schema column order, for the (step, name, gradient) written in that order.
+    A threshold is computed at a tensor's first row and replaced at its first row `refresh_every`
+    or more steps later."""
+    rows, in_force = [], {}
+    for step, name, grad in fed:
+        a = grad.double().abs().flatten()
+        if name not in in_force or step - in_force[name][0] >= refresh_every:
+            in_force[name] = (step, [torch.quantile(a, 1 - keep).item() for keep in KEEP_RATIOS.values()])
+        thresholds = in_force[name][1]
+        x = a.numpy()
+        rows.append((step, name, x.size, float(np.sqrt(np.sum(x * x))), float(x.max()),
+                     *[torch.quantile(a, q).item() for q in GRAD_QUANTILES.values()],
+                     *[int(np.sum(x > t)) for t in thresholds], *thresholds))
+    return sorted(rows)
+
+
+@pytest.fixture
+def clock_and_writer(tmp_path):
+    """A writer and a clock advanced by every optimizer step; the steps collector uninstalled after."""
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock()
+    handle = steps.install(writer, clock)
+    yield clock, writer
+    handle.uninstall()
+    writer.close()
+
+
+@pytest.fixture
+def installed():
+    """Uninstalls whatever grads handle the test installed."""
+    yield
+    if grads._installed is not None:
+        grads._installed.uninstall()
+
+
+@pytest.mark.parametrize("batch_elements", [grads.BATCH_ELEMENTS, 300])  # 300: a sort per tensor
+def test_sampled_steps_match_independent_statistics(clock_and_writer, installed, tmp_path, monkeypatch,
+                                                    batch_elements):
+    monkeypatch.setattr(grads, "BATCH_ELEMENTS", batch_elements)
+    clock, writer = clock_and_writer
+    grads.install(writer, clock, grad_every=2, refresh_every=4)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    fed = []
+    for step in range(7):
+        fed += [(step, name, g) for name, g in feed(model, step, gen, skip=("0.bias",)).items()]
+        optimizer.step()
+    writer.close()
+
+    rows = read(tmp_path, "grads")
+    assert rows == expected_rows([f for f in fed if f[0] % 2 == 0], refresh_every=4)
+    assert {r[0] for r in rows} == {0, 2, 4, 6}  # sampled steps only
+    assert {r[1] for r in rows} == {"0.weight", "2.0.weight", "2.0.bias"}  # 0.bias has no gradient
+    # thresholds: computed at step 0, stale at 2, refreshed at 4 (4 - 0 >= refresh_every), stale at 6
+    thr = {r[0]: r[-3:] for r in rows if r[1] == "2.0.weight"}
+    assert thr[0] == thr[2] != thr[4] == thr[6]
+    counts = {r[0]: r[-6:-3] for r in rows if r[1] == "2.0.weight"}
+    assert counts[2] > counts[0]  # gradients grew: more of them exceed the stale threshold
+
+
+def test_counts_compare_with_the_float64_threshold(clock_and_writer, installed, tmp_path):
+    clock, writer = clock_and_writer
+    grads.install(writer, clock, grad_every=1)
+    model = nn.Linear(1112, 1, bias=False)
+    # |g| sorted: 999 x 0.5, 1.0, 112 x the next float32 after 1.0. The 0.9 quantile (rank 999.9)
+    # lies 0.9 of the way between 1.0 and the next float32: it rounds to that float32, above it.
+    above_one = float(np.nextafter(np.float32(1), np.float32(2)))
+    model.weight.grad = -torch.tensor([[0.5] * 999 + [1.0] + [above_one] * 112])
+    fed = [(0, "weight", model.weight.grad.clone())]
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    writer.close()
+    (row,), (expected,) = read(tmp_path, "grads"), expected_rows(fed, refresh_every=1)
+    assert row[3] == pytest.approx(expected[3], rel=1e-15)  # l2: these squares are not exact in float64
+    assert row[:3] + row[4:] == expected[:3] + expected[4:]
+    assert row[-4] == 112  # count_above_keep_10pct: all elements above the float64 threshold
+
+
+def test_no_grads_are_written_when_grad_every_is_0(clock_and_writer, installed, tmp_path):
+    clock, writer = clock_and_writer
+    handle = grads.install(writer, clock, grad_every=0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        feed(model, step, gen)
+        optimizer.step()
+    writer.close()
+    assert clock.step == 3 and handle.guard.errors == 0
+    assert not (tmp_path / "grads").exists()
+
+
+def test_each_optimizer_is_covered_in_the_step_it_runs_in(clock_and_writer, installed, tmp_path):
+    clock, writer = clock_and_writer
+    grads.install(writer, clock, grad_every=2)
+    model = make_model()
+    table = nn.Embedding(10, 3, sparse=True)
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)  # the first to step: it advances the clock
+    second = torch.optim.SGD([*model[2].parameters(), table.weight], lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    fed = []
+    for iteration in range(5):
+        grads_fed = feed(model, iteration, gen)
+        table.weight.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), torch.ones(2, 3), (10, 3),
+                                                    check_invariants=True)  # not dense: skipped
+        first.step()
+        # `second` steps after the clock moved on: its gradients of iteration i are in step i + 1
+        fed += [(iteration + name.startswith("2."), name, g) for name, g in grads_fed.items()]
+        second.step()
+    writer.close()
+    sampled = sorted((f for f in fed if f[0] % 2 == 0), key=lambda f: f[0])
+    assert read(tmp_path, "grads") == expected_rows(sampled, refresh_every=grads.REFRESH_EVERY)
+
+
+def test_a_parameter_is_written_once_per_step(clock_and_writer, installed, tmp_path):
+    clock, writer = clock_and_writer
+    grads.install(writer, clock, grad_every=1)
+    model = make_model()
+    inner = torch.optim.SGD(model[0].parameters(), lr=0.1)  # the first to step: it advances the clock
+    whole = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    fed = [(0, name, g) for name, g in feed(model, 0, gen).items() if name.startswith("0.")]
+    inner.step()  # step 0 ends
+    fed += [(1, name, g) for name, g in feed(model, 1, gen).items()]
+    whole.step()
+    inner.step()  # its parameters are written already: step 1 ends with one row for each parameter
+    writer.close()
+    assert read(tmp_path, "grads") == expected_rows(fed, refresh_every=grads.REFRESH_EVERY)
+
+
+def test_parameters_registered_before_install_get_fallback_names(clock_and_writer, installed, tmp_path):
+    early = nn.Linear(2, 2)
+    clock, writer = clock_and_writer
+    grads.install(writer, clock, grad_every=1)
+    late = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([late.weight, early.weight, early.bias, late.bias], lr=0.1)
+    for param in optimizer.param_groups[0]["params"]:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    writer.close()
+    assert [r[1] for r in read(tmp_path, "grads")] == ["bias", "param_0", "param_1", "weight"]
+
+
+def test_second_install_is_a_no_op_and_uninstall_restores(tmp_path):
+    before = global_hook_counts()
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock(writer)
+    handle = grads.install(writer, clock)
+    installed = global_hook_counts()
+    assert grads.install(writer, clock) is handle
+    assert installed != before
+    handle.uninstall()
+    assert global_hook_counts() == before
+    model = make_model()
+    feed(model, 0, torch.Generator().manual_seed(0))
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    clock.advance()
+    writer.close()
+    assert not (tmp_path / "grads").exists()
+
+
+class FailingWriter:
+    def append(self, table, columns):
+        raise OSError("disk full")
+
+
+def train(model: nn.Module, clock: StepClock | None) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        feed(model, step, gen)
+        optimizer.step()
+        if clock is not None:
+            clock.advance()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_failing_writer_does_not_change_training(installed, capsys):
+    torch.manual_seed(0)
+    untraced = train(make_model(), None)
+    clock = StepClock()
+    handle = grads.install(FailingWriter(), clock, grad_every=1)
+    torch.manual_seed(0)
+    traced = train(make_model(), clock)
+    assert all(torch.equal(a, b) for a, b in zip(traced, untraced))
+    assert handle.guard.errors == 1 and not handle.guard.enabled and handle.guard.dropped > 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "OSError: disk full" in lines[0], lines
+
+
+class Rows:
+    """A writer that keeps the rows appended to it, checked against their table's schema, in memory."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def append(self, table, columns):
+        self.rows += to_batch(table, columns).to_pylist()
+
+
+@pytest.mark.gpu
+def test_cuda_gradients_give_the_statistics_of_cpu_ones(installed):
+    def rows_on(device: str) -> list[dict]:
+        writer, clock = Rows(), StepClock()
+        handle = grads.install(writer, clock, grad_every=1, refresh_every=2)
+        model = make_model().to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            feed(model, step, gen)
+            optimizer.step()
+            clock.advance()
+        handle.uninstall()
+        return sorted(writer.rows, key=lambda r: (r["step"], r["name"]))
+
+    cpu, cuda = rows_on("cpu"), rows_on("cuda")
+    floats = [c for c in cpu[0] if isinstance(cpu[0][c], float)]
+    assert len(cpu) == 12
+    for a, b in zip(cpu, cuda, strict=True):
+        assert {c: v for c, v in a.items() if c not in floats} == {c: v for c, v in b.items() if c not in floats}
+        assert [b[c] for c in floats] == pytest.approx([a[c] for c in floats], rel=1e-12, abs=0)
