@@ -1,18 +1,22 @@
-"""What tracing costs: samples/s of the reference trainer untraced vs under `tracekit record`,
-and bytes of trace per embedding lookup.
+"""What tracing costs: samples/s of the reference trainer untraced, under `tracekit record`
+(default settings, then raw lookups on every step), and under torch.profiler with shapes
+recorded; then the bytes of trace per embedding lookup on the criteo-kaggle preset.
 
-Runs alternate (untraced, traced, traced with raw lookups every step, ...), each a fresh 2-rank
-torchrun on gloo/CPU; medians and ratios are printed with the machine. Then one traced run on
-the criteo-kaggle preset gives the trace's bytes per lookup. From the repo root:
+Runs alternate (untraced, traced, traced with lookups every step, profiled, untraced, ...), each
+a fresh torchrun; medians and ratios are printed with the machine. On CPU: 2 ranks on gloo, one
+core each. With `--device cuda`: 1 rank on NCCL, NVML sampled while traced. From the repo root:
 
-    .venv/bin/python bench/record_overhead.py --runs 3
+    .venv/bin/python bench/record_overhead.py --runs 5
+    python3 bench/record_overhead.py --device cuda --python python3 --runs 3      # on a GPU machine
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -20,57 +24,84 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = ROOT / ".venv" / "bin"
-TRAIN = ["--pooling", "1", "--zipf", "0", "--eval-fraction", "0", "--json"]
-TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "train.py"]
 
 
 def samples_per_s(command: list[str]) -> float:
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["samples_per_s"]
-
-
-def traced(run_dir: Path, *extra: str) -> list[str]:
-    return [str(BIN / "tracekit"), "record", "--force", "-o", str(run_dir), *extra, "--", *TORCHRUN]
+    """The trainer's samples/s, or NaN (with its stderr shown) if the command failed."""
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-2000:]}", file=sys.stderr)
+        return math.nan
+    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
 
 
 def trace_bytes(run_dir: Path) -> int:
     return sum(p.stat().st_size for p in run_dir.rglob("*.parquet"))
 
 
+def machine(device: str) -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    text = f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
+    if device == "cuda":
+        import torch
+
+        text += f"; {torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return text
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter to run with")
     args = p.parse_args()
-    steps = ["--steps", str(args.steps)]
-    results: dict[str, list[float]] = {"untraced": [], "traced": [], "traced, lookups every step": []}
+    ranks = 2 if args.device == "cpu" else 1
+    torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    train = ["--pooling", "1", "--zipf", "0", "--eval-fraction", "0", "--json", "--steps", str(args.steps),
+             "--device", args.device]
+    if args.device == "cuda":
+        train += ["--batch-size", "8192", "--rows", "1000000", "--samples", str(8192 * (args.steps + 1))]
+
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
+
+        def traced(train_args: list[str], *options: str) -> list[str]:
+            return [args.python, "-m", "tracekit", "record", "--force", "-o", str(run_dir), *options, "--",
+                    *torchrun, "train.py", *train_args]
+
+        variants = {
+            "untraced": [*torchrun, "train.py", *train],
+            "tracekit record": traced(train),
+            "tracekit record, lookups every step": traced(train, "--lookup-every", "1"),
+            "torch.profiler, record_shapes": [*torchrun, "bench/profiled_train.py", *train],
+        }
+        results: dict[str, list[float]] = {name: [] for name in variants}
         for i in range(args.runs):
-            results["untraced"].append(samples_per_s([*TORCHRUN, *TRAIN, *steps]))
-            results["traced"].append(samples_per_s([*traced(run_dir), *TRAIN, *steps]))
-            results["traced, lookups every step"].append(
-                samples_per_s([*traced(run_dir, "--lookup-every", "1"), *TRAIN, *steps]))
+            for name, command in variants.items():
+                results[name].append(samples_per_s(command))
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()),
-                  file=sys.stderr)
+                  file=sys.stderr, flush=True)
+
         base = statistics.median(results["untraced"])
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-        print(f"machine: {cpu}, {os.cpu_count()} cores; gloo, world size 2, 1 thread per rank; "
-              f"{args.steps} steps, pooling 1, 8 tables x 100k x 64, batch 512 per rank; {args.runs} runs each")
+        print(f"machine: {machine(args.device)}\n{args.device}, {ranks} rank(s) "
+              f"({'gloo, 1 core each' if args.device == 'cpu' else 'NCCL'}); "
+              f"train.py {' '.join(train)}; {args.runs} alternating runs each")
         print("| variant | median samples/s | runs | vs untraced |\n|---|---:|---|---:|")
         for name, values in results.items():
             med = statistics.median(values)
             print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} |")
 
         # bytes per lookup on the criteo-kaggle preset (26 tables, one id each)
-        preset = ["--preset", "criteo-kaggle", "--scale", "0.02", "--batch-size", "512", "--steps", "100",
-                  "--eval-fraction", "0", "--json"]
-        subprocess.run([*traced(run_dir), *preset], cwd=ROOT, capture_output=True, text=True, check=True)
-        lookups = 100 * 2 * 512 * 26
+        steps, batch = 100, 512
+        preset = ["--preset", "criteo-kaggle", "--scale", "0.02", "--batch-size", str(batch), "--steps", str(steps),
+                  "--eval-fraction", "0", "--json", "--device", args.device]
+        subprocess.run(traced(preset), cwd=ROOT, capture_output=True, text=True, check=True)
+        lookups = steps * ranks * batch * 26
         size = trace_bytes(run_dir)
-        print(f"\ncriteo-kaggle preset (scale 0.02), 100 steps x 1024 samples x 26 tables = {lookups:,} lookups: "
-              f"{size:,} bytes of Parquet = {size / lookups:.2f} B per lookup (lookups table every 10th step)")
+        print(f"\ncriteo-kaggle preset (scale 0.02), {steps} steps x {ranks * batch} samples x 26 tables = "
+              f"{lookups:,} lookups: {size:,} bytes of Parquet = {size / lookups:.2f} B per lookup "
+              "(lookups table every 10th step)")
     return 0
 
 

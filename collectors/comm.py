@@ -4,8 +4,9 @@
 functions in `torch.distributed.distributed_c10d`, which torch's own modules call). Each call
 becomes one `comms` row: op, group, dtype, bytes out and in, bytes per peer for all-to-all and
 point-to-point, start time, completion time and a tag. Completion of an async call is taken
-from its Work future, not from the call's return. Rows are buffered and written when the step
-ends. DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
+from its Work future, not from the call's return. The training thread only describes the call
+(sizes, not data) and keeps it; the writer thread drains the kept calls, in call order, at every
+flush. An async call that never completed before the process ended has t_end_ns -1. DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
 reference trainer's); DDP's built-in C++ all-reduce is not (a dispatch-level hook would be).
 
 The tag is the innermost `tracekit.label(name)` around the call, else `ddp_bucket_<i>` for DDP's
@@ -19,10 +20,10 @@ Splits of an all-to-all, two ranks, rank 0 sending 3 rows of 8 bytes to itself a
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -38,8 +39,6 @@ from tracekit.store import RunWriter
 
 OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
        "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "send", "recv", "isend", "irecv")
-COLUMNS = ("step", "seq", "op", "group", "group_size", "dtype", "bytes_out", "bytes_in", "splits_out",
-           "splits_in", "t_start_ns", "t_end_ns", "tag", "async")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -53,9 +52,9 @@ def _split_bytes(t: torch.Tensor, sizes: list[int] | None, world: int) -> list[i
     return [int(s) * row for s in sizes]
 
 
-def describe(op: str, args: inspect.BoundArguments, group_size: int) -> dict:
-    """dtype, bytes and per-peer bytes of one call (the row minus step, times and tag)."""
-    a = args.arguments
+def describe(op: str, a: dict[str, Any], group_size: int) -> dict:
+    """dtype, bytes and per-peer bytes of one call (the row minus step, times and tag), from its
+    arguments by name."""
     if op == "all_to_all_single":
         out = _split_bytes(a["input"], a.get("input_split_sizes"), group_size)
         inn = _split_bytes(a["output"], a.get("output_split_sizes"), group_size)
@@ -90,9 +89,8 @@ class CommHandle:
     def __init__(self, writer: RunWriter, clock: StepClock) -> None:
         self.writer, self.clock = writer, clock
         self.guard = Guard("comm")
-        self.seq = 0
-        self.rows: list[dict] = []
-        self.lock = threading.Lock()  # async completions append from the backend's thread
+        self.seq = 0  # calls drained so far: the next row's seq
+        self.calls: collections.deque[list] = collections.deque()  # appended here, popped by the writer
         self.originals: dict[tuple[Any, str], Callable] = {}
         for module in (dist, c10d):
             for op in OPS:
@@ -102,66 +100,69 @@ class CommHandle:
                     setattr(module, op, self._wrap(op, fn))
         self.ddp_forward = DistributedDataParallel.forward
         DistributedDataParallel.forward = _hooking_forward(self.ddp_forward)
-        clock.add_listener(self)
+        writer.add_source(self.drain)
 
     def _wrap(self, op: str, fn: Callable) -> Callable:
-        signature = inspect.signature(fn)
+        names = list(inspect.signature(fn).parameters)
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
             t_start = time.monotonic_ns()
             result = fn(*args, **kwargs)
-            self.guard.run(self._record, op, signature, args, kwargs, result, t_start, sys._getframe(1))
+            self.guard.run(self._record, op, names, args, kwargs, result, t_start, sys._getframe(1))
             return result
 
         traced.__wrapped_by_tracekit__ = True
         return traced
 
-    def _record(self, op, signature, args, kwargs, result, t_start, caller) -> None:
-        bound = signature.bind(*args, **kwargs)
-        group = bound.arguments.get("group")
+    def _record(self, op, names, args, kwargs, result, t_start, caller) -> None:
+        arguments = dict(zip(names, args))
+        arguments.update(kwargs)
+        group = arguments.get("group")
         pg = group if group is not None else c10d._get_default_group()
         size = dist.get_world_size(pg)
-        row = dict(step=self.clock.step, op=op, group=str(getattr(pg, "group_name", "") or "default"),
-                   group_size=size, tag=current_label.get() or caller.f_code.co_qualname,
-                   **describe(op, bound, size), t_start_ns=t_start)
-        with self.lock:
-            row["seq"] = self.seq
-            self.seq += 1
+        d = describe(op, arguments, size)
         is_work = result is not None and hasattr(result, "get_future")
-        row["async"] = bool(is_work)
-        if not is_work:
-            row["t_end_ns"] = time.monotonic_ns()
-            self._keep(row)
-            return
-        result.get_future().then(lambda fut: self._complete(row))
+        call = [self.clock.step, op, getattr(pg, "group_name", "") or "default", size, d["dtype"],
+                d["bytes_out"], d["bytes_in"], d["splits_out"], d["splits_in"], t_start, 0,
+                current_label.get() or caller.f_code.co_qualname, is_work]
+        if is_work:
+            result.get_future().then(functools.partial(_complete, call))
+        else:
+            call[T_END] = time.monotonic_ns()
+        self.calls.append(call)
 
-    def _complete(self, row: dict) -> None:
-        row["t_end_ns"] = time.monotonic_ns()
-        self._keep(row)
-
-    def _keep(self, row: dict) -> None:
-        with self.lock:
-            self.rows.append(row)
-
-    def on_step_end(self, step: int) -> None:
-        self.guard.run(self._flush)
-
-    def _flush(self) -> None:
-        with self.lock:
-            rows, self.rows = self.rows, []
-        if rows:
-            rows.sort(key=lambda r: r["seq"])
-            self.writer.append("comms", {c: [r[c] for r in rows] for c in COLUMNS})
+    def drain(self, final: bool) -> list[tuple[str, dict]]:
+        """The calls kept so far, in call order, up to the first async one still running (all if
+        `final`: those get t_end_ns -1). Called on the writer thread."""
+        calls = []
+        while self.calls and (final or self.calls[0][T_END]):
+            call = self.calls.popleft()
+            if not call[T_END]:
+                call[T_END] = -1
+            calls.append(call)
+        if not calls:
+            return []
+        columns = dict(zip(FIELDS, zip(*calls)))
+        columns["seq"] = range(self.seq, self.seq + len(calls))
+        self.seq += len(calls)
+        return [("comms", columns)]
 
     def uninstall(self) -> None:
         global _installed
         for (module, op), fn in self.originals.items():
             setattr(module, op, fn)
         DistributedDataParallel.forward = self.ddp_forward
-        self.clock.remove_listener(self)
-        self.guard.run(self._flush)
         _installed = None
+
+
+FIELDS = ("step", "op", "group", "group_size", "dtype", "bytes_out", "bytes_in", "splits_out", "splits_in",
+          "t_start_ns", "t_end_ns", "tag", "async")  # a kept call's items, in order
+T_END = FIELDS.index("t_end_ns")
+
+
+def _complete(call: list, future: Any) -> None:
+    call[T_END] = time.monotonic_ns()
 
 
 def _average_bucket_hook(process_group, bucket):

@@ -1,21 +1,23 @@
 """The embedding collector: which rows of which table each step reads.
 
-`install(writer, clock)` registers two global torch hooks:
-
-- a module forward hook that sees every `nn.Embedding` / `nn.EmbeddingBag` call (other modules
-  return at one isinstance check). Each call's ids are counted with `torch.unique` on their own
-  device; ids equal to the module's `padding_idx` are not lookups and are left out, weighted
-  lookups (`per_sample_weights`) count like any other. When the clock's step ends, the step's
-  exact counts are written as `accesses` rows (step, table_name, row, count). On sampled steps
-  (`step % lookup_every == 0`) every lookup is also written to `lookups` with its `sample` (bag
+`install(writer, clock)` hooks every `nn.Embedding` / `nn.EmbeddingBag` instance, those that exist
+and those created later (a global parameter-registration hook sees each one's `weight` arrive),
+with a forward hook of its own: no other module pays for it. The hook keeps a copy of the call's
+ids (and offsets on sampled steps) with the current step; nothing else happens on the training
+thread. The writer thread drains the calls of finished steps at every flush (`RunWriter.add_source`)
+and turns them into
+- `accesses`: exact counts per (step, table_name, row), one sort per table per flush; ids equal to
+  the module's `padding_idx` are not lookups and are left out, weighted lookups
+  (`per_sample_weights`) count like any other;
+- `lookups`, on sampled steps (`step % lookup_every == 0`): every lookup with its `sample` (bag
   index of an EmbeddingBag, row of a 2-D [B, L] input, dim-0 index of an N-D input, i for the
   i-th id of a 1-D nn.Embedding input) and `pos` (position in the bag or sequence; padding ids
-  keep their position slot but write no row);
-- a module registration hook feeding `collectors.names.ModuleNames`, so a table is named by its
-  dotted path from the outermost module seen, e.g. `tables.a` for
-  `model.tables = nn.ModuleDict({"a": ...})`, fixed at the table's first call. A table registered
-  before install, or in no module, is named `f"{type(m).__name__}_{k}"`, k counting from 0 in
-  first-call order.
+  keep their position slot but write no row).
+
+A table is named by its dotted path from the outermost module seen (`collectors.names`), e.g.
+`tables.a` for `model.tables = nn.ModuleDict({"a": ...})`, fixed at the table's first call. A table
+registered before install, or in no module, is named `f"{type(m).__name__}_{k}"`, k counting from 0
+in first-call order.
 
 A module tagged with `tracekit.shard(m, table=..., first_row=...)` is named by its `table`, and
 `first_row` is added to each of its ids, so `row` is the table's global row in both trace tables.
@@ -24,8 +26,9 @@ At each module's first call, `handle.tables` gets an entry with what the manifes
 `dtype`, `kind` ("pooled" for an EmbeddingBag, "sequence" for an Embedding) and `padding_idx`
 (a global row, or None).
 
-Rows are buffered per step (on the ids' device, unique rows only) and written at the step's end;
-a step not ended by the clock before `uninstall()` writes nothing.
+A step's calls are written once the clock has moved past it, so each (step, table, row) is one
+row; calls after the last step (an evaluation pass) are written at close under the step the clock
+shows then. Only a step holding more than the writer's `flush_rows` ids is written in pieces.
 
     clock = StepClock()
     steps_handle = steps.install(writer, clock)
@@ -36,9 +39,13 @@ a step not ended by the clock before `uninstall()` writes nothing.
 
 from __future__ import annotations
 
+import collections
+import gc
 import weakref
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
@@ -51,6 +58,28 @@ from tracekit.shards import Shard, shard_of
 from tracekit.store import RunWriter
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+MAX_PENDING_IDS = 64_000_000  # ids held for the writer (512 MB of int64) before calls are dropped
+
+
+@dataclass(frozen=True, eq=False)
+class Table:
+    """What the collector needs of a table module, fixed at its first call."""
+
+    name: str
+    num_rows: int  # the module's own rows: ids are below it
+    padding_idx: int | None  # a module row
+    first_row: int  # the table's row that the module's row 0 holds
+
+
+@dataclass(frozen=True)
+class Call:
+    """One lookup call, as kept for the writer thread."""
+
+    step: int
+    table: Table
+    ids: torch.Tensor
+    offsets: torch.Tensor | None  # only on sampled steps, for the lookups' positions
+    sampled: bool
 
 
 def lookup_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,6 +107,41 @@ def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Te
     return sample, torch.arange(length, device=device).repeat(batch)
 
 
+def count_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step, row, count) with unique (step, row), sorted, of one table's calls: one sort of
+    (step - first step) * num_rows + row, with numpy on CPU, with torch on the ids' device."""
+    table = calls[0].table
+    rows = torch.cat([c.ids.reshape(-1) for c in calls]).to(torch.int64)
+    step_of = torch.tensor([c.step for c in calls], device=rows.device)
+    steps = torch.repeat_interleave(step_of, torch.tensor([c.ids.numel() for c in calls], device=rows.device),
+                                    output_size=rows.numel())
+    if table.padding_idx is not None:
+        keep = rows != table.padding_idx
+        rows, steps = rows[keep], steps[keep]
+    first = calls[0].step
+    key = (steps - first) * table.num_rows + rows
+    if key.is_cuda:
+        unique, counts = (t.cpu().numpy() for t in torch.unique(key, return_counts=True))
+    else:
+        unique, counts = np.unique(key.numpy(), return_counts=True)
+    step, row = np.divmod(unique, table.num_rows)
+    return step + first, row + table.first_row, counts.astype(np.int32)
+
+
+def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(step, sample, pos, row) of every non-padding lookup of one table's sampled calls."""
+    parts = []
+    for c in calls:
+        sample, pos = positions(c.ids, c.offsets)
+        rows = c.ids.reshape(-1).to(torch.int64)
+        if c.table.padding_idx is not None:
+            keep = rows != c.table.padding_idx
+            sample, pos, rows = sample[keep], pos[keep], rows[keep]
+        parts.append((np.full(rows.numel(), c.step, dtype=np.int64), *(t.cpu().numpy() for t in (sample, pos)),
+                      rows.cpu().numpy() + c.table.first_row))
+    return tuple(np.concatenate(column) for column in zip(*parts))
+
+
 def table_entry(module: nn.Module, shard: Shard) -> dict:
     """What the manifest lists of a table module, described in the module docstring."""
     padding = module.padding_idx
@@ -88,18 +152,25 @@ def table_entry(module: nn.Module, shard: Shard) -> dict:
             "padding_idx": None if padding is None else shard.first_row + padding}
 
 
-def merge_counts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum per-call (rows, counts) pairs into one (rows, counts) pair with unique rows."""
-    rows = torch.cat([r for r, _ in parts])
-    counts = torch.cat([c for _, c in parts])
-    if len(parts) == 1:
-        return rows, counts
-    rows, inverse = torch.unique(rows, return_inverse=True)
-    return rows, torch.zeros(rows.numel(), dtype=counts.dtype, device=counts.device).index_add_(0, inverse, counts)
+def _by_table(calls: list[Call]) -> dict[Table, list[Call]]:
+    tables: dict[Table, list[Call]] = {}
+    for call in calls:
+        tables.setdefault(call.table, []).append(call)
+    return tables
+
+
+def _columns(step: list[np.ndarray], names: list[str], **columns: list[np.ndarray]) -> dict[str, Any]:
+    """Columns of several tables' rows at once: `step[i]` and `columns[key][i]` hold `names[i]`'s."""
+    sizes = [len(s) for s in step]
+    which = np.repeat(np.arange(len(names), dtype=np.int32), sizes)
+    table_name = pa.DictionaryArray.from_arrays(pa.array(which), pa.array(names, pa.string()))
+    return {"step": np.concatenate(step), "table_name": table_name,
+            **{key: np.concatenate(parts) for key, parts in columns.items()}}
 
 
 class EmbeddingHandle:
-    """The installed embedding collector; `uninstall()` removes every hook it registered."""
+    """The installed embedding collector; `uninstall()` removes every hook it registered. The writer
+    keeps draining it until closed, so calls made before uninstall are still written."""
 
     def __init__(self, writer: RunWriter, clock: StepClock, lookup_every: int) -> None:
         self.writer = writer
@@ -108,92 +179,91 @@ class EmbeddingHandle:
         self.guard = Guard("embedding")
         self.names = ModuleNames()
         self.tables: list[dict] = []  # one entry per module seen, in first-call order (module docstring)
-        self._shards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its Shard
-        self._counts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._lookups: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._tables: weakref.WeakKeyDictionary[nn.Module, Table] = weakref.WeakKeyDictionary()
+        self._module_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+        self._calls: collections.deque[Call] = collections.deque()  # appended here, popped by the writer
+        self._ids_added = 0  # written by the training thread only
+        self._ids_drained = 0  # written by the writer thread only
         self._hooks = [
             torch_module.register_module_module_registration_hook(self._on_register),
-            torch_module.register_module_forward_hook(self._on_forward, with_kwargs=True),
+            torch_module.register_module_parameter_registration_hook(self._on_parameter),
         ]
-        clock.add_listener(self)
+        for obj in gc.get_objects():  # tables created before install
+            if issubclass(type(obj), EMBEDDINGS):  # type(): isinstance would read __class__ properties
+                self._hook(obj)
+        writer.add_source(self.drain)
 
     def uninstall(self) -> None:
         global _installed
-        for hook in self._hooks:
+        for hook in [*self._hooks, *self._module_hooks.values()]:
             hook.remove()
         self._hooks = []
-        self.clock.remove_listener(self)
-        self._counts, self._lookups = {}, {}
+        self._module_hooks = weakref.WeakKeyDictionary()
         if _installed is self:
             _installed = None
-
-    def on_step_end(self, step: int) -> None:
-        counts, lookups = self._counts, self._lookups
-        self._counts, self._lookups = {}, {}
-        self.guard.run(self._write, step, counts, lookups)
 
     def _on_register(self, parent: nn.Module, attr: str, child: nn.Module | None) -> None:
         self.guard.run(self.names.on_module, parent, attr, child)  # returns None: child unchanged
 
+    def _on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
+        if isinstance(module, EMBEDDINGS) and module not in self._module_hooks:
+            self.guard.run(self._hook, module)  # returns None: the parameter is unchanged
+
+    def _hook(self, module: nn.Module) -> None:
+        self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
+
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if isinstance(module, EMBEDDINGS):
-            self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
-
-    def _sampled(self) -> bool:
-        return self.lookup_every > 0 and self.clock.step % self.lookup_every == 0
-
-    def _shard(self, module: nn.Module) -> Shard:
-        """The module's table and first row (its whole table at 0 if untagged); on its first call,
-        its entry in `tables`."""
-        shard = self._shards.get(module)
-        if shard is None:
-            shard = shard_of(module) or Shard(self.names.module_name(module), 0, module.num_embeddings)
-            self._shards[module] = shard
-            self.tables.append(table_entry(module, shard))
-        return shard
+        self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        table = self._tables.get(module) or self._first_call(module)
         ids, offsets = lookup_ids(module, args, kwargs)
-        shard = self._shard(module)
-        rows = ids.reshape(-1).to(torch.int64)
-        keep = None if module.padding_idx is None else rows != module.padding_idx
-        rows_kept = rows if keep is None else rows[keep]
-        if shard.first_row:
-            rows_kept = rows_kept + shard.first_row
-        self._counts.setdefault(shard.table, []).append(torch.unique(rows_kept, return_counts=True))
-        if self._sampled():
-            sample, pos = positions(ids, offsets)
-            if keep is not None:
-                sample, pos = sample[keep], pos[keep]
-            self._lookups.setdefault(shard.table, []).append((sample, pos, rows_kept.clone()))  # ids may be reused
+        if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
+            self.writer.count_dropped("accesses", ids.numel())
+            return
+        step = self.clock.step
+        sampled = self.lookup_every > 0 and step % self.lookup_every == 0
+        keep_offsets = offsets.clone() if sampled and offsets is not None else None
+        self._calls.append(Call(step, table, ids.clone(), keep_offsets, sampled))  # the caller may reuse ids
+        self._ids_added += ids.numel()
+        if self._ids_added - self._ids_drained > self.writer.flush_rows:
+            self.writer.wake()
 
-    def _write(self, step: int, counts: dict, lookups: dict) -> None:
-        """One append per trace table per step, every table's rows together."""
-        if counts:
-            merged = {table: merge_counts(parts) for table, parts in counts.items()}
-            self._append("accesses", step, list(merged), {
-                "row": [rows for rows, _ in merged.values()],
-                "count": [n.to(torch.int32) for _, n in merged.values()]})
-        if lookups:
-            joined = {table: [torch.cat(column) for column in zip(*parts)] for table, parts in lookups.items()}
-            self._append("lookups", step, list(joined), {
-                "sample": [c[0].to(torch.int32) for c in joined.values()],
-                "pos": [c[1].to(torch.int32) for c in joined.values()],
-                "row": [c[2] for c in joined.values()]})
+    def _first_call(self, module: nn.Module) -> Table:
+        shard = shard_of(module) or Shard(self.names.module_name(module), 0, module.num_embeddings)
+        self.tables.append(table_entry(module, shard))
+        table = self._tables[module] = Table(shard.table, module.num_embeddings, module.padding_idx, shard.first_row)
+        return table
 
-    def _append(self, trace_table: str, step: int, names: list[str], columns: dict[str, list[torch.Tensor]]) -> None:
-        """Rows of several tables at once: `columns[key][i]` holds table `names[i]`'s values."""
-        sizes = torch.tensor([part.numel() for part in next(iter(columns.values()))])
-        n = int(sizes.sum())
-        which = torch.repeat_interleave(torch.arange(len(names), dtype=torch.int32), sizes)
-        table_name = pa.DictionaryArray.from_arrays(pa.array(which.numpy()), pa.array(names))
-        arrays = {key: pa.array(torch.cat(parts).cpu().numpy()) for key, parts in columns.items()}
-        steps = pa.array(torch.full((n,), step, dtype=torch.int64).numpy())
-        self.writer.append(trace_table, {"step": steps, "table_name": table_name, **arrays})
+    def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The calls of steps the clock has left (all of them if `final`, or if too many are held) as
+        `accesses` and `lookups` columns."""
+        calls = self._take(final)
+        if not calls:
+            return
+        self._ids_drained += sum(c.ids.numel() for c in calls)
+        tables = _by_table(calls)
+        counted = [count_rows(table_calls) for table_calls in tables.values()]
+        yield "accesses", _columns([c[0] for c in counted], [t.name for t in tables],
+                                   row=[c[1] for c in counted], count=[c[2] for c in counted])
+        sampled = _by_table([c for c in calls if c.sampled])
+        if sampled:
+            found = [lookup_rows(table_calls) for table_calls in sampled.values()]
+            yield "lookups", _columns([f[0] for f in found], [t.name for t in sampled],
+                                      sample=[f[1].astype(np.int32) for f in found],
+                                      pos=[f[2].astype(np.int32) for f in found], row=[f[3] for f in found])
+
+    def _take(self, final: bool) -> list[Call]:
+        everything = final or self._ids_added - self._ids_drained > self.writer.flush_rows
+        current = self.clock.step
+        calls = []
+        while self._calls and (everything or self._calls[0].step < current):
+            calls.append(self._calls.popleft())
+        return calls
 
 
-# The module hooks are process-wide, so the record of them is too: one slot, set by install and
-# cleared by uninstall, makes a second install a no-op.
+# The hooks are process-wide, so the record of them is too: one slot, set by install and cleared by
+# uninstall, makes a second install a no-op.
 _installed: EmbeddingHandle | None = None
 
 

@@ -29,7 +29,8 @@ They are computed on the gradients' device for many tensors at once, in a number
 operations that does not grow with theirs: the |g| of up to BATCH_ELEMENTS elements are
 concatenated and sorted together as int64 keys `tensor index << 31 | float32 bits of |g|` (a
 non-negative float's bits order like its value), which sorts each tensor's values within its own
-block. The step's rows stay on the device until the step ends, and reach the host in one copy.
+block. The step's rows stay on the device until the step ends, and reach the host in one copy, made
+by the writer thread (`RunWriter.add_source`), so the training thread never waits for the device.
 
     clock = StepClock()
     steps_handle = steps.install(writer, clock)
@@ -40,6 +41,7 @@ block. The step's rows stay on the device until the step ends, and reach the hos
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -159,12 +161,14 @@ class GradsHandle:
         self._layouts: dict[tuple[tuple[int, ...], torch.device], Layout] = {}
         self._rows: list[tuple[list[str], list[int], torch.Tensor]] = []  # this step's, a batch at a time
         self._covered: set[int] = set()  # ids of the parameters written this step
+        self._ended: collections.deque = collections.deque()  # (step, rows) of ended steps, for the writer
         self._hooks = [
             torch_module.register_module_module_registration_hook(self._on_module),
             torch_module.register_module_parameter_registration_hook(self._on_parameter),
             register_optimizer_step_pre_hook(self._on_optimizer_step),
         ]
         clock.add_listener(self)
+        writer.add_source(self.drain)
 
     def uninstall(self) -> None:
         global _installed
@@ -179,7 +183,7 @@ class GradsHandle:
     def on_step_end(self, step: int) -> None:
         rows, self._rows, self._covered = self._rows, [], set()
         if rows:
-            self.guard.run(self._write, step, rows)
+            self._ended.append((step, rows))
 
     def _on_module(self, parent: torch.nn.Module, attr: str, child: torch.nn.Module | None) -> None:
         self.guard.run(self.names.on_module, parent, attr, child)  # returns None: child unchanged
@@ -229,14 +233,20 @@ class GradsHandle:
         return torch.cat([l2[:, None], picked[:, 2 * k:], quantiles[:, :len(GRAD_QUANTILES)],
                           count_above(keys, layout, thresholds).double(), thresholds], dim=1)
 
-    def _write(self, step: int, rows: list[tuple[list[str], list[int], torch.Tensor]]) -> None:
+    def drain(self, final: bool) -> Iterator[tuple[str, dict]]:
+        """The rows of the steps ended since the last drain (called on the writer thread)."""
+        for _ in range(len(self._ended)):
+            step, rows = self._ended.popleft()
+            yield "grads", self._columns(step, rows)
+
+    @staticmethod
+    def _columns(step: int, rows: list[tuple[list[str], list[int], torch.Tensor]]) -> dict:
         device = rows[0][2].device
-        # the step's one copy to the host: on CUDA, a sync point
-        values = torch.cat([stats.to(device) for _, _, stats in rows]).T.contiguous().cpu()
+        values = torch.cat([stats.to(device) for _, _, stats in rows]).T.contiguous().cpu()  # the step's one copy
         columns = {c: (v.long() if c in COUNTS else v).numpy() for c, v in zip(STATS, values)}
         names = [name for batch, _, _ in rows for name in batch]
-        self.writer.append("grads", {"step": [step] * len(names), "name": names,
-                                     "numel": [n for _, numels, _ in rows for n in numels], **columns})
+        return {"step": [step] * len(names), "name": names,
+                "numel": [n for _, numels, _ in rows for n in numels], **columns}
 
 
 # The hooks are process-wide, so the record of them is too: one slot, set by install and cleared by

@@ -1,10 +1,10 @@
 """The step clock, and the collector that advances it on every optimizer step.
 
 `StepClock` holds the current step (0 first) for every collector of the process. `advance()` ends
-the current step: it writes one `steps` row (if the clock has a writer), tells the listeners
-(`on_step_end(step)`, e.g. the embedding collector writing that step's accesses), then moves to
-the next step. A step runs from the end of the previous one (or the clock's creation) to the
-`advance()` call, timed with `time.monotonic_ns()`.
+the current step: it keeps one `steps` row for its writer (if it has one; the writer thread drains
+them), tells the listeners (`on_step_end(step)`), then moves to the next step. A step runs from
+the end of the previous one (or the clock's creation) to the `advance()` call, timed with
+`time.monotonic_ns()`.
 
 `install(writer, clock)` attaches `writer` to the clock and registers a global optimizer-step
 post hook that calls `clock.advance()`. Loops without an optimizer (inference) call
@@ -21,6 +21,7 @@ a dense plus a sparse optimizer still count one step per iteration.
 
 from __future__ import annotations
 
+import collections
 import time
 import weakref
 from typing import Any, Protocol
@@ -48,10 +49,20 @@ class StepClock:
 
     def __init__(self, writer: RunWriter | None = None) -> None:
         self.step = 0
-        self.writer = writer
+        self.writer: RunWriter | None = None
         self.guard = Guard("steps")
         self._listeners: list[StepListener] = []
         self._t_start_ns = time.monotonic_ns()
+        self._rows: collections.deque[tuple] = collections.deque()  # appended here, popped by the writer
+        self._drained_by: set[int] = set()  # ids of the writers this clock is a source of
+        self.attach(writer)
+
+    def attach(self, writer: RunWriter | None) -> None:
+        """Write later steps' rows to `writer` (None: write nothing)."""
+        if writer is not None and id(writer) not in self._drained_by:
+            writer.add_source(self.drain)
+            self._drained_by.add(id(writer))
+        self.writer = writer
 
     def add_listener(self, listener: StepListener) -> None:
         if listener not in self._listeners:
@@ -66,21 +77,24 @@ class StepClock:
         read with float(), which waits for the device (a sync point on CUDA)."""
         t_end_ns = time.monotonic_ns()
         if self.writer is not None:
-            self.guard.run(self._write, t_end_ns, samples, loss)
+            self.guard.run(self._keep, t_end_ns, samples, loss)
         for listener in list(self._listeners):
             listener.on_step_end(self.step)
         self.step += 1
         self._t_start_ns = t_end_ns
 
-    def _write(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
-        row = {
-            "step": [self.step],
-            "t_start_ns": [self._t_start_ns],
-            "t_end_ns": [t_end_ns],
-            "samples": [0 if samples is None else int(samples)],
-            "loss": [None if loss is None else float(loss)],
-        }
-        self.writer.append("steps", row)
+    def _keep(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
+        self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples),
+                           None if loss is None else float(loss)))
+
+    def drain(self, final: bool) -> list[tuple[str, dict]]:
+        """The `steps` rows kept since the last drain (called on the writer thread)."""
+        rows = [self._rows.popleft() for _ in range(len(self._rows))]
+        if not rows:
+            return []
+        step, t_start_ns, t_end_ns, samples, loss = zip(*rows)
+        return [("steps", {"step": step, "t_start_ns": t_start_ns, "t_end_ns": t_end_ns, "samples": samples,
+                           "loss": loss})]
 
 
 class StepsHandle:
@@ -92,7 +106,7 @@ class StepsHandle:
         self._optimizer: weakref.ref | None = None  # the optimizer whose steps count
         self.guard = Guard("steps")  # the hook's own: a failed write (clock.guard) keeps the clock going
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
-        clock.writer = writer
+        clock.attach(writer)
 
     def uninstall(self) -> None:
         global _installed
@@ -100,7 +114,7 @@ class StepsHandle:
             return
         self._hook.remove()
         self._hook = None
-        self.clock.writer = self._previous_writer
+        self.clock.attach(self._previous_writer)
         if _installed is self:
             _installed = None
 

@@ -18,6 +18,7 @@ import tracekit
 from collectors import embedding, steps
 from collectors.bootstrap import is_launcher
 from collectors.steps import StepClock
+import tracekit.store
 from tracekit.run import open_run
 from tracekit.store import RunWriter, write_manifest
 
@@ -125,6 +126,25 @@ def test_accesses_and_steps_match_the_fed_ids(recording, tmp_path):
     assert clock.step == 5
 
 
+def test_a_step_is_written_once_it_has_ended_and_lookups_after_the_last_step_at_close(recording, tmp_path):
+    writer, clock, _ = recording
+    model = Model()
+    train(model, make_batches(1))
+    a_ids, offsets, weights, b_ids = make_batches(1, seed=1)[0]
+    with torch.no_grad():
+        model(a_ids, offsets, weights, b_ids)  # an evaluation pass: no optimizer step ends it
+        writer.flush()
+        assert {row[0] for row in read(tmp_path, "accesses")} == {0}
+        model(a_ids, offsets, weights, b_ids)
+    writer.close()
+    after = Counter()
+    for step, table, row, count in read(tmp_path, "accesses"):
+        if step == 1:
+            after[(table, row)] += count
+    assert after == Counter({("tables.a", r): 2 * n for r, n in Counter(a_ids.tolist()).items()}) + Counter(
+        {("tables.b", r): 2 * n for r, n in Counter(b_ids.flatten().tolist()).items() if r != 0})
+
+
 def test_lookups_are_written_on_sampled_steps_only(recording, tmp_path):
     writer, _, _ = recording
     batches = make_batches(5)
@@ -172,29 +192,31 @@ def test_importing_the_collectors_registers_nothing():
     assert before == after
 
 
-class FailingWriter:
-    def append(self, table, columns):
-        raise OSError("disk full")
-
-
-def test_a_failing_writer_does_not_change_training(capsys):
+def test_a_failing_hook_or_write_does_not_change_training(tmp_path, monkeypatch, capsys):
     batches = make_batches(5)
     torch.manual_seed(0)
     untraced = train(Model(), batches)
 
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(embedding, "lookup_ids", fail)  # the hook fails at its first call
+    monkeypatch.setattr(tracekit.store, "write_part", fail)  # and every write fails
+    writer = RunWriter(tmp_path, rank=0)
     clock = StepClock()
-    handles = [steps.install(FailingWriter(), clock), embedding.install(FailingWriter(), clock, lookup_every=1)]
+    handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=1)]
     try:
         torch.manual_seed(0)
         traced = train(Model(), batches)
     finally:
         for handle in reversed(handles):
             handle.uninstall()
+        writer.close()
 
     assert all(torch.equal(a, b) for a, b in zip(traced, untraced))
-    assert clock.step == 5  # the clock keeps counting after its writes fail
-    assert (clock.guard.errors, handles[1].guard.errors) == (1, 1)
-    assert not handles[1].guard.enabled and handles[1].guard.dropped > 0
+    assert clock.step == 5  # the clock keeps counting
+    assert handles[1].guard.errors == 1 and not handles[1].guard.enabled and handles[1].guard.dropped > 0
+    assert writer.errors == 1 and writer.dropped["steps"] == 5 and not writer.written
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all("OSError: disk full" in line for line in lines), lines
 

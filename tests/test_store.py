@@ -238,6 +238,40 @@ def test_write_failure_is_counted_not_raised(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.count("disk full") == 1
 
 
+def test_sources_are_drained_on_every_flush_and_at_close(tmp_path):
+    held: list[int] = []
+    finals: list[bool] = []
+
+    def drain(final):
+        finals.append(final)
+        rows, held[:] = list(held), []
+        return [("steps", steps(rows[0], len(rows)))] if rows else []
+
+    with RunWriter(tmp_path, 0, flush_interval_s=0.05) as writer:
+        writer.add_source(drain)
+        held.extend([0, 1])
+        wait_for(lambda: writer.written["steps"] == 2)  # pulled by time, with nothing appended
+        held.append(2)
+        writer.flush()
+        assert writer.written["steps"] == 3
+        held.append(3)
+    assert writer.written["steps"] == 4 and finals[-1] is True and not any(finals[:-1])
+    assert pq.read_table(tmp_path / "steps")["step"].to_pylist() == [0, 1, 2, 3]
+
+
+def test_a_failing_source_is_counted_and_the_others_still_written(tmp_path, capsys):
+    def broken(final):
+        raise RuntimeError("bad drain")
+
+    with RunWriter(tmp_path, 0) as writer:
+        writer.add_source(broken)
+        writer.add_source(lambda final: [("steps", steps(0, 1))])
+        writer.flush()
+    assert writer.errors == 2 and writer.written["steps"] == 2  # the flush's drain and close's
+    assert "RuntimeError: bad drain" in writer.first_error
+    assert capsys.readouterr().err.count("bad drain") == 1
+
+
 @pytest.mark.parametrize(
     "columns, message",
     [

@@ -6,6 +6,10 @@ writes one zstd part file per table per flush to `<run>/<table>/rank=<R>/part-NN
 under a hidden temporary name renamed into place when complete, so a reader globbing `*.parquet`
 never sees half a file and a crash loses at most the rows not yet flushed.
 
+Collectors on a hot path do not append: they register a *source* (`add_source`), keep raw
+records with a list append, and the writer thread pulls and converts them on every flush, so
+the traced program pays for neither the conversion nor the Parquet encoding on its own thread.
+
     writer = RunWriter("runs/base", rank=0)
     writer.append("steps", {"step": [0], "t_start_ns": [t0], "t_end_ns": [t1], "samples": [512], "loss": [0.69]})
     writer.close()
@@ -22,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -48,6 +52,11 @@ def to_batch(table: str, columns: dict[str, Any] | pa.RecordBatch) -> pa.RecordB
     else:
         arrays = [columns[name] for name in schema.names]
     return pa.RecordBatch.from_arrays([_to_array(table, f, a) for f, a in zip(schema, arrays)], schema=schema)
+
+
+Source = Callable[[bool], Iterable[tuple[str, "dict[str, Any] | pa.RecordBatch"]]]
+"""`drain(final)` -> (trace table, columns) pairs of the rows collected since the last drain; called
+on the writer thread at every flush, with final=True once, at close."""
 
 
 def _schema(table: str) -> pa.Schema:
@@ -119,6 +128,9 @@ class RunWriter:
         self._flush_done = 0  # flush() calls whose rows are written
         self._closing = False
         self._next_part: dict[str, int] = {}
+        self._sources: list[Source] = []
+        self._last_flush_at = time.monotonic()
+        self._wake = False
         self._thread = threading.Thread(target=self._run, name=f"tracekit-writer-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -143,8 +155,25 @@ class RunWriter:
             elif self._pending_rows >= self.flush_rows:
                 self._cond.notify_all()
 
+    def add_source(self, drain: Source) -> None:
+        """Pull rows from `drain` on every flush (at least every `flush_interval_s`) and at close."""
+        with self._cond:
+            self._sources.append(drain)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Flush now rather than at the next interval: a source holds many rows."""
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+
+    def count_dropped(self, table: str, rows: int) -> None:
+        """Count rows a source had to drop (its buffer was full)."""
+        with self._cond:
+            self.dropped[table] += rows
+
     def flush(self) -> None:
-        """Write every row appended so far and wait until it is on disk."""
+        """Write every row appended or held by a source so far and wait until it is on disk."""
         with self._cond:
             self._flush_requested += 1
             target = self._flush_requested
@@ -175,26 +204,49 @@ class RunWriter:
                 pending, self._pending = self._pending, {}
                 self._pending_rows = 0
                 self._first_pending_at = None
+                self._last_flush_at = time.monotonic()
+                self._wake = False
+                sources = list(self._sources)
+            appended = sum(b.num_rows for batches in pending.values() for b in batches)
+            self._drain(sources, pending, final=closing)
             for table, batches in pending.items():
                 self._write(table, batches)
             with self._cond:
-                self._queued_rows -= sum(b.num_rows for batches in pending.values() for b in batches)
+                self._queued_rows -= appended
                 self._flush_done = flush_seen
                 self._cond.notify_all()
             if closing:
                 return
 
+    def _drain(self, sources: list[Source], pending: dict[str, list[pa.RecordBatch]], *, final: bool) -> None:
+        """Add each source's rows to `pending`; a failing source is counted like a failed write."""
+        for drain in sources:
+            try:
+                for table, columns in drain(final):
+                    batch = to_batch(table, columns)
+                    if batch.num_rows:
+                        pending.setdefault(table, []).append(batch)
+            except Exception as e:  # a trace failure must never take the training process down
+                self._count_failure(getattr(drain, "__qualname__", "source"), 0, e)
+
     def _due(self) -> bool:
         """Called with the lock held: is it time to write what is buffered?"""
-        if self._closing or self._flush_requested > self._flush_done or self._pending_rows >= self.flush_rows:
+        if self._closing or self._wake or self._flush_requested > self._flush_done:
             return True
-        started = self._first_pending_at
-        return started is not None and time.monotonic() - started >= self.flush_interval_s
+        if self._pending_rows >= self.flush_rows:
+            return True
+        return (started := self._deadline_from()) is not None and time.monotonic() - started >= self.flush_interval_s
+
+    def _deadline_from(self) -> float | None:
+        """When the interval now running began: the first row waiting, or the last flush if a source
+        may hold rows."""
+        return self._last_flush_at if self._sources else self._first_pending_at
 
     def _wait_s(self) -> float | None:
-        if self._first_pending_at is None:
+        started = self._deadline_from()
+        if started is None:
             return None
-        return max(0.0, self._first_pending_at + self.flush_interval_s - time.monotonic())
+        return max(0.0, started + self.flush_interval_s - time.monotonic())
 
     def _write(self, table: str, batches: list[pa.RecordBatch]) -> None:
         rows = sum(b.num_rows for b in batches)
@@ -202,7 +254,7 @@ class RunWriter:
             directory = self.run_dir / table / f"rank={self.rank}"
             index = self._part_index(table, directory)
             data = pa.Table.from_batches(batches).replace_schema_metadata(file_metadata(table))
-            write_part(data, directory, index)
+            write_part(data, directory, index, **PARQUET_OPTIONS.get(table, {}))
         except Exception as e:  # a trace write must never take the training process down
             self._count_failure(table, rows, e)
         else:
@@ -231,14 +283,24 @@ class RunWriter:
         return index
 
 
-def write_part(data: pa.Table, directory: Path, index: int) -> Path:
-    """Write `data` as `directory/part-<index>.parquet` (zstd) via a hidden temporary file in the
-    same directory, renamed into place once complete."""
+# Encodings per trace table, for size and for the writer's CPU time (bench/RESULTS.md): row ids
+# sorted within a (step, table) delta-encode to about a byte, low-cardinality columns take a
+# dictionary, and the rest is zstd. The default dictionary-encodes every column.
+PARQUET_OPTIONS: dict[str, dict[str, Any]] = {
+    "accesses": dict(use_dictionary=["step", "table_name", "count"], column_encoding={"row": "DELTA_BINARY_PACKED"}),
+    "lookups": dict(use_dictionary=["step", "table_name", "pos", "row"],
+                    column_encoding={"sample": "DELTA_BINARY_PACKED"}),
+}
+
+
+def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> Path:
+    """Write `data` as `directory/part-<index>.parquet` (zstd; `options` go to pq.write_table) via a
+    hidden temporary file in the same directory, renamed into place once complete."""
     final = directory / f"part-{index:05d}.parquet"
     tmp = directory / f".{final.name}.tmp"
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        pq.write_table(data, tmp, compression="zstd")
+        pq.write_table(data, tmp, compression="zstd", **options)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

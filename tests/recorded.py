@@ -1,0 +1,40 @@
+"""What the `tracekit record` tests share: the tiny trainer configuration, recording a command
+through the CLI, and the accesses a run of it must show. Imports no polars or duckdb, so the GPU
+tests (whose machines have neither) can use it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from tracekit.cli import cli
+from tracekit.dlrm.data import open_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--tables", "4", "--rows", "500", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
+        "--batch-size", "32", "--samples", "4096", "--pooling", "3", "--eval-fraction", "0", "--steps", "4"]
+
+
+def record(tmp_path: Path, *command: str, options: tuple[str, ...] = ()) -> tuple[int, Path]:
+    run_dir = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["record", "-o", str(run_dir), "--flush-interval", "0.2", *options, "--", *command])
+    return r.exit_code, run_dir
+
+
+def expected_accesses(world_size: int, steps: int, sequence_tables: int = 0) -> Counter:
+    """(step, table, row) -> count, from the very samples the trainer consumes."""
+    dataset = open_dataset("synthetic", tables=4, rows=500, num_dense=13, pooling=3, samples=4096, seed=0,
+                           zipf=None, drift=0.0, preset=None, scale=1.0)
+    counts: Counter = Counter()
+    batch_global = 32 * world_size
+    for step in range(steps):
+        b = dataset.batch(step * batch_global, (step + 1) * batch_global)
+        per_table = b.lengths.sum(dim=1).tolist()
+        start = 0
+        for t, n in enumerate(per_table):
+            for row in b.values[start:start + n].tolist():
+                counts[(step, f"t{t}", row)] += 1
+            start += n
+    return counts
