@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$out/gpu.txt"
-timeout 240 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_collector.py tests/test_grads_collector.py \
+timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_collector.py tests/test_grads_collector.py \
     tests/test_record_cuda.py 2>&1 | tee "$out/gpu-tests.log"
 timeout "${BENCH_TIMEOUT_S:-300}" python3 bench/record_overhead.py --device cuda --python python3 --runs "${RUNS:-3}" \
     2>&1 | tee "$out/overhead-cuda.txt"

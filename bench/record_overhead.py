@@ -61,7 +61,7 @@ def main() -> int:
     train = ["--pooling", "1", "--zipf", "0", "--eval-fraction", "0", "--json", "--steps", str(args.steps),
              "--device", args.device]
     if args.device == "cuda":
-        train += ["--batch-size", "8192", "--rows", "1000000", "--samples", str(8192 * (args.steps + 1))]
+        train += ["--batch-size", "8192", "--rows", "500000", "--samples", str(8192 * (args.steps + 1))]
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
