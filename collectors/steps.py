@@ -7,7 +7,8 @@ the end of the previous one (or the clock's creation) to the `advance()` call, t
 `time.monotonic_ns()`.
 
 `install(writer, clock)` attaches `writer` to the clock and registers a global optimizer-step
-post hook that calls `clock.advance()`. Loops without an optimizer (inference) call
+post hook that calls `clock.advance()`, with the step's loss: the last one-element tensor that a
+`backward()` started from during the step (read by the writer thread, so never a sync point). Loops without an optimizer (inference) call
 `clock.advance()` themselves; do not do both, or each step is counted twice.
 
     clock = StepClock()
@@ -22,6 +23,7 @@ a dense plus a sparse optimizer still count one step per iteration.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 import weakref
 from typing import Any, Protocol
@@ -74,7 +76,7 @@ class StepClock:
 
     def advance(self, samples: int | None = None, loss: float | torch.Tensor | None = None) -> None:
         """End the current step. `samples` defaults to 0 (unknown), `loss` to null; a tensor loss is
-        read with float(), which waits for the device (a sync point on CUDA)."""
+        read by the writer thread, not here."""
         t_end_ns = time.monotonic_ns()
         if self.writer is not None:
             self.guard.run(self._keep, t_end_ns, samples, loss)
@@ -84,8 +86,9 @@ class StepClock:
         self._t_start_ns = t_end_ns
 
     def _keep(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
-        self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples),
-                           None if loss is None else float(loss)))
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples), loss))
 
     def drain(self, final: bool) -> list[tuple[str, dict]]:
         """The `steps` rows kept since the last drain (called on the writer thread)."""
@@ -93,6 +96,7 @@ class StepClock:
         if not rows:
             return []
         step, t_start_ns, t_end_ns, samples, loss = zip(*rows)
+        loss = [None if x is None else float(x) for x in loss]
         return [("steps", {"step": step, "t_start_ns": t_start_ns, "t_end_ns": t_end_ns, "samples": samples,
                            "loss": loss})]
 
@@ -106,6 +110,9 @@ class StepsHandle:
         self._optimizer: weakref.ref | None = None  # the optimizer whose steps count
         self.guard = Guard("steps")  # the hook's own: a failed write (clock.guard) keeps the clock going
         self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._loss: torch.Tensor | None = None  # of the step now running
+        self._backward = torch.Tensor.backward
+        torch.Tensor.backward = self._seeing_loss(self._backward)
         clock.attach(writer)
 
     def uninstall(self) -> None:
@@ -114,9 +121,19 @@ class StepsHandle:
             return
         self._hook.remove()
         self._hook = None
+        torch.Tensor.backward = self._backward
         self.clock.attach(self._previous_writer)
         if _installed is self:
             _installed = None
+
+    def _seeing_loss(self, backward: Any) -> Any:
+        @functools.wraps(backward)
+        def traced_backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.numel() == 1:
+                self._loss = tensor
+            return backward(tensor, *args, **kwargs)
+
+        return traced_backward
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.guard.run(self._count, optimizer)
@@ -126,7 +143,8 @@ class StepsHandle:
         if first is None:
             self._optimizer, first = weakref.ref(optimizer), optimizer
         if optimizer is first:
-            self.clock.advance()
+            loss, self._loss = self._loss, None
+            self.clock.advance(loss=loss)
 
 
 # The optimizer hook is process-wide, so the record of it is too: one slot, set by install and

@@ -116,13 +116,15 @@ def read(run_dir: Path, table: str) -> list[tuple]:
 def test_accesses_and_steps_match_the_fed_ids(recording, tmp_path):
     writer, clock, _ = recording
     batches = make_batches(5)
-    train(Model(), batches)
+    outputs = train(Model(), batches)
     writer.close()
     counts, _ = expected_rows(batches, lookup_every=2)
     accesses = read(tmp_path, "accesses")
     assert Counter({(s, t, r): c for s, t, r, c in accesses}) == counts
     assert len(accesses) == len(counts)  # one row per (step, table, row)
-    assert [row[0] for row in read(tmp_path, "steps")] == [0, 1, 2, 3, 4]
+    steps_rows = read(tmp_path, "steps")
+    assert [row[0] for row in steps_rows] == [0, 1, 2, 3, 4]
+    assert [row[4] for row in steps_rows] == [out.pow(2).mean().item() for out in outputs]  # the loss backward ran from
     assert clock.step == 5
 
 

@@ -46,6 +46,7 @@ def test_single_process_trainer_is_recorded_exactly(tmp_path: Path) -> None:
     assert manifest["tables"] == expected_tables(1, "table", 0)
     steps = open_run(run_dir).scan("steps").collect()
     assert steps["step"].to_list() == [0, 1, 2, 3]
+    assert all(0 < loss < 2 for loss in steps["loss"].to_list())  # the loss backward() ran from
 
 
 @pytest.mark.slow
