@@ -14,7 +14,9 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import socket
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +36,7 @@ class Settings:
     def from_env(env: dict) -> "Settings":
         return Settings(run_dir=Path(env["TRACEKIT_RUN_DIR"]), rank=int(env.get("RANK", 0)),
                         lookup_every=int(env.get("TRACEKIT_LOOKUP_EVERY", 10)),
-                        grad_every=int(env.get("TRACEKIT_GRAD_EVERY", 10)),
+                        grad_every=int(env.get("TRACEKIT_GRAD_EVERY", 100)),
                         flush_interval_s=float(env.get("TRACEKIT_FLUSH_INTERVAL_S", 1.0)),
                         gpu_interval_s=float(env.get("TRACEKIT_GPU_INTERVAL_S", 0.1)),
                         local_rank=int(env.get("LOCAL_RANK", 0)), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"))
@@ -102,18 +104,21 @@ def activate(settings: Settings) -> None:
     activate.done = True
     global _clock
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s)
+    anchor = {"monotonic_ns": time.monotonic_ns(), "wall_ns": time.time_ns()}  # read together: aligns ranks' times
     clock = _clock = steps.StepClock()
     tables = embedding.install(writer, clock, lookup_every=settings.lookup_every)
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
-    handles = [steps.install(writer, clock), tables, comm.install(writer, clock),
+    comms = comm.install(writer, clock)
+    handles = [steps.install(writer, clock), tables, comms,
                grads.install(writer, clock, grad_every=settings.grad_every), sampler]
 
     def finish() -> None:
         for handle in reversed(handles):
             handle.uninstall()
         writer.close()
-        report = {"rank": settings.rank, "pid": os.getpid(), "steps": clock.step,
+        report = {"rank": settings.rank, "pid": os.getpid(), "host": socket.gethostname(), "clock_anchor": anchor,
+                  "backend": comms.backend, "steps": clock.step,
                   "written_rows": dict(writer.written), "dropped_rows": dict(writer.dropped),
                   "errors": writer.errors, "settings": {**asdict(settings), "run_dir": str(settings.run_dir)},
                   "tables": tables.tables, "gpu": sampler.status()}

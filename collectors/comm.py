@@ -90,6 +90,7 @@ class CommHandle:
         self.writer, self.clock = writer, clock
         self.guard = Guard("comm")
         self.seq = 0  # calls drained so far: the next row's seq
+        self.backend: str | None = None  # of the first group a call used
         self.calls: collections.deque[list] = collections.deque()  # appended here, popped by the writer
         self.originals: dict[tuple[Any, str], Callable] = {}
         for module in (dist, c10d):
@@ -121,6 +122,8 @@ class CommHandle:
         group = arguments.get("group")
         pg = group if group is not None else c10d._get_default_group()
         size = dist.get_world_size(pg)
+        if self.backend is None:
+            self.backend = str(dist.get_backend(pg))
         d = describe(op, arguments, size)
         is_work = result is not None and hasattr(result, "get_future")
         call = [self.clock.step, op, getattr(pg, "group_name", "") or "default", size, d["dtype"],

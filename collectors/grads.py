@@ -254,7 +254,7 @@ class GradsHandle:
 _installed: GradsHandle | None = None
 
 
-def install(writer: RunWriter, clock: StepClock, *, grad_every: int = 10,
+def install(writer: RunWriter, clock: StepClock, *, grad_every: int = 100,
             refresh_every: int = REFRESH_EVERY) -> GradsHandle:
     """Write `grads` rows for every parameter an optimizer steps, every `grad_every`-th step (0:
     never), with DCT thresholds refreshed every `refresh_every` steps or more. A second call while

@@ -222,3 +222,21 @@ def test_a_user_script_is_recorded_without_changing_it(tmp_path: Path) -> None:
     assert a2a.filter(pl.col("rank") == 1)["splits_in"].to_list() == [[96, 64]] * 5
     ddp = comms.filter(pl.col("tag") == "ddp_bucket_0")
     assert len(ddp) == 10 and set(ddp["bytes_out"]) == {(8 + 1) * 4}  # Linear(8, 1): 9 floats
+
+
+def test_record_ends_with_a_summary_and_json_for_scripts(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text("import torch, tracekit\n"
+                      "emb = torch.nn.EmbeddingBag(10, 4)\n"
+                      "for _ in range(3):\n"
+                      "    emb(torch.tensor([[1, 2]]))\n"
+                      "    tracekit.step(samples=1)\n")
+    run_dir = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["record", "-o", str(run_dir), "--json", "--", sys.executable, str(script)])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (summary["status"], summary["exit_code"], summary["ranks"], summary["steps"]) == ("completed", 0, [0], {"0": 3})
+    assert summary["rows"] == {"accesses": 6, "lookups": 2, "steps": 3} and summary["dropped_rows"] == {}
+    assert summary["bytes"] == sum(p.stat().st_size for p in run_dir.rglob("*.parquet"))
+    r = CliRunner().invoke(cli, ["record", "-o", str(run_dir), "--force", "--", sys.executable, str(script)])
+    assert "tracekit: completed (exit 0)" in r.stderr and "rows: accesses 6, lookups 2, steps 3" in r.stderr

@@ -6,6 +6,7 @@ Heavy modules (torch, duckdb, polars, plotly) are imported inside commands, so
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,16 +27,17 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Replace a non-empty run directory.")
 @click.option("--lookup-every", type=click.IntRange(min=0), default=10, show_default=True,
               envvar="TRACEKIT_LOOKUP_EVERY", help="Write raw per-sample lookups every N steps (0: never).")
-@click.option("--grad-every", type=click.IntRange(min=0), default=10, show_default=True,
+@click.option("--grad-every", type=click.IntRange(min=0), default=100, show_default=True,
               envvar="TRACEKIT_GRAD_EVERY",
               help="Write gradient statistics (grads table) of every optimized parameter every N steps (0: never).")
 @click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
               help="Seconds between flushes of each rank's trace rows to Parquet.")
 @click.option("--gpu-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
               envvar="TRACEKIT_GPU_INTERVAL_S", help="Seconds between NVML samples of each rank's GPU.")
+@click.option("--json", "as_json", is_flag=True, help="At the end, print the run's summary as one JSON line on stdout.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int, flush_interval: float,
-           gpu_interval: float, command: tuple[str, ...]) -> None:
+           gpu_interval: float, as_json: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND with the collectors injected; keep a trace of it.
 
     Every embedding lookup (exact counts per step and row) and every optimizer step of
@@ -60,7 +62,22 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
     click.echo(f"tracekit: recording into {run_dir}", err=True)
     code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
                             flush_interval_s=flush_interval, gpu_interval_s=gpu_interval)
+    summary = recording.summary(run_dir, recording.read_manifest(run_dir))
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(_describe(summary), err=True)
     sys.exit(code)
+
+
+def _describe(s: dict) -> str:
+    steps = "/".join(str(n) for n in s["steps"].values()) or "0"
+    rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s["rows"].items())) or "none"
+    dropped = sum(n for per_rank in s["dropped_rows"].values() for n in per_rank.values())
+    return (f"tracekit: {s['status']} (exit {s['exit_code']}) after {s['elapsed_s']:.1f} s: {len(s['ranks'])} rank(s), "
+            f"{steps} steps, {s['bytes'] / 1e6:.1f} MB in {s['run_dir']}\n"
+            f"  rows: {rows}\n"
+            f"  dropped rows: {dropped:,}; gpu: {s['gpu']}")
 
 
 def main() -> None:

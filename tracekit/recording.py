@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import collectors
@@ -107,12 +108,28 @@ def finalise(run_dir: Path, code: int, interrupted: bool) -> dict:
     manifest.update(
         ended_at=datetime.datetime.now(datetime.timezone.utc).isoformat(), status=status, exit_code=code,
         ranks=[r["rank"] for r in ranks], world_size=len(ranks) or None,
+        hosts=sorted({manifest["hosts"][0], *(r["host"] for r in ranks)}),
+        backend=next((r["backend"] for r in ranks if r["backend"]), None),
+        steps={str(r["rank"]): r["steps"] for r in ranks},
+        clock_anchors={str(r["rank"]): r["clock_anchor"] for r in ranks},
+        written_rows=dict(sum((Counter(r["written_rows"]) for r in ranks), Counter())),
         dropped_rows={str(r["rank"]): r["dropped_rows"] for r in ranks if r["dropped_rows"]},
         writer_errors=sum(r["errors"] for r in ranks), tables=merge_tables(ranks),
         gpu=gpu_outcome(manifest["gpu"], ranks, manifest["collector_settings"]["gpu_interval_s"]),
     )
     write_manifest(run_dir, manifest)
     return manifest
+
+
+def summary(run_dir: Path, manifest: dict) -> dict:
+    """What `record` says at the end: status, ranks, steps, rows written and dropped, trace size."""
+    started = datetime.datetime.fromisoformat(manifest["started_at"])
+    ended = datetime.datetime.fromisoformat(manifest["ended_at"])
+    return {"run_dir": str(run_dir), "status": manifest["status"], "exit_code": manifest["exit_code"],
+            "elapsed_s": round((ended - started).total_seconds(), 3), "ranks": manifest["ranks"],
+            "steps": manifest["steps"], "rows": manifest["written_rows"], "dropped_rows": manifest["dropped_rows"],
+            "bytes": sum(p.stat().st_size for p in run_dir.rglob("*.parquet")),
+            "gpu": manifest["gpu"]["reason"] or "sampled"}
 
 
 def read_rank_report(path: Path) -> dict:
