@@ -2,9 +2,10 @@
 
 `arm()` (called from collectors/site/sitecustomize.py) watches for the first `import torch`.
 Only then, and only in a process that trains (not the torchrun launcher), does `activate()` open
-this rank's RunWriter and install the step, embedding, comm, grads and gpu collectors. At exit it closes
-the writer and leaves `ranks/rank=R.json` with what the rank wrote, dropped and failed, the tables
-it looked up and the GPU it sampled (or why none), for the manifest. Settings come from TRACEKIT_* variables, read here once into `Settings`.
+this rank's RunWriter and install the step, embedding, comm, grads and gpu collectors. At exit it
+closes the writer and leaves `ranks/rank=R.json` for the manifest: what the rank wrote, dropped
+and failed, the tables it looked up, the GPU it sampled (or why none), its backend, host and clock
+anchor. Settings come from TRACEKIT_* variables, read here once into `Settings`.
 """
 
 from __future__ import annotations

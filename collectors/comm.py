@@ -6,7 +6,9 @@ becomes one `comms` row: op, group, dtype, bytes out and in, bytes per peer for 
 point-to-point, start time, completion time and a tag. Completion of an async call is taken
 from its Work future, not from the call's return. The training thread only describes the call
 (sizes, not data) and keeps it; the writer thread drains the kept calls, in call order, at every
-flush. An async call that never completed before the process ended has t_end_ns -1. DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
+flush. An async call that never completed before the process ended has t_end_ns -1.
+
+DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
 reference trainer's); DDP's built-in C++ all-reduce is not (a dispatch-level hook would be).
 
 The tag is the innermost `tracekit.label(name)` around the call, else `ddp_bucket_<i>` for DDP's

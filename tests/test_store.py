@@ -317,7 +317,7 @@ def test_newer_minor_version_is_read(tmp_path):
 
 def test_missing_table_and_missing_run(tmp_path):
     run = open_run(make_run(tmp_path))
-    message = r"run has no gpu table \(recorded with --no-gpu\?\); it has: accesses, comms, steps"
+    message = r"run has no gpu table \(no gpu rows were recorded\); it has: accesses, comms, steps"
     with pytest.raises(TracekitError, match=message):
         run.scan("gpu")
     with pytest.raises(TracekitError, match="unknown trace table 'comm'"):

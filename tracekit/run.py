@@ -79,7 +79,7 @@ class Run:
         parts = self._parts(table)
         if not parts:
             present = ", ".join(self.tables()) or "none"
-            raise TracekitError(f"{self.path} has no {table} table (recorded with --no-{table}?); it has: {present}")
+            raise TracekitError(f"{self.path} has no {table} table (no {table} rows were recorded); it has: {present}")
         for part in parts:
             check_version(part)
         self._checked.add(table)
