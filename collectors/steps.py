@@ -17,7 +17,9 @@ post hook that calls `clock.advance()`, with the step's loss: the last one-eleme
     handle.uninstall()
 
 With several optimizers, only the first one seen to step (while it lives) advances the clock, so
-a dense plus a sparse optimizer still count one step per iteration.
+a dense plus a sparse optimizer still count one step per iteration; an optimizer stepped inside
+another's step (TorchRec's CombinedOptimizer) does not count, so the step ends when the outermost
+one is done.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import weakref
 from typing import Any, Protocol
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from collectors.guard import Guard
 from tracekit.store import RunWriter
@@ -109,7 +111,9 @@ class StepsHandle:
         self._previous_writer = clock.writer
         self._optimizer: weakref.ref | None = None  # the optimizer whose steps count
         self.guard = Guard("steps")  # the hook's own: a failed write (clock.guard) keeps the clock going
-        self._hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._depth = 0  # optimizer steps running, one inside another
+        self._hooks = [register_optimizer_step_pre_hook(self._on_step_start),
+                       register_optimizer_step_post_hook(self._on_optimizer_step)]
         self._loss: torch.Tensor | None = None  # of the step now running
         self._backward = torch.Tensor.backward
         torch.Tensor.backward = self._seeing_loss(self._backward)
@@ -117,10 +121,11 @@ class StepsHandle:
 
     def uninstall(self) -> None:
         global _installed
-        if self._hook is None:
+        if not self._hooks:
             return
-        self._hook.remove()
-        self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         torch.Tensor.backward = self._backward
         self.clock.attach(self._previous_writer)
         if _installed is self:
@@ -135,8 +140,13 @@ class StepsHandle:
 
         return traced_backward
 
+    def _on_step_start(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._depth += 1
+
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.guard.run(self._count, optimizer)
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self.guard.run(self._count, optimizer)
 
     def _count(self, optimizer: torch.optim.Optimizer) -> None:
         first = self._optimizer() if self._optimizer is not None else None

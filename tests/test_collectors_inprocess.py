@@ -158,6 +158,33 @@ def test_lookups_are_written_on_sampled_steps_only(recording, tmp_path):
     assert rows == lookups
 
 
+def test_an_optimizer_stepped_inside_another_counts_with_it(tmp_path):
+    inner = [torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1) for _ in range(2)]
+
+    class Combined(torch.optim.Optimizer):  # steps its inner optimizers, as TorchRec's CombinedOptimizer
+        def __init__(self):
+            super().__init__([nn.Parameter(torch.ones(1))], {})
+
+        def step(self, closure=None):
+            for optimizer in inner:
+                optimizer.step()
+
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock()
+    handle = steps.install(writer, clock)
+    seen = [[], []]
+    for i, optimizer in enumerate(inner):
+        optimizer.register_step_post_hook(lambda *args, i=i: seen[i].append(clock.step))
+    try:
+        combined = Combined()
+        for _ in range(3):
+            combined.step()
+    finally:
+        handle.uninstall()
+        writer.close()
+    assert seen == [[0, 1, 2], [0, 1, 2]] and clock.step == 3
+
+
 def test_second_install_is_a_no_op_and_uninstall_restores(tmp_path):
     before = global_hook_counts()
     writer = RunWriter(tmp_path, rank=0)
