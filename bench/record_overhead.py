@@ -55,6 +55,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter to run with")
+    p.add_argument("--quick", action="store_true",
+                   help="only untraced vs traced with the defaults (more runs in the same time), no size run")
     args = p.parse_args()
     ranks = 2 if args.device == "cpu" else 1
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
@@ -76,6 +78,8 @@ def main() -> int:
             "tracekit record, lookups every step": traced(train, "--lookup-every", "1"),
             "torch.profiler, record_shapes": [*torchrun, "bench/profiled_train.py", *train],
         }
+        if args.quick:
+            variants = {name: variants[name] for name in ("untraced", "tracekit record")}
         results: dict[str, list[float]] = {name: [] for name in variants}
         for i in range(args.runs):
             for name, command in variants.items():
@@ -91,6 +95,12 @@ def main() -> int:
         for name, values in results.items():
             med = statistics.median(values)
             print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} |")
+
+        pairs = [t / u - 1 for u, t in zip(results["untraced"], results["tracekit record"])]
+        print(f"\ntraced vs untraced, run by run: {', '.join(f'{p:+.1%}' for p in pairs)}; "
+              f"median of the pairs {statistics.median(pairs):+.1%}")
+        if args.quick:
+            return 0
 
         # bytes per lookup on the criteo-kaggle preset (26 tables, one id each)
         steps, batch = 100, 512
