@@ -6,7 +6,8 @@ becomes one `comms` row: op, group, dtype, bytes out and in, bytes per peer for 
 point-to-point, start time, completion time and a tag. Completion of an async call is taken
 from its Work future, not from the call's return. The training thread only describes the call
 (sizes, not data) and keeps it; the writer thread drains the kept calls, in call order, at every
-flush. An async call that never completed before the process ended has t_end_ns -1.
+flush. An async call not complete when it had to be written (at exit, or with too many calls behind
+it) has t_end_ns -1.
 
 DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
 reference trainer's); DDP's built-in C++ all-reduce is not (a dispatch-level hook would be).
@@ -138,10 +139,12 @@ class CommHandle:
         self.calls.append(call)
 
     def drain(self, final: bool) -> list[tuple[str, dict]]:
-        """The calls kept so far, in call order, up to the first async one still running (all if
-        `final`: those get t_end_ns -1). Called on the writer thread."""
+        """The calls kept so far, in call order, up to the first async one still running; all of them
+        if `final` or if more than MAX_HELD_CALLS wait behind it (those still running get t_end_ns -1).
+        Called on the writer thread."""
         calls = []
-        while self.calls and (final or self.calls[0][T_END]):
+        everything = final or len(self.calls) > MAX_HELD_CALLS
+        while self.calls and (everything or self.calls[0][T_END]):
             call = self.calls.popleft()
             if not call[T_END]:
                 call[T_END] = -1
@@ -164,6 +167,7 @@ class CommHandle:
 FIELDS = ("step", "op", "group", "group_size", "dtype", "bytes_out", "bytes_in", "splits_out", "splits_in",
           "t_start_ns", "t_end_ns", "tag", "async")  # a kept call's items, in order
 T_END = FIELDS.index("t_end_ns")
+MAX_HELD_CALLS = 100_000  # calls held behind an async one never waited for, before they are written anyway
 
 
 def _complete(call: list, future: Any) -> None:

@@ -30,3 +30,24 @@ def test_uninstall_restores_the_very_functions(tmp_path) -> None:
     assert dist.all_to_all_single is not before["all_to_all_single"][0]
     handle.uninstall()
     assert {op: (getattr(dist, op, None), getattr(c10d, op, None)) for op in comm.OPS} == before
+
+
+def test_calls_behind_an_async_call_that_never_completes_are_written_anyway(monkeypatch) -> None:
+    class Writer:
+        def add_source(self, drain):
+            self.drain = drain
+
+    writer = Writer()
+    handle = comm.install(writer, StepClock())
+    try:
+        monkeypatch.setattr(comm, "MAX_HELD_CALLS", 3)
+        running = [0, "all_reduce", "default", 2, "float32", 4, 4, [], [], 10, 0, "t", True]
+        done = [0, "barrier", "default", 2, "", 0, 0, [], [], 11, 12, "t", False]
+        handle.calls.extend([list(running), list(done), list(done)])
+        assert writer.drain(False) == []  # held behind the running call
+        handle.calls.append(list(done))
+        [(table, columns)] = writer.drain(False)
+        assert table == "comms" and list(columns["t_end_ns"]) == [-1, 12, 12, 12]
+        assert list(columns["seq"]) == [0, 1, 2, 3] and not handle.calls
+    finally:
+        handle.uninstall()
