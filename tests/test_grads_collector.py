@@ -117,12 +117,7 @@ def test_counts_compare_with_the_float64_threshold(clock_and_writer, installed, 
 def test_no_grads_are_written_when_grad_every_is_0(clock_and_writer, installed, tmp_path):
     clock, writer = clock_and_writer
     handle = grads.install(writer, clock, grad_every=0)
-    model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(0)
-    for step in range(3):
-        feed(model, step, gen)
-        optimizer.step()
+    train(make_model(), None)  # the installed steps collector advances the clock
     writer.close()
     assert clock.step == 3 and handle.guard.errors == 0
     assert not (tmp_path / "grads").exists()
@@ -248,13 +243,7 @@ def test_cuda_gradients_give_the_statistics_of_cpu_ones(installed):
     def rows_on(device: str) -> list[dict]:
         writer, clock = Rows(), StepClock()
         handle = grads.install(writer, clock, grad_every=1, refresh_every=2)
-        model = make_model().to(device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(0)
-        for step in range(3):
-            feed(model, step, gen)
-            optimizer.step()
-            clock.advance()
+        train(make_model().to(device), clock)
         handle.uninstall()
         return sorted(writer.rows, key=lambda r: (r["step"], r["name"]))
 
