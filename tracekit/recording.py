@@ -19,7 +19,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import uuid
 from collections import Counter
 from pathlib import Path
