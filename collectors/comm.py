@@ -3,10 +3,12 @@
 `install(writer, clock)` wraps the public functions of `torch.distributed` (and the same
 functions in `torch.distributed.distributed_c10d`, which torch's own modules call). Each call
 becomes one `comms` row: op, group, dtype, bytes out and in, bytes per peer for all-to-all and
-point-to-point, start time, completion time and a tag. Completion of an async call is taken
-from its Work future, not from the call's return. The training thread only describes the call
+point-to-point, start time, completion time, a tag and the phase (`train` | `eval`,
+collectors/phase.py). Completion of an async call is taken from its Work future, not from the
+call's return. The training thread only describes the call
 (sizes, not data) and keeps it; the writer thread drains the kept calls, in call order, at every
-flush. An async call not complete when it had to be written (at exit, or with too many calls behind
+flush, holding back those of the step now running once the clock has moved (so that calls after
+the last step are written as `eval` at close). An async call not complete when it had to be written (at exit, or with too many calls behind
 it) has t_end_ns -1.
 
 DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel
 
+from collectors import phase
 from collectors.guard import Guard
 from collectors.steps import StepClock
 from tracekit.labels import current_label, label
@@ -131,7 +134,7 @@ class CommHandle:
         is_work = result is not None and hasattr(result, "get_future")
         call = [self.clock.step, op, getattr(pg, "group_name", "") or "default", size, d["dtype"],
                 d["bytes_out"], d["bytes_in"], d["splits_out"], d["splits_in"], t_start, 0,
-                current_label.get() or caller.f_code.co_qualname, is_work]
+                current_label.get() or caller.f_code.co_qualname, is_work, phase.of_call()]
         if is_work:
             result.get_future().then(functools.partial(_complete, call))
         else:
@@ -139,15 +142,18 @@ class CommHandle:
         self.calls.append(call)
 
     def drain(self, final: bool) -> list[tuple[str, dict]]:
-        """The calls kept so far, in call order, up to the first async one still running; all of them
-        if `final` or if more than MAX_HELD_CALLS wait behind it (those still running get t_end_ns -1).
-        Called on the writer thread."""
+        """The calls kept so far, in call order, up to the first async one still running or, once the
+        clock has moved, the first of the step now running; all of them if `final` or if more than
+        MAX_HELD_CALLS wait (those still running get t_end_ns -1). Called on the writer thread."""
         calls = []
         everything = final or len(self.calls) > MAX_HELD_CALLS
-        while self.calls and (everything or self.calls[0][T_END]):
+        current = self.clock.step
+        while self.calls and (everything or (self.calls[0][T_END] and (current == 0 or self.calls[0][0] < current))):
             call = self.calls.popleft()
             if not call[T_END]:
                 call[T_END] = -1
+            if final:
+                call[PHASE] = self.clock.phase_after_close(call[0], call[PHASE])
             calls.append(call)
         if not calls:
             return []
@@ -165,8 +171,9 @@ class CommHandle:
 
 
 FIELDS = ("step", "op", "group", "group_size", "dtype", "bytes_out", "bytes_in", "splits_out", "splits_in",
-          "t_start_ns", "t_end_ns", "tag", "async")  # a kept call's items, in order
+          "t_start_ns", "t_end_ns", "tag", "async", "phase")  # a kept call's items, in order
 T_END = FIELDS.index("t_end_ns")
+PHASE = FIELDS.index("phase")
 MAX_HELD_CALLS = 100_000  # calls held behind an async one never waited for, before they are written anyway
 
 

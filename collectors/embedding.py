@@ -19,16 +19,25 @@ A table is named by its dotted path from the outermost module seen (`collectors.
 registered before install, or in no module, is named `f"{type(m).__name__}_{k}"`, k counting from 0
 in first-call order.
 
+Identity across ranks, from what the process sees at the table's first call: a module tagged with
+`tracekit.shard` is a shard of the table it names (`placement` "sharded"); an untagged module
+inside a DistributedDataParallel or FSDP model is a data-parallel replica, the same table on every
+rank ("replicated"); any other untagged module of a process in a world of more than one rank is
+that rank's own table ("local"), named `<path>@rank<R>`: model-parallel tables kept in a rank-local
+`ModuleList` share paths (`emb_l.0`) but not contents, so they never merge.
+
 A module tagged with `tracekit.shard(m, table=..., first_row=...)` is named by its `table`, and
 `first_row` is added to each of its ids, so `row` is the table's global row in both trace tables.
 At each module's first call, `handle.tables` gets an entry with what the manifest lists of it:
 `table`, `first_row`, `num_rows` (this module's rows), `table_rows` (the whole table's), `dim`,
-`dtype`, `kind` ("pooled" for an EmbeddingBag, "sequence" for an Embedding) and `padding_idx`
-(a global row, or None).
+`dtype`, `kind` ("pooled" for an EmbeddingBag, "sequence" for an Embedding), `padding_idx`
+(a global row, or None) and `placement` (above).
 
-A step's calls are written once the clock has moved past it, so each (step, table, row) is one
-row; calls after the last step (an evaluation pass) are written at close under the step the clock
-shows then. Only a step holding more than the writer's `flush_rows` ids is written in pieces.
+Every call carries its `phase`, `train` or `eval`, decided at the call (collectors/phase.py).
+A step's calls are written once the clock has moved past it, so each (step, phase, table, row) is
+one row; calls after the last step (an evaluation pass) are written at close under the step the
+clock shows then, as `eval`. Only a step holding more than the writer's `flush_rows` ids is written
+in pieces.
 
     clock = StepClock()
     steps_handle = steps.install(writer, clock)
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -48,9 +58,11 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from collectors import phase
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
@@ -71,11 +83,12 @@ class Table:
     first_row: int  # the table's row that the module's row 0 holds
 
 
-@dataclass(frozen=True)
+@dataclass
 class Call:
     """One lookup call, as kept for the writer thread."""
 
     step: int
+    phase: str  # "train" | "eval" (collectors/phase.py)
     table: Table
     ids: torch.Tensor
     offsets: torch.Tensor | None  # only on sampled steps, for the lookups' positions
@@ -142,29 +155,44 @@ def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return tuple(np.concatenate(column) for column in zip(*parts))
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size: the default process group's, else torchrun's variables."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def table_entry(module: nn.Module, shard: Shard) -> dict:
     """What the manifest lists of a table module, described in the module docstring."""
     padding = module.padding_idx
-    return {"table": shard.table, "first_row": shard.first_row, "num_rows": module.num_embeddings,
-            "table_rows": shard.num_rows, "dim": module.embedding_dim,
+    return {"table": shard.table, "first_row": int(shard.first_row), "num_rows": int(module.num_embeddings),
+            "table_rows": int(shard.num_rows), "dim": int(module.embedding_dim),
             "dtype": str(module.weight.dtype).removeprefix("torch."),
             "kind": "pooled" if isinstance(module, nn.EmbeddingBag) else "sequence",
-            "padding_idx": None if padding is None else shard.first_row + padding}
+            "padding_idx": None if padding is None else int(shard.first_row + padding)}
 
 
-def _by_table(calls: list[Call]) -> dict[Table, list[Call]]:
-    tables: dict[Table, list[Call]] = {}
+def _by_table(calls: list[Call]) -> dict[tuple[Table, str], list[Call]]:
+    """Calls grouped by (table, phase)."""
+    groups: dict[tuple[Table, str], list[Call]] = {}
     for call in calls:
-        tables.setdefault(call.table, []).append(call)
-    return tables
+        groups.setdefault((call.table, call.phase), []).append(call)
+    return groups
 
 
-def _columns(step: list[np.ndarray], names: list[str], **columns: list[np.ndarray]) -> dict[str, Any]:
-    """Columns of several tables' rows at once: `step[i]` and `columns[key][i]` hold `names[i]`'s."""
+def _dictionary(values: list[str], sizes: list[int], index_type: pa.DataType) -> pa.DictionaryArray:
+    """`values[i]` repeated `sizes[i]` times, dictionary-encoded."""
+    unique = sorted(set(values))
+    which = np.repeat(np.array([unique.index(v) for v in values], dtype=index_type.to_pandas_dtype()), sizes)
+    return pa.DictionaryArray.from_arrays(pa.array(which, index_type), pa.array(unique, pa.string()))
+
+
+def _columns(groups: list[tuple[Table, str]], step: list[np.ndarray], **columns: list[np.ndarray]) -> dict[str, Any]:
+    """Columns of several (table, phase) groups' rows at once: `step[i]` and `columns[key][i]` hold
+    `groups[i]`'s."""
     sizes = [len(s) for s in step]
-    which = np.repeat(np.arange(len(names), dtype=np.int32), sizes)
-    table_name = pa.DictionaryArray.from_arrays(pa.array(which), pa.array(names, pa.string()))
-    return {"step": np.concatenate(step), "table_name": table_name,
+    return {"step": np.concatenate(step), "table_name": _dictionary([t.name for t, _ in groups], sizes, pa.int32()),
+            "phase": _dictionary([p for _, p in groups], sizes, pa.int8()),
             **{key: np.concatenate(parts) for key, parts in columns.items()}}
 
 
@@ -224,15 +252,23 @@ class EmbeddingHandle:
         step = self.clock.step
         sampled = self.lookup_every > 0 and step % self.lookup_every == 0
         keep_offsets = offsets.clone() if sampled and offsets is not None else None
-        self._calls.append(Call(step, table, ids.clone(), keep_offsets, sampled))  # the caller may reuse ids
+        call = Call(step, phase.of_call(module), table, ids.clone(), keep_offsets, sampled)  # the caller may reuse ids
+        self._calls.append(call)
         self._ids_added += ids.numel()
         if self._ids_added - self._ids_drained > self.writer.flush_rows:
             self.writer.wake()
 
     def _first_call(self, module: nn.Module) -> Table:
-        shard = shard_of(module) or Shard(self.names.module_name(module), 0, module.num_embeddings)
-        self.tables.append(table_entry(module, shard))
-        table = self._tables[module] = Table(shard.table, module.num_embeddings, module.padding_idx, shard.first_row)
+        rows = int(module.num_embeddings)
+        shard, placement = shard_of(module), "sharded"
+        if shard is None:
+            name, placement = self.names.module_name(module), "replicated"
+            rank, world_size = _rank_and_world()
+            if world_size > 1 and not self.names.is_replicated(module):
+                name, placement = f"{name}@rank{rank}", "local"
+            shard = Shard(name, 0, rows)
+        self.tables.append({**table_entry(module, shard), "placement": placement})
+        table = self._tables[module] = Table(shard.table, rows, module.padding_idx, shard.first_row)
         return table
 
     def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -242,14 +278,17 @@ class EmbeddingHandle:
         if not calls:
             return
         self._ids_drained += sum(c.ids.numel() for c in calls)
-        tables = _by_table(calls)
-        counted = [count_rows(table_calls) for table_calls in tables.values()]
-        yield "accesses", _columns([c[0] for c in counted], [t.name for t in tables],
+        if final:
+            for call in calls:
+                call.phase = self.clock.phase_after_close(call.step, call.phase)
+        groups = _by_table(calls)
+        counted = [count_rows(group_calls) for group_calls in groups.values()]
+        yield "accesses", _columns(list(groups), [c[0] for c in counted],
                                    row=[c[1] for c in counted], count=[c[2] for c in counted])
         sampled = _by_table([c for c in calls if c.sampled])
         if sampled:
-            found = [lookup_rows(table_calls) for table_calls in sampled.values()]
-            yield "lookups", _columns([f[0] for f in found], [t.name for t in sampled],
+            found = [lookup_rows(group_calls) for group_calls in sampled.values()]
+            yield "lookups", _columns(list(sampled), [f[0] for f in found],
                                       sample=[f[1].astype(np.int32) for f in found],
                                       pos=[f[2].astype(np.int32) for f in found], row=[f[3] for f in found])
 

@@ -27,6 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+_REPLICATING = {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}  # by name: no FSDP import
+
+
 class ModuleNames:
     """Qualified names of modules and parameters, from the registrations seen as they are assigned."""
 
@@ -71,6 +74,18 @@ class ModuleNames:
                 name = ".".join([*self._path(module), attr])
             self._parameter_names[param] = name
         return name
+
+    def is_replicated(self, module: nn.Module) -> bool:
+        """Whether `module` is, or sits inside, a DistributedDataParallel or FSDP model (FSDP2's
+        `fully_shard` too): a data-parallel replica of the same module on every rank."""
+        node, seen = module, set()
+        while node is not None and id(node) not in seen:
+            if any(cls.__name__ in _REPLICATING for cls in type(node).__mro__):
+                return True
+            seen.add(id(node))
+            parent = self._parents.get(node)
+            node = parent[0]() if parent else None
+        return False
 
     def _path(self, module: nn.Module) -> list[str]:
         """The attribute names from the outermost known ancestor down to `module` ([] if none)."""

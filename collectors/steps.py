@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from collectors.guard import Guard
 from tracekit.store import RunWriter
+from tracekit.phases import EVAL
 
 
 class StepListener(Protocol):
@@ -86,6 +87,11 @@ class StepClock:
             listener.on_step_end(self.step)
         self.step += 1
         self._t_start_ns = t_end_ns
+
+    def phase_after_close(self, step: int, phase: str) -> str:
+        """The phase of a call booked to `step`, once the process is done: `eval` for the step after
+        the last one, which no step end followed (collectors/phase.py), else `phase`."""
+        return EVAL if self.step > 0 and step == self.step else phase
 
     def _keep(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
         if isinstance(loss, torch.Tensor):

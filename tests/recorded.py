@@ -38,3 +38,16 @@ def expected_accesses(world_size: int, steps: int, sequence_tables: int = 0) -> 
                 counts[(step, f"t{t}", row)] += 1
             start += n
     return counts
+
+
+def sample_accesses(start: int, stop: int, samples: int = 4096) -> Counter:
+    """(table, row) -> count of global samples [start, stop) of the TINY dataset of `samples` samples."""
+    dataset = open_dataset("synthetic", tables=4, rows=500, num_dense=13, pooling=3, samples=samples, seed=0,
+                           zipf=None, drift=0.0, preset=None, scale=1.0)
+    b = dataset.batch(start, stop)
+    counts: Counter = Counter()
+    offset = 0
+    for t, n in enumerate(b.lengths.sum(dim=1).tolist()):
+        counts.update((f"t{t}", row) for row in b.values[offset:offset + n].tolist())
+        offset += n
+    return counts

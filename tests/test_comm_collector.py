@@ -41,8 +41,8 @@ def test_calls_behind_an_async_call_that_never_completes_are_written_anyway(monk
     handle = comm.install(writer, StepClock())
     try:
         monkeypatch.setattr(comm, "MAX_HELD_CALLS", 3)
-        running = [0, "all_reduce", "default", 2, "float32", 4, 4, [], [], 10, 0, "t", True]
-        done = [0, "barrier", "default", 2, "", 0, 0, [], [], 11, 12, "t", False]
+        running = [0, "all_reduce", "default", 2, "float32", 4, 4, [], [], 10, 0, "t", True, "train"]
+        done = [0, "barrier", "default", 2, "", 0, 0, [], [], 11, 12, "t", False, "train"]
         handle.calls.extend([list(running), list(done), list(done)])
         assert writer.drain(False) == []  # held behind the running call
         handle.calls.append(list(done))

@@ -25,7 +25,8 @@ def expected_tables(world_size: int, sharding: str, sequence_tables: int) -> lis
         shards = ([{"rank": t % world_size, "first_row": 0, "num_rows": 500}] if sharding == "table" else
                   [{"rank": r, "first_row": r * block, "num_rows": block} for r in range(world_size)])
         tables.append({"name": f"t{t}", "num_rows": 500, "dim": 8, "dtype": "float32", "padding_idx": None,
-                       "kind": "sequence" if t < sequence_tables else "pooled", "shards": shards})
+                       "kind": "sequence" if t < sequence_tables else "pooled", "placement": "sharded",
+                       "shards": shards})
     return tables
 
 
@@ -205,15 +206,16 @@ def test_a_user_script_is_recorded_without_changing_it(tmp_path: Path) -> None:
     code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(script))
     assert code == 0
-    replicas = [{"rank": r, "first_row": 0, "num_rows": 1000} for r in (0, 1)]  # data-parallel: a copy per rank
+    # not under DDP, so each rank trains a table of its own (tests/test_table_identity.py)
     assert json.loads((run_dir / "manifest.json").read_text())["tables"] == [
-        {"name": "EmbeddingBag_0", "num_rows": 1000, "dim": 8, "dtype": "float32", "kind": "pooled",
-         "padding_idx": None, "shards": replicas}]
+        {"name": f"EmbeddingBag_0@rank{r}", "num_rows": 1000, "dim": 8, "dtype": "float32", "kind": "pooled",
+         "padding_idx": None, "placement": "local", "shards": [{"rank": r, "first_row": 0, "num_rows": 1000}]}
+        for r in (0, 1)]
     run = open_run(run_dir)
     accesses = run.scan("accesses").collect()
     for r in (0, 1):
         mine = accesses.filter(pl.col("rank") == r)
-        assert set(mine["table_name"]) == {"EmbeddingBag_0"}
+        assert set(mine["table_name"]) == {f"EmbeddingBag_0@rank{r}"}
         expected = {(s, s * 8 + i + r * 100) for s in range(5) for i in range(8)}
         assert set(zip(mine["step"], mine["row"])) == expected and set(mine["count"]) == {1}
     comms = run.scan("comms").collect()

@@ -31,6 +31,7 @@ def accesses(step: int, n: int) -> dict:
         "table_name": [f"t{i % 3}" for i in range(n)],
         "row": np.arange(n, dtype=np.int64),
         "count": np.ones(n, dtype=np.int32),
+        "phase": ["train"] * n,
     }
 
 
@@ -49,6 +50,7 @@ def comm(step: int, seq: int) -> dict:
         "step": [step], "seq": [seq], "op": ["all_to_all_single"], "group": ["0,1"], "group_size": [2],
         "dtype": ["float32"], "bytes_out": [300], "bytes_in": [500], "splits_out": [[100, 200]],
         "splits_in": [[100, 400]], "t_start_ns": [0], "t_end_ns": [7], "tag": ["emb_fwd"], "async": [True],
+        "phase": ["train"],
     }
 
 
@@ -168,7 +170,8 @@ CRASHING_CHILD = textwrap.dedent(
     n = 20_000
     for i in range(1, 1000):
         writer.append("accesses", {"step": np.full(n, i), "table_name": ["t0"] * n,
-                                   "row": np.arange(n), "count": np.ones(n, dtype=np.int32)})
+                                   "row": np.arange(n), "count": np.ones(n, dtype=np.int32),
+                                   "phase": ["train"] * n})
         if i % 4 == 0:
             writer.flush()
             with open(side + ".tmp", "w") as f:
@@ -302,7 +305,7 @@ def test_unknown_major_version_is_refused(tmp_path):
     run = open_run(run_dir)
     for read in (run.scan, run.relation):
         with pytest.raises(SchemaVersionError, match=r"rank=1/part-00000.parquet has trace schema version 2.0; "
-                           r"this tracekit reads version 1.0"):
+                           r"this tracekit reads version 1.1"):
             read("steps")
     assert run.scan("accesses").collect().height == 30
 

@@ -5,8 +5,10 @@
     run.scan("comms").group_by("op").agg(pl.col("bytes_out").sum()).collect()
     run.relation("steps").aggregate("rank, count(*)").fetchall()
 
-Both readers see every rank's part files with `rank` as a column (hive partitioning). Before a
-table is read, each part file's schema version is checked: an unknown major version is refused.
+Both readers see every rank's part files with `rank` as a column (hive partitioning), `count` as a
+64-bit integer (so no sum overflows, though files keep int32), and `phase` as `train` in runs
+recorded before it existed (schema 1.0). Before a table is read, each part file's schema version is
+checked: an unknown major version is refused.
 Polars and DuckDB are imported on first use, so importing this module stays cheap.
 """
 
@@ -20,7 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracekit.errors import SchemaVersionError, TracekitError
-from tracekit.schema import SCHEMA_VERSION, TABLES, VERSION_KEY, major
+from tracekit.phases import TRAIN
+from tracekit.schema import PHASED, SCHEMA_VERSION, TABLES, VERSION_KEY, major
 from tracekit.store import read_manifest
 
 if TYPE_CHECKING:
@@ -40,6 +43,7 @@ class Run:
         self.path = path
         self.manifest: dict = read_manifest(path)
         self._checked: set[str] = set()
+        self._unphased: set[str] = set()  # tables whose part files predate the phase column
 
     def tables(self) -> list[str]:
         """The trace tables that have at least one part file, in schema order."""
@@ -52,8 +56,11 @@ class Run:
 
         self._check(table)
         frame = pl.scan_parquet(self._glob(table), hive_partitioning=True)
+        if table in self._unphased:
+            frame = frame.with_columns(pl.lit(TRAIN).alias("phase"))
         dictionaries = [f.name for f in TABLES[table] if pa.types.is_dictionary(f.type)]
-        return frame.with_columns(pl.col(dictionaries).cast(pl.String)) if dictionaries else frame
+        widened = [pl.col("count").cast(pl.Int64)] if table == "accesses" else []
+        return frame.with_columns(pl.col(dictionaries).cast(pl.String), *widened)
 
     def relation(self, table: str, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyRelation:
         """All ranks' rows of `table` as a DuckDB relation on `con` (a new in-memory connection if
@@ -62,7 +69,12 @@ class Run:
 
         self._check(table)
         con = duckdb.connect() if con is None else con
-        return con.read_parquet(self._glob(table), hive_partitioning=True)
+        relation = con.read_parquet(self._glob(table), hive_partitioning=True)
+        if table in self._unphased:
+            relation = relation.project(f"*, '{TRAIN}' AS phase")
+        if table == "accesses":
+            relation = relation.project('* REPLACE (CAST("count" AS BIGINT) AS "count")')
+        return relation
 
     def _glob(self, table: str) -> str:
         return str(self.path / table / "**" / "*.parquet")
@@ -80,14 +92,21 @@ class Run:
         if not parts:
             present = ", ".join(self.tables()) or "none"
             raise TracekitError(f"{self.path} has no {table} table (no {table} rows were recorded); it has: {present}")
-        for part in parts:
-            check_version(part)
+        schemas = [check_version(part) for part in parts]
+        phased = {"phase" in schema.names for schema in schemas} if table in PHASED else {True}
+        if len(phased) > 1:
+            raise TracekitError(f"{self.path / table}: some part files have a phase column and some do not; "
+                                "a run directory holds one recording (record again with --force)")
+        if phased == {False}:
+            self._unphased.add(table)
         self._checked.add(table)
 
 
-def check_version(part: Path) -> None:
-    """Raise SchemaVersionError unless Parquet file `part` was written with our schema major version."""
-    metadata = pq.read_schema(part).metadata or {}
+def check_version(part: Path) -> pa.Schema:
+    """The schema of Parquet file `part`; SchemaVersionError unless it was written with our schema
+    major version."""
+    schema = pq.read_schema(part)
+    metadata = schema.metadata or {}
     version = metadata.get(VERSION_KEY, b"").decode(errors="replace")
     if not version:
         raise SchemaVersionError(f"{part} has no {VERSION_KEY.decode()} metadata; it was not written by tracekit")
@@ -96,3 +115,4 @@ def check_version(part: Path) -> None:
             f"{part} has trace schema version {version}; this tracekit reads version {SCHEMA_VERSION} "
             f"(major {major(SCHEMA_VERSION)}): use a tracekit that matches the recording"
         )
+    return schema

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.0"
-"""major.minor; readers accept any minor of a major they know."""
+SCHEMA_VERSION = "1.1"
+"""major.minor; readers accept any minor of a major they know. 1.1 added `phase` to accesses, lookups
+and comms (readers show `train` for a 1.0 run)."""
 
 VERSION_KEY = b"tracekit.schema_version"
 """Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
@@ -34,8 +35,9 @@ def _required(name: str, type_: pa.DataType) -> pa.Field:
 
 _STEP = _required("step", pa.int64())
 _TABLE_NAME = _required("table_name", pa.dictionary(pa.int32(), pa.string()))
+_PHASE = _required("phase", pa.dictionary(pa.int8(), pa.string()))  # "train" | "eval" (collectors/phase.py)
 
-ACCESSES = pa.schema([_STEP, _TABLE_NAME, _required("row", pa.int64()), _required("count", pa.int32())])
+ACCESSES = pa.schema([_STEP, _TABLE_NAME, _required("row", pa.int64()), _required("count", pa.int32()), _PHASE])
 
 LOOKUPS = pa.schema(
     [
@@ -44,6 +46,7 @@ LOOKUPS = pa.schema(
         _required("sample", pa.int32()),  # position of the sample in the rank's local batch
         _required("pos", pa.int32()),  # position of the lookup in its bag or sequence
         _required("row", pa.int64()),
+        _PHASE,
     ]
 )
 
@@ -63,6 +66,7 @@ COMMS = pa.schema(
         _required("t_end_ns", pa.int64()),  # completion (the Work finished), not the call's return
         _required("tag", pa.string()),
         _required("async", pa.bool_()),
+        _PHASE,
     ]
 )
 
@@ -124,6 +128,10 @@ TABLES: dict[str, pa.Schema] = {
     "grads": GRADS,
     "gpu": GPU,
 }
+
+
+PHASED = ("accesses", "lookups", "comms")
+"""The tables with a `phase` column (schema 1.1 on)."""
 
 
 def file_metadata(table: str) -> dict[bytes, bytes]:
