@@ -5,7 +5,8 @@ Only then, and only in a process that trains (not the torchrun launcher), does `
 this rank's RunWriter and install the step, embedding, comm, grads and gpu collectors. At exit it
 closes the writer and leaves `ranks/rank=R.json` for the manifest: what the rank wrote, dropped
 and failed, the tables it looked up, the GPU it sampled (or why none), its backend, host and clock
-anchor. Settings come from TRACEKIT_* variables, read here once into `Settings`.
+anchor, and `report_errors` naming any part of the report that could not be written. Settings
+come from TRACEKIT_* variables, read here once into `Settings`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import atexit
 import importlib.abc
 import importlib.util
 import json
+import numbers
 import os
 import socket
 import sys
@@ -95,6 +97,39 @@ def advance_step(samples: int | None, loss: float | None) -> None:
         _clock.advance(samples=samples, loss=loss)
 
 
+def write_rank_report(path: Path, parts: dict, failures: list[str]) -> None:
+    """Write `ranks/rank=R.json` from `parts` (name -> function giving its value), atomically.
+
+    Numpy numbers become Python numbers and other objects JSON cannot encode become their str(), so
+    a user's `num_embeddings = np.int64(...)` does not cost the report. A part that still fails to
+    compute or encode is left out and named, with `failures`, in the report's `report_errors`.
+    """
+    report, errors = {}, list(failures)
+    for name, compute in parts.items():
+        try:
+            value = compute()
+            json.dumps(value, default=_json_default)
+        except Exception as err:
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+        else:
+            report[name] = value
+    report["report_errors"] = errors
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, sort_keys=True, indent=2, default=_json_default))
+    os.replace(tmp, path)
+
+
+def _json_default(obj: object) -> object:
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    if getattr(obj, "shape", None) == () and callable(getattr(obj, "item", None)):  # numpy bool, 0-d arrays
+        return obj.item()
+    return str(obj)
+
+
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
     from collectors import comm, embedding, gpu, grads, steps
@@ -115,18 +150,19 @@ def activate(settings: Settings) -> None:
                grads.install(writer, clock, grad_every=settings.grad_every), sampler]
 
     def finish() -> None:
-        for handle in reversed(handles):
-            handle.uninstall()
-        writer.close()
-        report = {"rank": settings.rank, "pid": os.getpid(), "host": socket.gethostname(), "clock_anchor": anchor,
-                  "backend": comms.backend, "steps": clock.step,
-                  "written_rows": dict(writer.written), "dropped_rows": dict(writer.dropped),
-                  "errors": writer.errors, "settings": {**asdict(settings), "run_dir": str(settings.run_dir)},
-                  "tables": tables.tables, "gpu": sampler.status()}
-        path = settings.run_dir / "ranks" / f"rank={settings.rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(report, sort_keys=True, indent=2))
-        os.replace(tmp, path)
+        failures = []
+        closers = [(type(h).__name__, h.uninstall) for h in reversed(handles)] + [("writer", writer.close)]
+        for name, close in closers:
+            try:
+                close()
+            except Exception as err:
+                failures.append(f"closing {name}: {type(err).__name__}: {err}")
+        parts = {"rank": lambda: settings.rank, "pid": os.getpid, "host": socket.gethostname,
+                 "clock_anchor": lambda: anchor, "backend": lambda: comms.backend, "steps": lambda: clock.step,
+                 "written_rows": lambda: dict(writer.written), "dropped_rows": lambda: dict(writer.dropped),
+                 "errors": lambda: writer.errors,
+                 "settings": lambda: {**asdict(settings), "run_dir": str(settings.run_dir)},
+                 "tables": lambda: tables.tables, "gpu": sampler.status}
+        write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts, failures)
 
     atexit.register(finish)

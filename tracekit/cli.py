@@ -7,6 +7,8 @@ Heavy modules (torch, duckdb, polars, plotly) are imported inside commands, so
 from __future__ import annotations
 
 import json
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -21,7 +23,46 @@ def cli() -> None:
     """Trace-driven profiling and analysis of distributed recommendation-model training."""
 
 
-@cli.command(context_settings={"ignore_unknown_options": False})
+class _RecordCommand(click.Command):
+    """`record`, whose "No such option" says so when the option follows the command without a `--`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption as err:
+            start = None if "--" in args else _command_start(self.get_params(ctx), args)
+            if start is None:
+                raise
+            fixed = shlex.join([*args[:start], "--", *args[start:]])
+            raise click.UsageError(f"No such option '{err.option_name}': without `--`, the command's options are "
+                                   f"read as record's; put `--` before the command: tracekit record {fixed}",
+                                   ctx) from None
+
+
+def _command_start(params: list[click.Parameter], args: list[str]) -> int | None:
+    """Where the command begins in `args` (record's own options skipped), or None where an unknown
+    option comes first."""
+    takes_value = {}
+    for p in params:
+        if isinstance(p, click.Option):
+            for opt in (*p.opts, *p.secondary_opts):
+                takes_value[opt] = not (p.is_flag or p.count)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-") or arg == "-":
+            return i
+        name = arg.split("=", 1)[0]
+        if name in takes_value:
+            i += 2 if takes_value[name] and "=" not in arg else 1
+        elif arg[:2] in takes_value and takes_value[arg[:2]]:  # -oDIR
+            i += 1
+        else:
+            return None
+    return None
+
+
+@cli.command(cls=_RecordCommand)
 @click.option("-o", "--output", "run_dir", type=click.Path(path_type=Path), default=None,
               help="Run directory (default: runs/<timestamp>-<script>).")
 @click.option("--force", is_flag=True, help="Replace a non-empty run directory.")
@@ -42,7 +83,8 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
 
     Every embedding lookup (exact counts per step and row) and every optimizer step of
     every Python process that trains is written to Parquet under the run directory, with
-    NVML samples of the GPU each one uses, and a manifest finalised when COMMAND ends. Exits with COMMAND's exit code.
+    NVML samples of the GPU each one uses, and a manifest finalised when COMMAND ends. Exits with
+    COMMAND's exit code (130 after Ctrl-C, 128+N if it was killed by signal N, 126 if it could not start).
 
     \b
     Example:
@@ -71,13 +113,29 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
 
 
 def _describe(s: dict) -> str:
-    steps = "/".join(str(n) for n in s["steps"].values()) or "0"
-    rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s["rows"].items())) or "none"
-    dropped = sum(n for per_rank in s["dropped_rows"].values() for n in per_rank.values())
-    return (f"tracekit: {s['status']} (exit {s['exit_code']}) after {s['elapsed_s']:.1f} s: {len(s['ranks'])} rank(s), "
-            f"{steps} steps, {s['bytes'] / 1e6:.1f} MB in {s['run_dir']}\n"
-            f"  rows: {rows}\n"
-            f"  dropped rows: {dropped:,}; gpu: {s['gpu']}")
+    elapsed = "?" if s["elapsed_s"] is None else f"{s['elapsed_s']:.1f}"
+    code = s["exit_code"]
+    ended = f"exited with {code}" if code >= 0 else f"was killed by signal {-code} ({_signal_name(-code)})"
+    exits = f"  command {ended}; tracekit record exits with {s['record_exit_code']}"
+    if not s["traced"]:
+        lines = [f"tracekit: {s['status']} after {elapsed} s; nothing was traced into {s['run_dir']}", exits,
+                 f"  why: {s['untraced_reason']}"]
+    else:
+        steps = ", ".join(f"{rank}: {s['steps'].get(str(rank), 'unknown')}" for rank in s["ranks"])
+        rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s["rows"].items())) or "none"
+        dropped = sum(n for per_rank in s["dropped_rows"].values() for n in per_rank.values())
+        lines = [f"tracekit: {s['status']} after {elapsed} s: {len(s['ranks'])} rank(s), "
+                 f"{s['bytes'] / 1e6:.1f} MB in {s['run_dir']}", exits,
+                 f"  steps per rank: {steps}", f"  rows: {rows}", f"  dropped rows: {dropped:,}; gpu: {s['gpu']}"]
+    lines += [f"  manifest incomplete: {error}" for error in s["finalise_errors"]]
+    return "\n".join(lines)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
 
 
 def main() -> None:

@@ -4,17 +4,20 @@ The command runs unchanged; `collectors/site` goes first on its PYTHONPATH, so e
 process it starts imports our sitecustomize, which stays inert until torch is imported in a
 process that trains (collectors/bootstrap.py). The manifest is written before the command starts
 (`running`) and finalised when it ends (`completed`, `failed` with the exit code, or
-`interrupted`), with what each rank reported. Ctrl-C reaches the command directly (it shares the
-terminal's process group); SIGTERM to `record` is forwarded to it.
+`interrupted`), with what each rank reported, whether anything was traced at all (and if not, why),
+and `finalise_errors` naming whatever part could not be written. Ctrl-C reaches the command
+directly (it shares the terminal's process group); SIGTERM to `record` is forwarded to it.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
@@ -62,13 +65,27 @@ def prepare_run_dir(run_dir: Path, *, force: bool) -> None:
 def check_command(command: list[str]) -> None:
     if not command:
         raise RecordError("no command given: tracekit record [OPTIONS] -- CMD ...")
-    if shutil.which(command[0]) is None:
-        raise RecordError(f"command not found: {command[0]}")
+    if shutil.which(command[0]) is not None:
+        return
+    path = Path(command[0])
+    if path.is_file() and os.access(path, os.X_OK):  # a bare name is looked up on PATH only
+        fixed = shlex.join([f"./{command[0]}", *command[1:]])
+        raise RecordError(f"{command[0]} is an executable file here but not a command on PATH: "
+                          f"name it by its path, e.g. tracekit record -- {fixed}")
+    if path.is_file():
+        raise RecordError(f"{command[0]} is a file but not an executable command: run it with its interpreter, "
+                          f"e.g. tracekit record -- {_interpreter(path)} {shlex.join(command)}")
+    raise RecordError(f"command not found: {command[0]}")
+
+
+def _interpreter(script: Path) -> str:
+    return {".py": "python", ".sh": "bash"}.get(script.suffix, "INTERPRETER")
 
 
 def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: int, flush_interval_s: float,
            gpu_interval_s: float) -> int:
-    """Run `command` traced into `run_dir`; returns its exit code (130 for Ctrl-C)."""
+    """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
+    130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
                 "gpu_interval_s": gpu_interval_s}
@@ -85,7 +102,13 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: 
            "TRACEKIT_GRAD_EVERY": str(grad_every),
            "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
            "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    child = subprocess.Popen(command, env=env)
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as err:  # found and executable, yet the system cannot run it
+        hint = (f"; a script needs a #! line, or its interpreter: tracekit record -- {_interpreter(Path(command[0]))} "
+                f"{shlex.join(command)}" if err.errno == errno.ENOEXEC else "")
+        reason = f"the command could not start ({err.strerror}: {command[0]}){hint}"
+        return finalise(run_dir, 126, False, not_started=reason)["record_exit_code"]
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
     interrupted = False
     while True:
@@ -95,44 +118,131 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: 
         except KeyboardInterrupt:  # the child got the same Ctrl-C; wait for it to finish
             interrupted = True
     signal.signal(signal.SIGTERM, previous)
-    finalise(run_dir, code, interrupted)
-    return 130 if interrupted and code != 0 else (128 - code if code < 0 else code)
+    return finalise(run_dir, code, interrupted)["record_exit_code"]
 
 
-def finalise(run_dir: Path, code: int, interrupted: bool) -> dict:
-    """Mark the run ended, with its status and what every rank reported."""
-    manifest = read_manifest(run_dir)
-    ranks = [read_rank_report(p) for p in sorted((run_dir / "ranks").glob("rank=*.json"))]
+def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | None = None) -> dict:
+    """Mark the run ended, with its status and what every rank reported.
+
+    The status, exit codes and end time are always written. Every other part is computed on its
+    own: one that raises, a rank report that is unreadable, and a rank that wrote data but left no
+    report (killed before its exit handlers ran) are named in `finalise_errors`, and the rest is
+    written. `not_started` says why the command could not start, if it could not.
+    """
+    errors: list[str] = []
+    manifest = _part(errors, "manifest.json", lambda: read_manifest(run_dir))
+    manifest = {} if manifest is _FAILED else manifest
     status = STATUS_COMPLETED if code == 0 else STATUS_INTERRUPTED if interrupted or code in (130, -2) else STATUS_FAILED
-    manifest.update(
-        ended_at=datetime.datetime.now(datetime.timezone.utc).isoformat(), status=status, exit_code=code,
-        ranks=[r["rank"] for r in ranks], world_size=len(ranks) or None,
-        hosts=sorted({manifest["hosts"][0], *(r["host"] for r in ranks)}),
-        backend=next((r["backend"] for r in ranks if r["backend"]), None),
-        steps={str(r["rank"]): r["steps"] for r in ranks},
-        clock_anchors={str(r["rank"]): r["clock_anchor"] for r in ranks},
-        written_rows=dict(sum((Counter(r["written_rows"]) for r in ranks), Counter())),
-        dropped_rows={str(r["rank"]): r["dropped_rows"] for r in ranks if r["dropped_rows"]},
-        writer_errors=sum(r["errors"] for r in ranks), tables=merge_tables(ranks),
-        gpu=gpu_outcome(manifest["gpu"], ranks, manifest["collector_settings"]["gpu_interval_s"]),
-    )
+    manifest.update(ended_at=datetime.datetime.now(datetime.timezone.utc).isoformat(), status=status, exit_code=code,
+                    record_exit_code=130 if status == STATUS_INTERRUPTED else 128 - code if code < 0 else code)
+
+    reports: dict[int, dict] = {}
+    unreadable = set()
+    for path in (run_dir / "ranks").glob("rank=*.json"):
+        rank = _rank_of(path.stem)
+        if rank is None:
+            errors.append(f"ranks/{path.name}: not a rank report's name (rank=N.json); left out")
+            continue
+        try:
+            reports[rank] = read_rank_report(path)
+        except (OSError, ValueError) as err:
+            unreadable.add(rank)
+            errors.append(f"ranks/{path.name}: unreadable ({err}): rank {rank}'s steps, tables and rows are missing")
+    with_data = {_rank_of(d.name) for d in run_dir.glob("*/rank=*") if d.is_dir()} - {None}
+    for rank in sorted(with_data - reports.keys() - unreadable):
+        errors.append(f"rank {rank} wrote trace data but no report (ranks/rank={rank}.json): it ended before its exit "
+                      f"handlers ran (killed?), so its steps, tables and rows are missing")
+    for rank, report in sorted(reports.items()):
+        errors.extend(f"rank {rank}'s report: {e}" for e in report.get("report_errors", []))
+    ranks = sorted(reports.keys() | unreadable | with_data)
+
+    def each(key: str) -> dict:
+        return {str(rank): report[key] for rank, report in sorted(reports.items()) if key in report}
+
+    def having(*keys: str) -> list[dict]:
+        return [{**report, "rank": rank} for rank, report in sorted(reports.items()) if set(keys) <= report.keys()]
+
+    parts = {
+        "ranks": lambda: ranks, "world_size": lambda: len(ranks) or None,
+        "hosts": lambda: sorted({manifest["hosts"][0], *each("host").values()}),
+        "backend": lambda: next((b for b in each("backend").values() if b), None),
+        "steps": lambda: each("steps"), "clock_anchors": lambda: each("clock_anchor"),
+        "written_rows": lambda: dict(sum((Counter(rows) for rows in each("written_rows").values()), Counter())),
+        "dropped_rows": lambda: {rank: rows for rank, rows in each("dropped_rows").items() if rows},
+        "writer_errors": lambda: sum(each("errors").values()),
+        "tables": lambda: merge_tables(having("tables")),
+        "gpu": lambda: gpu_outcome(manifest["gpu"], having("gpu", "written_rows"),
+                                   manifest["collector_settings"]["gpu_interval_s"]),
+    }
+    for name, compute in parts.items():
+        value = _part(errors, name, compute)
+        if value is not _FAILED:
+            manifest[name] = value
+        elif name != "gpu":  # gpu keeps what was known at the start; the others are unknown
+            manifest[name] = None
+    manifest["traced"] = bool(ranks)
+    manifest["untraced_reason"] = None if ranks else not_started or _why_untraced(code)
+    manifest["finalise_errors"] = errors
     write_manifest(run_dir, manifest)
     return manifest
 
 
+_FAILED = object()
+
+
+def _part(errors: list[str], name: str, compute):
+    """compute(), or _FAILED with the error appended to `errors` where it raises or gives what JSON cannot encode."""
+    try:
+        value = compute()
+        json.dumps(value)
+        return value
+    except Exception as err:
+        errors.append(f"{name}: {type(err).__name__}: {err}")
+        return _FAILED
+
+
+def _rank_of(name: str) -> int | None:
+    """3 for `rank=3` (a report's stem or a partition's directory name)."""
+    try:
+        return int(name.removeprefix("rank="))
+    except ValueError:
+        return None
+
+
+def _why_untraced(code: int) -> str:
+    why = ("no process of the command imported torch with tracekit loaded; likely causes: the command is not "
+           "Python or never imports torch; its Python ignored record's PYTHONPATH (-E, -I or -S, or a cleaned "
+           "environment); tracekit is not installed in that Python (another virtualenv; it then prints "
+           "`Error in sitecustomize`)")
+    return why + (f"; or it ended (exit code {code}) before any process wrote anything" if code else "")
+
+
 def summary(run_dir: Path, manifest: dict) -> dict:
-    """What `record` says at the end: status, ranks, steps, rows written and dropped, trace size."""
-    started = datetime.datetime.fromisoformat(manifest["started_at"])
-    ended = datetime.datetime.fromisoformat(manifest["ended_at"])
+    """What `record` says at the end: status, the command's and record's exit codes, whether anything
+    was traced (and why not), ranks, steps per rank, rows written and dropped, trace size, and any
+    part of the manifest that could not be written."""
+    try:
+        elapsed = (datetime.datetime.fromisoformat(manifest["ended_at"])
+                   - datetime.datetime.fromisoformat(manifest["started_at"])).total_seconds()
+    except (KeyError, TypeError, ValueError):
+        elapsed = None
+    gpu = manifest.get("gpu") or {}
     return {"run_dir": str(run_dir), "status": manifest["status"], "exit_code": manifest["exit_code"],
-            "elapsed_s": round((ended - started).total_seconds(), 3), "ranks": manifest["ranks"],
-            "steps": manifest["steps"], "rows": manifest["written_rows"], "dropped_rows": manifest["dropped_rows"],
+            "record_exit_code": manifest["record_exit_code"],
+            "elapsed_s": None if elapsed is None else round(elapsed, 3),
+            "traced": manifest["traced"], "untraced_reason": manifest["untraced_reason"],
+            "ranks": manifest.get("ranks") or [], "steps": manifest.get("steps") or {},
+            "rows": manifest.get("written_rows") or {}, "dropped_rows": manifest.get("dropped_rows") or {},
             "bytes": sum(p.stat().st_size for p in run_dir.rglob("*.parquet")),
-            "gpu": manifest["gpu"]["reason"] or "sampled"}
+            "gpu": gpu.get("reason") or ("sampled" if gpu.get("samples") else "unknown"),
+            "finalise_errors": manifest.get("finalise_errors", [])}
 
 
 def read_rank_report(path: Path) -> dict:
-    return json.loads(path.read_text())
+    report = json.loads(path.read_text())
+    if not isinstance(report, dict):
+        raise ValueError(f"expected a JSON object, got {type(report).__name__}")
+    return report
 
 
 def merge_tables(ranks: list[dict]) -> list[dict]:

@@ -7,7 +7,7 @@ impossible configuration is refused with a message naming the option.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from tracekit.errors import ConfigError
 
@@ -41,9 +41,9 @@ class TrainConfig:
     # model
     tables: int = _opt(8, 'number of embedding tables (sparse features)')
     rows: list[int] | None = _opt(None, 'rows per table, one value for all (default 100000; Parquet: max id + 1)')
-    dim: int = _opt(64, "embedding dimension; must equal the bottom MLP's last width")
+    dim: int = _opt(64, "embedding dimension; the bottom MLP's last width")
     dense: int = _opt(13, 'dense features')
-    bottom_mlp: list[int] = _opt(lambda: [512, 256, 64], 'bottom MLP widths; the last must equal --dim')
+    bottom_mlp: list[int] | None = _opt(None, 'bottom MLP widths; the last must equal --dim (default: 512,256,DIM)')
     top_mlp: list[int] = _opt(lambda: [512, 256, 1], 'top MLP widths; the last must be 1')
     pooling: int = _opt(1, 'ids per bag (synthetic data)')
     sequence_tables: int = _opt(0, 'the first N tables are sequence (unpooled) features')
@@ -90,6 +90,8 @@ class TrainConfig:
             raise ConfigError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.bottom_mlp is None:
+            self.bottom_mlp = [512, 256, self.dim]
         if not self.bottom_mlp or not self.top_mlp or min(self.bottom_mlp + self.top_mlp) <= 0:
             raise ConfigError("--bottom-mlp and --top-mlp need positive widths, e.g. 512,256,64")
         if self.bottom_mlp[-1] != self.dim:
@@ -133,13 +135,12 @@ def parser() -> argparse.ArgumentParser:
         description="Reference DLRM trainer (hybrid data/model parallel). "
         "Run with python (1 process) or torchrun --nproc-per-node N.",
     )
-    defaults = TrainConfig()
     types = {
         "rows": _int_list, "bottom_mlp": _int_list, "top_mlp": _int_list, "zipf": _float_list,
         "steps": int, "preset": str, "rows": _int_list,
     }
     for f in fields(TrainConfig):
-        default = getattr(defaults, f.name)
+        default = f.default_factory() if f.default is MISSING else f.default  # as declared: bottom_mlp stays None
         if isinstance(default, bool):
             p.add_argument(f"--{_flag(f.name)}", action="store_true", help=f.metadata["help"])
             continue
