@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch
 from tracekit.dlrm.metrics import log_loss, roc_auc
 from tracekit.dlrm.runtime import pin_to_cores
 from tracekit.dlrm.schedule import prefetched
+
+BOUND_S = 60
 
 
 def test_prefetched_keeps_order_and_ends() -> None:
@@ -28,18 +31,44 @@ def test_prefetched_reraises_the_producers_error() -> None:
     assert got == [1]
 
 
-def test_prefetched_stops_its_thread_when_the_consumer_stops() -> None:
-    produced = []
+def source(n: int, fail: bool, asked_for_a_fourth: threading.Event):
+    """Items 0 .. n-1, then an error if `fail`; sets the event when a fourth item is asked for."""
+    for i in range(n):
+        if i == 3:
+            asked_for_a_fourth.set()
+        yield i
+    asked_for_a_fourth.set()
+    if fail:
+        raise ValueError("bad batch")
 
-    def items():
-        for i in range(1000):
-            produced.append(i)
-            yield i
 
-    for item in prefetched(items(), depth=2):
-        if item == 3:
+def prefetch_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "tracekit-prefetch"}
+
+
+# The consumer takes item 0 and stops while the buffer (depth 2) is full, holding items 1 and 2,
+# and the producer, done with item 2, is blocked handing over the next: item 3, the end, or the error.
+@pytest.mark.parametrize(("n", "fail"), [(1000, False), (3, False), (3, True)],
+                         ids=["mid-stream", "after-the-last-item", "after-an-error"])
+@pytest.mark.parametrize("stop", ["break", "close"])
+def test_prefetched_ends_its_thread_when_the_consumer_stops(n: int, fail: bool, stop: str) -> None:
+    before, asked = prefetch_threads(), threading.Event()
+    if stop == "break":
+        for item in prefetched(source(n, fail, asked), depth=2):
+            assert item == 0
+            mine = prefetch_threads() - before
+            assert asked.wait(BOUND_S)
             break
-    assert len(produced) < 10
+    else:
+        batches = prefetched(source(n, fail, asked), depth=2)
+        assert next(batches) == 0
+        mine = prefetch_threads() - before
+        assert asked.wait(BOUND_S)
+        batches.close()
+    assert len(mine) == 1
+    for thread in mine:
+        thread.join(BOUND_S)  # a bound for a stuck thread to fail the test, not a speed to meet
+        assert not thread.is_alive()
 
 
 def test_pinning_is_a_no_op_for_one_process_or_too_many_ranks() -> None:

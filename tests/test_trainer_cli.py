@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -82,13 +82,69 @@ def test_torchrun_two_ranks() -> None:
     assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["samples"] == 5 * 128
 
 
+# train.py, run as it is, with torch.distributed.init_process_group leaving a mark (a file named
+# after the rank) before it starts the process group as asked
+SPY = """
+import os, runpy, sys
+import torch.distributed as dist
+
+init_process_group = dist.init_process_group
+
+def marked(*args, **kwargs):
+    open(os.path.join(os.environ["SPY_MARKS"], "rank" + os.environ["RANK"]), "w").close()
+    return init_process_group(*args, **kwargs)
+
+dist.init_process_group = marked
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def rank_of_two(rank: int, master_port: int, marks: Path, *args: str) -> subprocess.Popen:
+    """Rank `rank` of a world of 2, as torchrun would start it, its master at 127.0.0.1:`master_port`."""
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "SPY_MARKS": str(marks)}
+    return subprocess.Popen([sys.executable, "-c", SPY, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def master(tmp_path: Path):
+    """A listening socket on the ranks' MASTER_PORT, which no rank's store can then bind: a rank that
+    starts a process group marks it and connects to it (rank 1) or fails to bind it (rank 0)."""
+    (tmp_path / "marks").mkdir()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener, tmp_path / "marks"
+
+
 @pytest.mark.slow
-def test_impossible_layout_is_refused_before_any_process_group() -> None:
-    started = time.monotonic()
-    r = torchrun(*TINY, "--tables", "1", "--steps", "5")
-    assert r.returncode != 0
-    assert "table-wise sharding needs at least one table per rank: 1 tables, 2 ranks" in r.stderr, r.stderr
-    assert time.monotonic() - started < 60
+def test_impossible_layout_is_refused_before_any_process_group(master) -> None:
+    listener, marks = master
+    ranks = [rank_of_two(r, listener.getsockname()[1], marks, *TINY, "--tables", "1", "--steps", "5") for r in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2], outputs
+    assert "table-wise sharding needs at least one table per rank: 1 tables, 2 ranks" in outputs[0][1], outputs
+    assert list(marks.iterdir()) == []  # no rank called init_process_group
+    listener.setblocking(False)
+    with pytest.raises(BlockingIOError):  # and none connected to the master port
+        listener.accept()
+
+
+@pytest.mark.slow
+def test_a_rank_that_starts_a_process_group_is_seen_doing_it(master) -> None:
+    """What the test above watches for, seen: rank 1 of a possible layout marks, then connects."""
+    listener, marks = master
+    rank = rank_of_two(1, listener.getsockname()[1], marks, *TINY, "--steps", "5")
+    try:
+        listener.settimeout(120)  # a bound for a rank that never connects, not a speed to meet
+        connection, _ = listener.accept()
+        connection.close()
+        assert [p.name for p in marks.iterdir()] == ["rank1"]
+    finally:
+        rank.kill()
+        rank.communicate()
 
 
 @pytest.mark.slow

@@ -14,12 +14,18 @@ the traced program pays for neither the conversion nor the Parquet encoding on i
     writer.append("steps", {"step": [0], "t_start_ns": [t0], "t_end_ns": [t1], "samples": [512], "loss": [0.69]})
     writer.close()
     write_manifest("runs/base", {**manifest, "dropped_rows": writer.dropped})
+
+Test hook: with TRACEKIT_FAULT_KILL_BEFORE_RENAME=<table>:<n> in its environment, a process about
+to rename part n of `table` into place (`part-<n, 5 digits>.parquet`, of any rank) kills itself
+with SIGKILL instead, its bytes written to the temporary file: a real kill in the middle of writing
+a part, whose aftermath tests/test_crash_safety.py checks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -295,6 +301,9 @@ PARQUET_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+FAULT_KILL_BEFORE_RENAME = "TRACEKIT_FAULT_KILL_BEFORE_RENAME"  # the test hook of the module docstring
+
+
 def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> Path:
     """Write `data` as `directory/part-<index>.parquet` (zstd; `options` go to pq.write_table) via a
     hidden temporary file in the same directory, renamed into place once complete."""
@@ -303,6 +312,8 @@ def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> P
     directory.mkdir(parents=True, exist_ok=True)
     try:
         pq.write_table(data, tmp, compression="zstd", **options)
+        if os.environ.get(FAULT_KILL_BEFORE_RENAME) == f"{directory.parent.name}:{index}":
+            os.kill(os.getpid(), signal.SIGKILL)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

@@ -44,7 +44,9 @@ class Schedule:
 
 def prefetched(items, depth: int):
     """Iterate `items` on a background thread, `depth` ahead, so batches are built while
-    the main thread waits on collectives (torch ops release the GIL). Errors re-raise here."""
+    the main thread waits on collectives (torch ops release the GIL). Errors re-raise here.
+    The thread ends once the consumer closes or drops the generator, after at most the item
+    it is building then."""
     buffer: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
     stop = threading.Event()
@@ -52,12 +54,7 @@ def prefetched(items, depth: int):
     def produce():
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        buffer.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                buffer.put(item)
                 if stop.is_set():
                     return
             buffer.put(done)
@@ -73,6 +70,13 @@ def prefetched(items, depth: int):
             yield item
     finally:
         stop.set()
+        # emptied after `stop` is set, the buffer takes the producer's next put without blocking,
+        # and after that put the producer sees `stop` or has nothing left to put
+        while True:
+            try:
+                buffer.get_nowait()
+            except queue.Empty:
+                break
 
 
 def make_schedule(cfg: TrainConfig, dataset: Dataset, world_size: int) -> Schedule:
