@@ -2,14 +2,16 @@
 
 `install(writer, clock)` wraps the public functions of `torch.distributed` (and the same
 functions in `torch.distributed.distributed_c10d`, which torch's own modules call). Each call
-becomes one `comms` row: op, group, dtype, bytes out and in, bytes per peer for all-to-all and
-point-to-point, start time, completion time, a tag and the phase (`train` | `eval`,
-collectors/phase.py). Completion of an async call is taken from its Work future, not from the
-call's return. The training thread only describes the call
+becomes one `comms` row: op, group, dtype, bytes out and in, bytes per peer, start time,
+completion time, a tag and the phase (`train` | `eval`, collectors/phase.py). A wrapped function
+called by another (`send` calls `isend`, `all_gather_into_tensor` calls `all_gather_single`) is
+the outer call's row, not one of its own. Completion of an async call is taken from its Work
+future, not from the call's return; a Work without a future (gloo's `isend`/`irecv`, which
+complete only inside `wait()`) gives t_end_ns -1. The training thread only describes the call
 (sizes, not data) and keeps it; the writer thread drains the kept calls, in call order, at every
 flush, holding back those of the step now running once the clock has moved (so that calls after
-the last step are written as `eval` at close). An async call not complete when it had to be written (at exit, or with too many calls behind
-it) has t_end_ns -1.
+the last step are written as `eval` at close). An async call not complete when it had to be
+written (at exit, or with too many calls behind it) has t_end_ns -1 too.
 
 DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, such as the
 reference trainer's); DDP's built-in C++ all-reduce is not (a dispatch-level hook would be).
@@ -18,6 +20,22 @@ The tag is the innermost `tracekit.label(name)` around the call, else `ddp_bucke
 gradient buckets, else the calling function's qualified name (e.g. `_AllToAll.forward`).
 A DDP model that registers no comm hook of its own gets, at its first forward, a Python hook that
 does what DDP's built-in one does (average each bucket with one all-reduce), so its traffic is seen.
+
+bytes_out and bytes_in are the sizes of the call's send and receive buffers (for broadcast, reduce
+and all_reduce, the one tensor: both). splits_out[j] is the bytes of this rank's data the op
+delivers to group rank j, splits_in[i] the bytes of group rank i's data this rank's result is
+made of, self included, in group-rank order; so for any two ranks, splits_out of i at j equals
+splits_in of j at i. This is the op's logical exchange, not what the algorithm puts on the wire:
+- all_to_all(_single): the splits given (even ones when none are);
+- all_gather(_into_tensor, _single): my tensor to every rank, every rank's tensor to me;
+- reduce_scatter(_tensor, _single): my input's chunk j to rank j, and from every rank its chunk
+  of my output (the output's size);
+- broadcast: the root's tensor to every rank (the root's splits_out is the tensor size for all,
+  every rank's splits_in the tensor size at the root); reduce: every rank's tensor to the root;
+- send/isend: the tensor to the peer, nothing back; recv/irecv the reverse (splits_in [] for a
+  receive from any source: the sender is known only at completion);
+- [] for all_reduce, whose per-peer traffic depends on the algorithm (every rank's data reaches
+  every rank, so the logical split says nothing bytes_out does not), and for barrier (no data).
 
 Splits of an all-to-all, two ranks, rank 0 sending 3 rows of 8 bytes to itself and 1 to rank 1
 (input_split_sizes [3, 1]) and receiving 2 from rank 1: splits_out [24, 8], splits_in [24, 16].
@@ -29,6 +47,7 @@ import collections
 import functools
 import inspect
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -43,8 +62,9 @@ from collectors.steps import StepClock
 from tracekit.labels import current_label, label
 from tracekit.store import RunWriter
 
-OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
-       "reduce_scatter_tensor", "broadcast", "reduce", "barrier", "send", "recv", "isend", "irecv")
+OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+       "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "barrier",
+       "send", "recv", "isend", "irecv")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -58,9 +78,19 @@ def _split_bytes(t: torch.Tensor, sizes: list[int] | None, world: int) -> list[i
     return [int(s) * row for s in sizes]
 
 
+def _group_rank(a: dict[str, Any], global_key: str, group_key: str) -> int | None:
+    """The group rank a call names as its root or peer: `group_src`/`group_dst` if given, else its
+    global `src`/`dst` translated to the call's group (None: a receive from any source)."""
+    if a.get(group_key) is not None:
+        return int(a[group_key])
+    rank, group = a.get(global_key), a.get("group")
+    return rank if rank is None or group is None else dist.get_group_rank(group, rank)
+
+
 def describe(op: str, a: dict[str, Any], group_size: int) -> dict:
     """dtype, bytes and per-peer bytes of one call (the row minus step, times and tag), from its
-    arguments by name."""
+    arguments by name (splits: see the module docstring)."""
+    peers = range(group_size)
     if op == "all_to_all_single":
         out = _split_bytes(a["input"], a.get("input_split_sizes"), group_size)
         inn = _split_bytes(a["output"], a.get("output_split_sizes"), group_size)
@@ -71,24 +101,38 @@ def describe(op: str, a: dict[str, Any], group_size: int) -> dict:
         return dict(dtype=str(a["input_tensor_list"][0].dtype), bytes_out=sum(out), bytes_in=sum(inn),
                     splits_out=out, splits_in=inn)
     if op in ("send", "isend", "recv", "irecv"):
-        n, peers = _nbytes(a["tensor"]), [0] * group_size
-        peer = a.get("dst") if op in ("send", "isend") else a.get("src")
-        if peer is not None and 0 <= peer < group_size:
-            peers[peer] = n
-        sending = op in ("send", "isend")
+        n, sending = _nbytes(a["tensor"]), op in ("send", "isend")
+        peer = _group_rank(a, "dst", "group_dst") if sending else _group_rank(a, "src", "group_src")
+        one = [n if j == peer else 0 for j in peers] if peer is not None else []  # any source: unknown
         return dict(dtype=str(a["tensor"].dtype), bytes_out=n if sending else 0, bytes_in=0 if sending else n,
-                    splits_out=peers if sending else [], splits_in=[] if sending else peers)
+                    splits_out=one if sending else [0] * group_size, splits_in=[0] * group_size if sending else one)
     if op == "barrier":
         return dict(dtype="", bytes_out=0, bytes_in=0, splits_out=[], splits_in=[])
     if op == "all_gather":
-        t = a["tensor"]
-        return dict(dtype=str(t.dtype), bytes_out=_nbytes(t), bytes_in=sum(_nbytes(x) for x in a["tensor_list"]),
-                    splits_out=[], splits_in=[])
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        return dict(dtype=str(a["input_tensor"].dtype), bytes_out=_nbytes(a["input_tensor"]),
-                    bytes_in=_nbytes(a["output_tensor"]), splits_out=[], splits_in=[])
+        n, inn = _nbytes(a["tensor"]), [_nbytes(x) for x in a["tensor_list"]]
+        return dict(dtype=str(a["tensor"].dtype), bytes_out=n, bytes_in=sum(inn), splits_out=[n] * group_size,
+                    splits_in=inn)
+    if op in ("all_gather_into_tensor", "all_gather_single"):
+        n, total = _nbytes(a["input_tensor"]), _nbytes(a["output_tensor"])
+        return dict(dtype=str(a["input_tensor"].dtype), bytes_out=n, bytes_in=total, splits_out=[n] * group_size,
+                    splits_in=[total // group_size] * group_size)
+    if op == "reduce_scatter":
+        out, n = [_nbytes(t) for t in a["input_list"]], _nbytes(a["output"])
+        return dict(dtype=str(a["output"].dtype), bytes_out=sum(out), bytes_in=n, splits_out=out,
+                    splits_in=[n] * group_size)
+    if op in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        total, n = _nbytes(a["input"]), _nbytes(a["output"])
+        return dict(dtype=str(a["input"].dtype), bytes_out=total, bytes_in=n,
+                    splits_out=[total // group_size] * group_size, splits_in=[n] * group_size)
     t = a["tensor"]  # all_reduce, broadcast, reduce: the logical buffer, whatever the algorithm
-    return dict(dtype=str(t.dtype), bytes_out=_nbytes(t), bytes_in=_nbytes(t), splits_out=[], splits_in=[])
+    n = _nbytes(t)
+    if op == "all_reduce":
+        return dict(dtype=str(t.dtype), bytes_out=n, bytes_in=n, splits_out=[], splits_in=[])
+    root = _group_rank(a, "src", "group_src") if op == "broadcast" else _group_rank(a, "dst", "group_dst")
+    everyone = [n] * group_size if dist.get_rank(a.get("group")) == root else [0] * group_size
+    to_root = [n if j == root else 0 for j in peers]
+    return dict(dtype=str(t.dtype), bytes_out=n, bytes_in=n, splits_out=everyone if op == "broadcast" else to_root,
+                splits_in=to_root if op == "broadcast" else everyone)
 
 
 class CommHandle:
@@ -114,8 +158,14 @@ class CommHandle:
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
+            if _inside.call:  # called by another wrapped function (send calls isend): that one's row covers it
+                return fn(*args, **kwargs)
             t_start = time.monotonic_ns()
-            result = fn(*args, **kwargs)
+            _inside.call = True
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                _inside.call = False
             self.guard.run(self._record, op, names, args, kwargs, result, t_start, sys._getframe(1))
             return result
 
@@ -136,7 +186,12 @@ class CommHandle:
                 d["bytes_out"], d["bytes_in"], d["splits_out"], d["splits_in"], t_start, 0,
                 current_label.get() or caller.f_code.co_qualname, is_work, phase.of_call()]
         if is_work:
-            result.get_future().then(functools.partial(_complete, call))
+            try:
+                future = result.get_future()
+            except RuntimeError:  # "Work::getFuture not implemented" (gloo's isend/irecv): completion unknown
+                call[T_END] = -1
+            else:
+                future.then(functools.partial(_complete, call))
         else:
             call[T_END] = time.monotonic_ns()
         self.calls.append(call)
@@ -175,6 +230,13 @@ FIELDS = ("step", "op", "group", "group_size", "dtype", "bytes_out", "bytes_in",
 T_END = FIELDS.index("t_end_ns")
 PHASE = FIELDS.index("phase")
 MAX_HELD_CALLS = 100_000  # calls held behind an async one never waited for, before they are written anyway
+
+
+class _Inside(threading.local):
+    call = False  # this thread is inside a wrapped call
+
+
+_inside = _Inside()
 
 
 def _complete(call: list, future: Any) -> None:
