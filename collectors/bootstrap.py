@@ -132,7 +132,7 @@ def _json_default(obj: object) -> object:
 
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
-    from collectors import comm, embedding, gpu, grads, steps
+    from collectors import comm, embedding, gpu, grads, phase, steps
     from tracekit.store import RunWriter
 
     if getattr(activate, "done", False):
@@ -146,7 +146,7 @@ def activate(settings: Settings) -> None:
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
     comms = comm.install(writer, clock)
-    handles = [steps.install(writer, clock), tables, comms,
+    handles = [phase.install(), steps.install(writer, clock), tables, comms,
                grads.install(writer, clock, grad_every=settings.grad_every), sampler]
 
     def finish() -> None:

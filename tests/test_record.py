@@ -239,6 +239,8 @@ def test_record_ends_with_a_summary_and_json_for_scripts(tmp_path: Path) -> None
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert (summary["status"], summary["exit_code"], summary["ranks"], summary["steps"]) == ("completed", 0, [0], {"0": 3})
     assert summary["rows"] == {"accesses": 6, "lookups": 2, "steps": 3} and summary["dropped_rows"] == {}
+    assert summary["record_exit_code"] == 0 and summary["traced"] is True
     assert summary["bytes"] == sum(p.stat().st_size for p in run_dir.rglob("*.parquet"))
     r = CliRunner().invoke(cli, ["record", "-o", str(run_dir), "--force", "--", sys.executable, str(script)])
-    assert "tracekit: completed (exit 0)" in r.stderr and "rows: accesses 6, lookups 2, steps 3" in r.stderr
+    assert "tracekit: completed after" in r.stderr and "rows: accesses 6, lookups 2, steps 3" in r.stderr
+    assert "command exited with 0; tracekit record exits with 0" in r.stderr and "steps per rank: 0: 3" in r.stderr

@@ -1,8 +1,9 @@
 """The main job of the README (`make demo`): record the reference trainer on built-in synthetic data.
 
 Runs `tracekit record -o runs/demo -- torchrun --nproc-per-node 2 train.py ...` (about three
-minutes on 2 cores), then reads the run back and prints what it holds: the collectives by op and
-tag, and the hottest rows of each table. The analyze -> re-run -> compare -> report steps of the
+minutes on 2 cores), then reads the run back and prints what its training steps hold (the
+evaluation passes, phase `eval`, only as a total): the collectives by op and tag, and how
+skewed each table's lookups are. The analyze -> re-run -> compare -> report steps of the
 loop join this job as those commands land.
 """
 
@@ -36,18 +37,24 @@ def show(run_dir: Path) -> None:
     pl.Config.set_tbl_hide_column_data_types(True)
     pl.Config.set_tbl_hide_dataframe_shape(True)
     run = open_run(run_dir)
-    print("\ncollectives, all ranks:")
-    print(run.scan("comms").group_by("op", "tag").agg(pl.len().alias("calls"), pl.col("bytes_out").sum())
-          .sort("bytes_out", descending=True).collect())
-    per_row = run.scan("accesses").group_by("table_name", "row").agg(pl.col("count").sum())
+    train = pl.col("phase") == "train"
+    print("\ncollectives of the training steps, all ranks:")
+    print(run.scan("comms").filter(train).group_by("op", "tag")
+          .agg(pl.len().alias("calls"), pl.col("bytes_out").sum()).sort("bytes_out", descending=True).collect())
+    per_row = run.scan("accesses").filter(train).group_by("table_name", "row").agg(pl.col("count").sum())
     share = (per_row.with_columns(pl.col("count").rank("ordinal", descending=True).over("table_name").alias("rank"))
              .group_by("table_name")
              .agg(pl.col("count").sum().alias("lookups"), pl.len().alias("rows_touched"),
                   (pl.col("count").filter(pl.col("rank") <= pl.col("rank").max() // 100).sum()
                    / pl.col("count").sum()).round(3).alias("top_1pct_share"))
              .sort("table_name"))
-    print("\nlookups per table (top_1pct_share: share of lookups that hit the 1% most-read rows touched):")
+    print("\ntraining lookups per table (top_1pct_share: share of lookups that hit the 1% most-read rows touched):")
     print(share.collect())
+    lookups = dict(run.scan("accesses").group_by("phase").agg(pl.col("count").sum()).collect().rows())
+    sent = dict(run.scan("comms").group_by("phase").agg(pl.col("bytes_out").sum()).collect().rows())
+    print(f"\nleft out above, the evaluation passes (phase eval): {lookups.get('eval', 0):,} lookups and "
+          f"{sent.get('eval', 0):,} bytes of collectives, beside {lookups.get('train', 0):,} lookups and "
+          f"{sent.get('train', 0):,} bytes in the training steps")
 
 
 if __name__ == "__main__":

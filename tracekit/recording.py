@@ -258,6 +258,7 @@ def merge_tables(ranks: list[dict]) -> list[dict]:
         first = entries[0]
         tables.append({"name": name, "num_rows": max(e["table_rows"] for e in entries), "dim": first["dim"],
                        "dtype": first["dtype"], "kind": first["kind"], "padding_idx": first["padding_idx"],
+                       "placement": first.get("placement"),
                        "shards": [{k: e[k] for k in ("rank", "first_row", "num_rows")} for e in entries]})
     return tables
 
