@@ -22,8 +22,8 @@ in first-call order.
 Identity across ranks, from what the process sees at the table's first call: a module tagged with
 `tracekit.shard` is a shard of the table it names (`placement` "sharded"); an untagged module
 inside a DistributedDataParallel or FSDP model is a data-parallel replica, the same table on every
-rank ("replicated"); any other untagged module of a process in a world of more than one rank is
-that rank's own table ("local"), named `<path>@rank<R>`: model-parallel tables kept in a rank-local
+rank ("replicated"); any other untagged module is the process's own table ("local"), named
+`<path>@rank<R>` in a world of more than one rank: model-parallel tables kept in a rank-local
 `ModuleList` share paths (`emb_l.0`) but not contents, so they never merge.
 
 A module tagged with `tracekit.shard(m, table=..., first_row=...)` is named by its `table`, and
@@ -262,10 +262,11 @@ class EmbeddingHandle:
         rows = int(module.num_embeddings)
         shard, placement = shard_of(module), "sharded"
         if shard is None:
-            name, placement = self.names.module_name(module), "replicated"
+            name = self.names.module_name(module)
+            placement = "replicated" if self.names.is_replicated(module) else "local"
             rank, world_size = _rank_and_world()
-            if world_size > 1 and not self.names.is_replicated(module):
-                name, placement = f"{name}@rank{rank}", "local"
+            if placement == "local" and world_size > 1:
+                name = f"{name}@rank{rank}"
             shard = Shard(name, 0, rows)
         self.tables.append({**table_entry(module, shard), "placement": placement})
         table = self._tables[module] = Table(shard.table, rows, module.padding_idx, shard.first_row)

@@ -290,9 +290,9 @@ def test_a_tagged_shard_is_named_by_its_table_and_writes_global_rows(recording, 
                                          (0, "big", 0, 1, 103), (0, "big", 1, 0, 103), (0, "big", 1, 1, 109)]
     assert handles[1].tables == [
         {"table": "big", "first_row": 100, "num_rows": 10, "table_rows": 300, "dim": 4, "dtype": "float32",
-         "kind": "sequence", "padding_idx": 100},
+         "kind": "sequence", "padding_idx": 100, "placement": "sharded"},
         {"table": "EmbeddingBag_0", "first_row": 0, "num_rows": 5, "table_rows": 5, "dim": 2, "dtype": "float32",
-         "kind": "pooled", "padding_idx": None},
+         "kind": "pooled", "padding_idx": None, "placement": "local"},
     ]
 
 

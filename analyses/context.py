@@ -1,0 +1,176 @@
+"""What every analysis starts from: a recorded run opened once, a DuckDB connection holding every
+trace table as a view (training rows also as `train_<table>`), the model from the manifest, the
+options of `tracekit analyze`, and the shapes analyses hand back.
+
+    ctx = open_context("runs/base", Options(budget_bytes=64 << 20))
+    ctx.sql("SELECT table_name, sum(count) FROM train_accesses GROUP BY ALL").pl()
+    ctx.model.tables[0].row_bytes, ctx.model.world_size
+    ctx.write("skew", frame)                       # RUN/analysis/skew.parquet, atomically
+
+Analyses never loop in Python over trace rows: DuckDB (with a memory limit, spilling to disk)
+does the passes over the big tables (`accesses`, `lookups`), Polars the small results.
+`phase = 'train'` rows feed every statistic and policy; `eval` rows are reported beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from tracekit.errors import TracekitError
+from tracekit.run import Run, open_run
+from tracekit.schema import PHASED, TABLES
+
+MEMORY_LIMIT = "1GB"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """One embedding table as the manifest lists it."""
+
+    name: str
+    num_rows: int
+    dim: int
+    dtype: str
+    kind: str  # "pooled" | "sequence"
+    placement: str | None  # "sharded" | "replicated" | "local"
+    shards: tuple[dict, ...]  # {"rank", "first_row", "num_rows"}
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * DTYPE_BYTES.get(self.dtype, 4)
+
+    def owner(self, row: int) -> int | None:
+        """The rank holding `row` (the first shard that does), None if no shard does."""
+        for shard in self.shards:
+            if shard["first_row"] <= row < shard["first_row"] + shard["num_rows"]:
+                return shard["rank"]
+        return None
+
+
+@dataclass(frozen=True)
+class Model:
+    tables: tuple[TableInfo, ...]
+    world_size: int
+
+    def table(self, name: str) -> TableInfo:
+        for table in self.tables:
+            if table.name == name:
+                return table
+        raise KeyError(name)
+
+    def policy_model(self) -> dict:
+        """The `model` object of policy.json."""
+        return {"tables": [{"name": t.name, "num_rows": t.num_rows, "dim": t.dim} for t in self.tables],
+                "world_size": self.world_size}
+
+
+@dataclass
+class Options:
+    """The options of `tracekit analyze` (None: derived from the run)."""
+
+    budget_bytes: int | None = None  # replica/cache bytes per rank
+    budget_fraction: float | None = None  # or a fraction of the embedding bytes
+    topology: tuple[int, int] | None = None  # (nodes, ranks per node)
+    intra_bw: float | None = None  # bytes/s
+    inter_bw: float | None = None
+    policies: tuple[str, ...] = ("replication", "tiers", "schedule", "compression", "lag")
+
+
+@dataclass
+class Result:
+    """What one analysis hands back: tables written as `analysis/<name>.parquet`, the figures the
+    summary prints (JSON-able), and what it could not compute, each with the reason."""
+
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PolicyResult:
+    """One policy: its policy.json section (with `predicted` and `why`), the row lists it refers to
+    (written as `policy/<name>.parquet`), and the evidence (which trace rows, which formula); or,
+    when it cannot be derived from this run, `section` None and the reason."""
+
+    name: str
+    section: dict | None = None
+    rows: dict[str, pl.DataFrame] = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # analysis tables, e.g. a budget sweep
+
+
+class Context:
+    """A run opened for analysis. Build with `open_context`."""
+
+    def __init__(self, run: Run, options: Options, memory_limit: str = MEMORY_LIMIT) -> None:
+        self.run = run
+        self.path = run.path
+        self.options = options
+        self.manifest = run.manifest
+        self.present = run.tables()
+        self.con = duckdb.connect(config={"memory_limit": memory_limit, "threads": os.cpu_count() or 1,
+                                          "temp_directory": tempfile.mkdtemp(prefix="tracekit-duckdb-"),
+                                          "preserve_insertion_order": False})
+        for table in self.present:
+            self.con.register(f"{table}_rel", run.relation(table, self.con))
+            self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel")
+            if table in PHASED:
+                self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
+        self.model = model_of(self.manifest)
+
+    def has(self, table: str) -> bool:
+        return table in self.present
+
+    def sql(self, query: str, params: list | None = None) -> duckdb.DuckDBPyRelation:
+        return self.con.sql(query, params=params) if params is not None else self.con.sql(query)
+
+    def frame(self, query: str, params: list | None = None) -> pl.DataFrame:
+        return self.sql(query, params).pl()
+
+    def train_steps(self) -> int:
+        """Training steps the run completed (the most any rank did), 0 without a steps table."""
+        if not self.has("steps"):
+            return 0
+        return int(self.con.sql("SELECT count(DISTINCT step) FROM steps").fetchall()[0][0])
+
+    def write(self, name: str, frame: pl.DataFrame) -> Path:
+        """Write `frame` as RUN/analysis/<name>.parquet (via a temporary file, renamed)."""
+        target = self.path / "analysis" / f"{name}.parquet"
+        target.parent.mkdir(exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        frame.write_parquet(tmp, compression="zstd")
+        os.replace(tmp, target)
+        return target
+
+
+def model_of(manifest: dict) -> Model:
+    tables = tuple(TableInfo(t["name"], int(t["num_rows"]), int(t["dim"]), t.get("dtype", "float32"),
+                             t.get("kind", "pooled"), t.get("placement"), tuple(t.get("shards", ())))
+                   for t in manifest.get("tables") or [])
+    return Model(tables, int(manifest.get("world_size") or 1))
+
+
+def open_context(path: str | os.PathLike, options: Options | None = None, *,
+                 memory_limit: str = MEMORY_LIMIT) -> Context:
+    """The run at `path` ready for analysis; TracekitError (one line naming the file) for an empty
+    run or unreadable trace files."""
+    run = open_run(path)
+    if not run.tables():
+        raise TracekitError(f"{run.path}: the run holds no trace rows (status {run.manifest.get('status')!r}); "
+                            "nothing to analyse")
+    try:
+        return Context(run, options or Options(), memory_limit)
+    except duckdb.Error as err:
+        raise TracekitError(f"{run.path}: cannot read the trace ({str(err).splitlines()[0]})") from None
+
+
+ANALYSIS_TABLES = TABLES  # re-exported for `tracekit sql`, which lists trace and analysis tables

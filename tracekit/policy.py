@@ -1,0 +1,176 @@
+"""The policy file (DESIGN.md §5): `policy.json` and the row lists beside it, read, validated and
+written in one place. `analyses` write policies and the trainer applies them; both use this module
+and neither imports the other.
+
+    policy = new_policy(source_run="runs/base", model={"tables": [...], "world_size": 2})
+    policy["replication"] = {...}
+    write_policy("runs/base/policy.json", policy, rows={"hot_rows": frame})   # policy/hot_rows.parquet
+    policy = load_policy("runs/base/policy.json")                              # validated
+    check_model(policy, tables=[{"name": "t0", "num_rows": 100000, "dim": 32}], world_size=2)
+
+Every section is optional; each present carries a `predicted` object of numbers and a one-line
+`why`. Byte figures are per training step, summed over all ranks' `bytes_out`. Row lists are
+Parquet files whose paths are relative to the JSON file. A file that breaks any rule is refused
+with a PolicyError naming the file, the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tracekit.errors import PolicyMismatch, TracekitError
+
+SCHEMA = "tracekit.policy/1"
+SECTIONS = ("replication", "tiers", "schedule", "compression", "lag")
+ROW_FIELDS = {"replication": ("rows",), "tiers": ("rows",), "schedule": ("hot_rows",)}
+"""Fields of a section that name a Parquet row list, relative to the JSON file."""
+REPLICATION_SYNCS = ("sparse_allreduce", "dense_allreduce")
+
+
+class PolicyError(TracekitError):
+    """Raised when a policy file is malformed; names the file and the field."""
+
+
+def new_policy(*, source_run: str, model: dict, baseline: dict | None = None) -> dict:
+    """An empty policy for `model` ({"tables": [{"name", "num_rows", "dim"}...], "world_size"})."""
+    return {"schema": SCHEMA, "source_run": source_run,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": model, "baseline": baseline or {}}
+
+
+def write_policy(path: str | os.PathLike, policy: dict, rows: dict[str, Any] | None = None) -> Path:
+    """Validate `policy` and write it to `path` atomically, with each of `rows` (name -> a Polars
+    DataFrame or Arrow table) as `policy/<name>.parquet` beside it. Sections refer to a row list as
+    "policy/<name>.parquet"."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for name, frame in (rows or {}).items():
+        import pyarrow.parquet as pq
+
+        table = frame.to_arrow() if hasattr(frame, "to_arrow") else frame
+        target = path.parent / "policy" / f"{name}.parquet"
+        target.parent.mkdir(exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, target)
+    validate(policy, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(policy, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_policy(path: str | os.PathLike) -> dict:
+    """The validated policy at `path`; PolicyError naming the file and field if it is malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise PolicyError(f"{path}: no such policy file (written by `tracekit analyze RUN` as RUN/policy.json)")
+    try:
+        policy = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PolicyError(f"{path}: not valid JSON ({err})") from None
+    validate(policy, path)
+    return policy
+
+
+def row_path(policy_path: str | os.PathLike, relative: str) -> Path:
+    """Where a section's row list lives: `relative` to the policy file's folder."""
+    return Path(policy_path).parent / relative
+
+
+def validate(policy: Any, path: str | os.PathLike) -> None:
+    """Raise PolicyError unless `policy` follows the schema (and its row lists exist beside `path`)."""
+    def fail(field: str, expected: str) -> None:
+        raise PolicyError(f"{path}: {field}: expected {expected}")
+
+    if not isinstance(policy, dict):
+        fail("the top level", "a JSON object")
+    if policy.get("schema") != SCHEMA:
+        fail("schema", f'"{SCHEMA}", got {policy.get("schema")!r}')
+    model = policy.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("tables"), list) or not model["tables"]:
+        fail("model.tables", "a non-empty list of tables")
+    for i, table in enumerate(model["tables"]):
+        if not isinstance(table, dict) or not isinstance(table.get("name"), str):
+            fail(f"model.tables[{i}].name", "a string")
+        for key in ("num_rows", "dim"):
+            if not _positive_int(table.get(key)):
+                fail(f"model.tables[{i}].{key}", f"a positive integer, got {table.get(key)!r}")
+    if not _positive_int(model.get("world_size")):
+        fail("model.world_size", f"a positive integer, got {model.get('world_size')!r}")
+    unknown = set(policy) - {"schema", "source_run", "created_at", "model", "baseline", *SECTIONS}
+    if unknown:
+        fail(", ".join(sorted(unknown)), f"no such field; the sections are {', '.join(SECTIONS)}")
+    if not isinstance(policy.get("baseline", {}), dict) or not _numbers(policy.get("baseline", {})):
+        fail("baseline", "an object of numbers")
+    for name in SECTIONS:
+        if name not in policy:
+            continue
+        section = policy[name]
+        parts = section.items() if name == "compression" and isinstance(section, dict) else [(None, section)]
+        for sub, body in parts:
+            where = name if sub is None else f"{name}.{sub}"
+            if name == "compression" and sub not in ("dp", "mp"):
+                fail(where, "compression holds only dp and mp")
+            if not isinstance(body, dict):
+                fail(where, "an object")
+            if not isinstance(body.get("predicted"), dict) or not _numbers(body["predicted"]):
+                fail(f"{where}.predicted", "an object of numbers")
+            if not isinstance(body.get("why"), str) or not body["why"]:
+                fail(f"{where}.why", "a one-line explanation")
+        for field in ROW_FIELDS.get(name, ()):
+            relative = section.get(field)
+            if not isinstance(relative, str) or Path(relative).is_absolute():
+                fail(f"{name}.{field}", "a Parquet path relative to the policy file")
+            if not row_path(path, relative).is_file():
+                fail(f"{name}.{field}", f"an existing file; {row_path(path, relative)} is missing")
+    if "replication" in policy:
+        if policy["replication"].get("sync") not in REPLICATION_SYNCS:
+            fail("replication.sync", f"one of {', '.join(REPLICATION_SYNCS)}")
+    if "lag" in policy and not (isinstance(policy["lag"].get("bound"), int) and policy["lag"]["bound"] >= 0):
+        fail("lag.bound", "a non-negative integer")
+    for sub, key in (("dp", "keep_ratio"), ("mp", "keep_ratio")):
+        body = policy.get("compression", {}).get(sub)
+        if body is not None and not (isinstance(body.get(key), (int, float)) and 0 < body[key] <= 1):
+            fail(f"compression.{sub}.{key}", "a number in (0, 1]")
+
+
+def check_model(policy: dict, *, tables: list[dict], world_size: int, path: str | os.PathLike = "policy.json") -> None:
+    """Refuse (PolicyMismatch) a policy written for another model: every difference in tables (names,
+    row counts, dims) or world size is named."""
+    differences = []
+    ours = {t["name"]: t for t in tables}
+    theirs = {t["name"]: t for t in policy["model"]["tables"]}
+    for name in sorted(set(theirs) - set(ours)):
+        differences.append(f"table {name} is in the policy but not in the model")
+    for name in sorted(set(ours) - set(theirs)):
+        differences.append(f"table {name} is in the model but not in the policy")
+    for name in sorted(set(ours) & set(theirs)):
+        for key in ("num_rows", "dim"):
+            if int(ours[name][key]) != int(theirs[name][key]):
+                differences.append(f"table {name}: {key} {theirs[name][key]} in the policy, {ours[name][key]} in the model")
+    if int(policy["model"]["world_size"]) != world_size:
+        differences.append(f"world size {policy['model']['world_size']} in the policy, {world_size} here")
+    if differences:
+        raise PolicyMismatch(f"{path} was derived for another model: " + "; ".join(differences))
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _numbers(obj: dict) -> bool:
+    """Whether every value is a number or null, or an object/list of such (nested figures)."""
+    def ok(v: Any) -> bool:
+        if isinstance(v, dict):
+            return all(ok(x) for x in v.values())
+        if isinstance(v, list):
+            return all(ok(x) for x in v)
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    return ok(obj)
