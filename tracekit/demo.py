@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RUN_DIR = REPO / "runs" / "demo"
+RUN_DIR = Path("runs") / "demo"  # under REPO, where the job runs
 DEMO_ARGS = ["--steps", "3000", "--eval-every", "1000", "--log-every", "250", "--zipf", "1.05", "--samples", "3500000"]
 
 
@@ -24,7 +24,7 @@ def main() -> int:
     code = subprocess.call([sys.executable, "-m", "tracekit", "record", "-o", str(RUN_DIR), "--force", "--",
                             sys.executable, "-m", "torch.distributed.run", *train[1:]], cwd=REPO)
     if code == 0:
-        show(RUN_DIR)
+        show(REPO / RUN_DIR)
     return code
 
 
