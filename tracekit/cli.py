@@ -138,5 +138,126 @@ def _signal_name(number: int) -> str:
         return "unknown signal"
 
 
+class InputError(click.ClickException):
+    """A run or file that cannot be read: one line, exit 2."""
+
+    exit_code = 2
+
+
+def _options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
+             policies: str | None):
+    """analyze's options as analyses.context.Options; click.BadParameter naming the option at fault."""
+    from analyses.analyze import POLICIES
+    from analyses.context import Options
+    from tracekit.units import parse_budget, parse_rate
+
+    options = Options()
+    try:
+        if budget is not None:
+            options.budget_bytes, options.budget_fraction = parse_budget(budget)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--budget") from None
+    if topology is not None:
+        nodes, _, ranks = topology.lower().partition("x")
+        if not (nodes.isdigit() and ranks.isdigit() and int(nodes) > 0 and int(ranks) > 0):
+            raise click.BadParameter(f"expected NODESxRANKS such as 2x4, got {topology!r}", param_hint="--topology")
+        options.topology = (int(nodes), int(ranks))
+    for name, text in (("--intra-bw", intra_bw), ("--inter-bw", inter_bw)):
+        if text is not None:
+            try:
+                setattr(options, name[2:].replace("-", "_"), parse_rate(text))
+            except ValueError as err:
+                raise click.BadParameter(str(err), param_hint=name) from None
+    if policies is not None:
+        chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+        unknown = [p for p in chosen if p not in POLICIES]
+        if unknown:
+            raise click.BadParameter(f"unknown policy {', '.join(unknown)}; the policies are {', '.join(POLICIES)}",
+                                     param_hint="--policies")
+        options.policies = chosen
+    return options
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--budget", default=None, help="Replica/cache memory per rank: bytes (64MiB) or a share of the "
+              "embedding bytes (5%). Default: the sweep's optimum.")
+@click.option("--topology", default=None, help="NODESxRANKS for the FlexShard tiers, e.g. 2x4 (default: one node).")
+@click.option("--intra-bw", default=None, help="Bandwidth within a node, e.g. 100Gbit (default: measured in the run).")
+@click.option("--inter-bw", default=None, help="Bandwidth between nodes, e.g. 10Gbit (default: measured in the run).")
+@click.option("--policies", default=None, help="Comma-separated policies to derive (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the summary.")
+def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
+            policies: str | None, as_json: bool) -> None:
+    """Derive skew, traffic, timeline, cache and cost figures and the policies of a recorded run.
+
+    Writes RUN/analysis/*.parquet, RUN/policy.json and RUN/policy/*.parquet; prints what a
+    person reads in a minute (or one JSON object with --json).
+
+    \b
+    Example:
+      tracekit analyze runs/base --budget 5% --topology 2x1
+    """
+    from analyses.analyze import analyze as run_analysis
+    from tracekit.errors import TracekitError
+    from tracekit.views import analysis_progress, print_analysis
+
+    options = _options(budget, topology, intra_bw, inter_bw, policies)
+    try:
+        with analysis_progress(enabled=not as_json) as progress:
+            report = run_analysis(run_dir, options, progress=progress)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(report, default=str))
+    else:
+        print_analysis(report)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "parquet"]), default="table",
+              show_default=True, help="Output format.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Write to FILE (needed for parquet).")
+def sql(run_dir: Path, query: str, fmt: str, output: Path | None) -> None:
+    """Run a DuckDB query over a run: every trace table and every analysis table is a view.
+
+    Trace tables: accesses, lookups, comms, steps, grads, gpu (and train_accesses, train_lookups,
+    train_comms: phase = 'train'); analysis tables: whatever `tracekit analyze` wrote, by name.
+
+    \b
+    Example:
+      tracekit sql runs/base "SELECT op, sum(bytes_out) FROM train_comms GROUP BY op"
+    """
+    import duckdb
+
+    from analyses.context import open_context
+    from tracekit.errors import TracekitError
+    from tracekit.views import print_frame
+
+    if fmt == "parquet" and output is None:
+        raise click.BadParameter("parquet output needs -o FILE", param_hint="--format")
+    try:
+        ctx = open_context(run_dir)
+        for part in sorted((ctx.path / "analysis").glob("*.parquet")):
+            ctx.con.sql(f"CREATE VIEW \"{part.stem}\" AS SELECT * FROM read_parquet('{part}')")
+        frame = ctx.frame(query)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    except duckdb.Error as err:
+        raise click.ClickException(f"query failed: {str(err).splitlines()[0]}") from None
+    if fmt == "parquet":
+        frame.write_parquet(output)
+    elif fmt in ("csv", "json"):
+        text = frame.write_csv() if fmt == "csv" else frame.write_json()
+        if output is None:
+            click.echo(text, nl=False)
+        else:
+            output.write_text(text)
+    else:
+        print_frame(frame)
+
+
 def main() -> None:
     cli()

@@ -105,7 +105,11 @@ class Run:
 def check_version(part: Path) -> pa.Schema:
     """The schema of Parquet file `part`; SchemaVersionError unless it was written with our schema
     major version."""
-    schema = pq.read_schema(part)
+    try:
+        schema = pq.read_schema(part)
+    except (pa.ArrowException, OSError) as err:
+        raise TracekitError(f"{part} is not a readable Parquet file ({err}); was it truncated or written "
+                            "by something else?") from None
     metadata = schema.metadata or {}
     version = metadata.get(VERSION_KEY, b"").decode(errors="replace")
     if not version:

@@ -1,0 +1,109 @@
+"""`tracekit analyze`: every analysis and policy of DESIGN.md §6 over one run, in order, and what
+it writes: `RUN/analysis/*.parquet`, `RUN/policy.json` and `RUN/policy/*.parquet`.
+
+    report = analyze("runs/base", Options(budget_fraction=0.05), progress=print)
+    report["policies"]["replication"]["predicted"]
+
+Each analysis runs only where the run holds what it needs (a run without `lookups` still gets skew,
+traffic, timeline and cache); what cannot be computed is listed with the reason, never an error.
+Policies come from training rows only; evaluation traffic is reported beside them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from analyses.context import Context, Options, PolicyResult, Result, open_context
+from tracekit.policy import new_policy, write_policy
+
+ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
+    # name: (module, trace tables it needs)
+    "skew": ("analyses.skew", ("accesses",)),
+    "traffic": ("analyses.traffic", ("comms",)),
+    "timeline": ("analyses.timeline", ("steps",)),
+    "cache": ("analyses.cache", ("accesses",)),
+    "costmodel": ("analyses.costmodel", ("lookups", "comms")),
+}
+POLICIES: dict[str, str] = {
+    "replication": "analyses.policies.replication",
+    "tiers": "analyses.policies.tiers",
+    "schedule": "analyses.policies.schedule",
+    "compression": "analyses.policies.compression",
+    "lag": "analyses.policies.lag",
+}
+
+
+def bandwidth(ctx: Context) -> dict[str, float | None]:
+    """Bytes/s of the all-to-all and all-reduce: --intra-bw/--inter-bw where given, else measured in the run."""
+    measured: dict[str, float | None] = {}
+    if ctx.has("comms"):
+        from analyses import traffic
+
+        measured = traffic.measured_bandwidth(ctx)
+    options = ctx.options
+    rate = options.inter_bw or options.intra_bw
+    return {"all_to_all_single": rate or measured.get("all_to_all_single"),
+            "all_reduce": rate or measured.get("all_reduce"),
+            "intra": options.intra_bw or measured.get("all_to_all_single"),
+            "inter": options.inter_bw or options.intra_bw or measured.get("all_to_all_single"),
+            "source": "options" if rate else "measured in the run"}
+
+
+def analyze(path: str | os.PathLike, options: Options | None = None,
+            progress: Callable[[str], None] = lambda step: None) -> dict[str, Any]:
+    """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
+    return the summary (JSON-able): run, warnings, analyses, policies, notes, written files."""
+    ctx = open_context(path, options)
+    report: dict[str, Any] = {"run": str(ctx.path), "status": ctx.manifest.get("status"), "warnings": [],
+                              "analyses": {}, "policies": {}, "not_derived": {}, "notes": [], "written": []}
+    if ctx.manifest.get("status") != "completed":
+        report["warnings"].append(f"the run is {ctx.manifest.get('status')} (exit code "
+                                  f"{ctx.manifest.get('exit_code')}): figures cover what was recorded")
+    for name, (module, needs) in ANALYSES.items():
+        progress(name)
+        missing = [t for t in needs if not ctx.has(t)]
+        if missing:
+            report["notes"].append(f"{name}: not computed, the run has no {' or '.join(missing)} table")
+            continue
+        result: Result = importlib.import_module(module).compute(ctx)
+        report["analyses"][name] = result.summary
+        report["notes"].extend(f"{name}: {note}" for note in result.notes)
+        for table, frame in result.tables.items():
+            report["written"].append(str(ctx.write(table, frame)))
+
+    bw = bandwidth(ctx)
+    report["bandwidth"] = bw
+    baseline = {}
+    if ctx.has("comms"):
+        from analyses import traffic
+
+        baseline = {k: v for k, v in traffic.baseline(ctx).items() if v is not None}
+    policy = new_policy(source_run=str(ctx.path), model=ctx.model.policy_model(), baseline=baseline)
+    rows: dict[str, Any] = {}
+    for name, module in POLICIES.items():
+        if name not in ctx.options.policies:
+            continue
+        progress(f"policy: {name}")
+        derive = importlib.import_module(module).derive
+        takes_bandwidth = len(inspect.signature(derive).parameters) > 1
+        derived: PolicyResult = derive(ctx, bw) if takes_bandwidth else derive(ctx)
+        for table, frame in derived.tables.items():
+            report["written"].append(str(ctx.write(table, frame)))
+        if derived.section is None:
+            report["not_derived"][name] = derived.reason
+            continue
+        policy[name] = derived.section
+        rows.update(derived.rows)
+        report["policies"][name] = {**derived.section, "evidence": derived.evidence}
+    if ctx.model.tables:
+        target = write_policy(Path(ctx.path) / "policy.json", policy, rows)
+        report["written"].append(str(target))
+        report["written"].extend(str(Path(ctx.path) / "policy" / f"{name}.parquet") for name in rows)
+    else:
+        report["notes"].append("policy.json: not written, the manifest lists no embedding tables")
+    report["baseline"] = baseline
+    return report

@@ -1,0 +1,54 @@
+"""Sizes and rates as people type them: `64MiB`, `5%`, `1gbit`, `12.5GB/s`.
+
+    parse_bytes("64MiB") == 67108864          parse_rate("1gbit") == 125e6   (bytes per second)
+    parse_budget("5%") == (None, 0.05)        parse_budget("1e6") == (1000000, None)
+"""
+
+from __future__ import annotations
+
+import re
+
+_BYTES = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024**2,
+          "g": 1e9, "gb": 1e9, "gib": 1024**3, "t": 1e12, "tb": 1e12, "tib": 1024**4}
+_BITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*"
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: a number with an optional unit (B, kB, MB, GB, KiB, MiB, GiB, ...)."""
+    match = re.fullmatch(_NUMBER + r"([a-z]*)\s*", text.strip().lower())
+    if not match or match.group(2) not in _BYTES:
+        raise ValueError(f"expected a size such as 67108864, 64MiB or 2GB, got {text!r}")
+    return int(float(match.group(1)) * _BYTES[match.group(2)])
+
+
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """(bytes, None) for a size, (None, fraction) for a percentage such as `5%`."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            fraction = float(text[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"expected a percentage such as 5%, got {text!r}") from None
+        if not 0 < fraction <= 1:
+            raise ValueError(f"expected a percentage in (0, 100], got {text!r}")
+        return None, fraction
+    return parse_bytes(text), None
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from `1gbit`, `100Mbit`, `12.5GB/s`, `1e9` (bytes/s)."""
+    lowered = text.strip().lower().removesuffix("/s").removesuffix("ps")
+    match = re.fullmatch(_NUMBER + r"([a-z]*)\s*", lowered)
+    if match and match.group(2) in _BITS:
+        return float(match.group(1)) * _BITS[match.group(2)] / 8
+    if match and match.group(2) in _BYTES:
+        return float(match.group(1)) * _BYTES[match.group(2)]
+    raise ValueError(f"expected a rate such as 1gbit, 100Mbit or 12.5GB/s, got {text!r}")
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
