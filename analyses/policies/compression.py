@@ -1,0 +1,209 @@
+"""DCT compression (research/papers.md §3, B.4, B.5): hard-threshold the data-parallel gradients
+(compression.dp) and the model-parallel embedding outputs (compression.mp), with the bytes each
+would put in `comms`.
+
+compression.dp, from `grads` (collectors/grads.py). For keep ratio X ∈ KEEP_RATIOS, a sampled row
+holds thr_keep_X, the (1 − X) quantile of |g| when last refreshed and then left in force (stale)
+for REFRESH_EVERY steps, and count_above_keep_X, the elements above it at that step. Per parameter
+and X, over the sampled steps:
+    target = ⌈X · numel⌉ (the count at a refresh),   drift_X = max_t count_above_keep_X / target
+A threshold "stays bounded" when drift_X ≤ DRIFT_BOUND: between refreshes it never lets through
+more than DRIFT_BOUND times the elements it was set for. Table `dct_dp` gives each parameter's
+drift at every X and the smallest X that stays bounded (null: none does). The section's one
+keep ratio (the trainer applies one) is the smallest X whose drift summed over parameters,
+max_t Σ_p count / Σ_p target, stays bounded.
+Bytes, in `comms` terms (per training step, Σ over ranks of bytes_out): DCT-DP sends each rank's
+kept (int32 index, fp32 value) pairs by all-gather, whose bytes_out is the rank's own contribution:
+    dp_bytes_per_step = W · 8 · K,   K = mean over sampled steps of Σ_p count_above_keep_X
+(the count all-gather of a few bytes per bucket left out). Baseline: the training all-reduce of
+DDP's gradient buckets in `comms` (tag `ddp_bucket_<i>`, or an async all-reduce: a comm hook's,
+as the reference trainer's `_sum_allreduce_hook`), ratio = dp / baseline. On the wire each rank's
+pairs reach W − 1 peers, (W − 1) · dp_bytes_per_step in all, against 2(W − 1)/W · baseline for a
+ring all-reduce, so the sparse exchange loses its edge as W grows (`dp_wire_bytes_per_step`).
+Caveats said in the evidence: the statistics are of the gradient the optimizer steps, after DDP's
+all-reduce (DCT thresholds each rank's local gradient before it), and without error feedback.
+
+compression.mp. The trace holds no activation statistics, so the keep ratio is the paper's
+(MP_KEEP_RATIO = 5% per sample, its 20× fewer elements), not measured. The boundary tensor is the
+embedding output all-to-all: training all-to-all calls whose dtype is floating point (the input
+dist sends integer lengths and ids; the reference trainer tags the rest `_AllToAll.forward` and
+`.backward`). Each kept element costs a 4-byte index plus its value, forward and backward alike:
+    output_a2a_bytes_per_step = Σ_calls bytes_out / value_bytes · MP_KEEP_RATIO · (4 + value_bytes)
+which for fp32 is 2 · 5% = 10% of the measured bytes (20× fewer elements is 10× fewer bytes).
+`a2a_bytes_per_step` adds the input dist's integer all-to-alls, unchanged. Table `dct_mp`, per
+tag and dtype: calls, bytes_per_step, predicted_bytes_per_step.
+
+Predicted step times (both sections) charge the saved bytes to the run's measured bus bandwidth
+(analyses/traffic.measured_bandwidth): time = bytes per rank × factor(W) / busbw, with the
+all-reduce's busbw for both the all-reduce and the all-gather (bus bandwidth is the link's, the
+same for every collective). As if the exchange were not overlapped with compute: an upper bound on
+the saving.
+
+    policy = derive(open_context("runs/base"))
+    policy.section["dp"]["keep_ratio"], policy.section["mp"]["predicted"]["ratio"]
+"""
+
+from __future__ import annotations
+
+
+import polars as pl
+
+from analyses import traffic
+from analyses.context import DTYPE_BYTES, Context, PolicyResult
+from tracekit.schema import KEEP_RATIOS
+
+DRIFT_BOUND = 2.0
+REFRESH_EVERY = 1000
+"""Steps a DCT-DP threshold stays in force: the period the grads collector refreshes its thresholds
+at (kraken's `life_span`; the paper's "once every few thousand iterations")."""
+MP_KEEP_RATIO = 0.05
+INDEX_BYTES = 4
+VALUE_BYTES = 4  # fp32 gradient values
+FLOAT_BYTES = {dtype: size for dtype, size in DTYPE_BYTES.items() if "float" in dtype}
+DP_ROWS = "op = 'all_reduce' AND (tag LIKE 'ddp_bucket_%' OR \"async\")"
+
+
+def derive(ctx: Context) -> PolicyResult:
+    result = PolicyResult("compression")
+    base = traffic.baseline(ctx)
+    bandwidth = traffic.measured_bandwidth(ctx)
+    world = ctx.model.world_size
+    steps = traffic.training_steps(ctx)
+    dp, dp_reason = _derive_dp(ctx, world, steps, base, bandwidth, result)
+    mp, mp_reason = _derive_mp(ctx, world, steps, base, bandwidth, result)
+    section = {name: body for name, body in (("dp", dp), ("mp", mp)) if body is not None}
+    reasons = {name: why for name, why in (("dp", dp_reason), ("mp", mp_reason)) if why}
+    result.evidence["not_derived"] = reasons
+    if section:
+        result.section = section
+    else:
+        result.reason = "; ".join(f"compression.{name}: {why}" for name, why in reasons.items())
+    return result
+
+
+def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Per parameter: numel, sampled steps, and per keep ratio X the mean count above the stale
+    threshold (kept_X), its target ⌈X·numel⌉ and drift_X = max count / target, ranks averaged;
+    and the same per (parameter, sampled step)."""
+    parts = []
+    for suffix, keep in KEEP_RATIOS.items():  # {keep} is a DECIMAL literal to DuckDB: the ceiling is exact
+        parts.append(f"avg(count_above_keep_{suffix})::DOUBLE AS kept_{suffix}, "
+                     f"greatest(1, ceil({keep} * any_value(numel)))::DOUBLE AS target_{suffix}")
+    per_step = ctx.frame(f"""
+        SELECT name, step, any_value(numel) AS numel, {', '.join(parts)}
+        FROM grads GROUP BY name, step""")
+    drifts = [(pl.col(f"kept_{s}") / pl.col(f"target_{s}")).max().alias(f"drift_{s}") for s in KEEP_RATIOS]
+    return (per_step.group_by("name")
+            .agg(pl.col("numel").first(), pl.len().alias("sampled_steps"), *drifts,
+                 *[pl.col(f"kept_{s}").mean() for s in KEEP_RATIOS],
+                 *[pl.col(f"target_{s}").first() for s in KEEP_RATIOS])
+            .sort("name")), per_step
+
+
+def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict,
+              result: PolicyResult) -> tuple[dict | None, str | None]:
+    if not ctx.has("grads"):
+        return None, "no grads table (recorded with --grad-every 0?): no gradient statistics to set thresholds from"
+    table, per_step = drift_table(ctx)
+    ordered = sorted(KEEP_RATIOS.items(), key=lambda item: item[1])
+    chosen = pl.lit(None, dtype=pl.Float64)
+    for suffix, keep in reversed(ordered):  # smallest bounded ratio wins: it is applied last
+        chosen = pl.when(pl.col(f"drift_{suffix}") <= DRIFT_BOUND).then(pl.lit(keep)).otherwise(chosen)
+    table = table.with_columns(chosen.alias("keep_ratio"))
+    result.tables["dct_dp"] = table.select("name", "numel", "sampled_steps",
+                                           *[f"drift_{s}" for s in KEEP_RATIOS], "keep_ratio",
+                                           *[f"kept_{s}" for s in KEEP_RATIOS])
+    totals = per_step.group_by("step").agg(pl.col([f"kept_{s}" for s in KEEP_RATIOS] +
+                                                  [f"target_{s}" for s in KEEP_RATIOS]).sum())
+    overall = {s: float((totals[f"kept_{s}"] / totals[f"target_{s}"]).max()) for s in KEEP_RATIOS}
+    bounded = [(s, keep) for s, keep in ordered if overall[s] <= DRIFT_BOUND]
+    if not bounded:
+        return None, (f"every keep ratio's stale threshold lets through more than {DRIFT_BOUND:g}x its target "
+                      f"elements (drift {', '.join(f'{KEEP_RATIOS[s]:.1%}: {d:.1f}x' for s, d in overall.items())})")
+    suffix, keep = bounded[0]
+    kept = float(totals[f"kept_{suffix}"].mean())
+    dp_bytes = world * (INDEX_BYTES + VALUE_BYTES) * kept
+    baseline_dp = _dp_baseline(ctx, steps)
+    ar_bw = bandwidth.get("all_reduce")
+    predicted = {
+        "dp_bytes_per_step": dp_bytes,
+        "baseline_dp_bytes_per_step": baseline_dp,
+        "ratio": dp_bytes / baseline_dp if baseline_dp else None,
+        "dp_wire_bytes_per_step": (world - 1) * dp_bytes,
+        "baseline_dp_wire_bytes_per_step": 2 * (world - 1) / world * baseline_dp if baseline_dp is not None else None,
+        "kept_elements_per_rank": kept,
+        "step_time_s": None,
+    }
+    if ar_bw and baseline_dp is not None and base["step_time_s"] is not None:
+        t_allreduce = baseline_dp / world * traffic.bus_factor("all_reduce", world) / ar_bw
+        t_allgather = dp_bytes * traffic.bus_factor("all_gather", world) / ar_bw  # all-gather S = W·8K per rank
+        predicted["step_time_s"] = max(0.0, base["step_time_s"] - t_allreduce + t_allgather)
+    params = table.height
+    why = (f"keep {keep:.1%} of each gradient: the smallest of {', '.join(f'{k:.1%}' for k in KEEP_RATIOS.values())} "
+           f"whose stale threshold lets through at most {overall[suffix]:.2f}x its target over "
+           f"{per_step['step'].n_unique()} sampled steps ({params} parameters); "
+           f"{(INDEX_BYTES + VALUE_BYTES) * kept:,.0f} bytes of (index, value) pairs per rank per step")
+    if baseline_dp:
+        why += f", {dp_bytes / baseline_dp:.1%} of the {baseline_dp:,.0f} bytes DDP all-reduces"
+    result.evidence["dp"] = {
+        "rows": "grads: count_above_keep_X per (name, step), averaged over ranks; "
+                f"comms: training {DP_ROWS}",
+        "drift": {f"{KEEP_RATIOS[s]}": d for s, d in overall.items()},
+        "drift_bound": DRIFT_BOUND,
+        "formula": "dp_bytes_per_step = W * 8 * K (all-gather bytes_out of int32 index + fp32 value pairs), "
+                   "K = mean over sampled steps of sum over parameters of count_above_keep_X",
+        "caveats": "gradient statistics are taken after DDP's all-reduce (DCT thresholds each rank's local "
+                   "gradient) and without error feedback; parameters are thresholded one by one, DDP buckets "
+                   "would be thresholded whole",
+    }
+    return {"keep_ratio": keep, "refresh_every": REFRESH_EVERY, "error_feedback": True,
+            "predicted": predicted, "why": why}, None
+
+
+def _dp_baseline(ctx: Context, steps: int) -> float | None:
+    if not ctx.has("comms") or not steps:
+        return None
+    (total,) = ctx.sql(f"SELECT coalesce(sum(bytes_out), 0)::DOUBLE FROM train_comms WHERE {DP_ROWS}").fetchall()[0]
+    return total / steps
+
+
+def _derive_mp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict,
+              result: PolicyResult) -> tuple[dict | None, str | None]:
+    if not ctx.has("comms") or not steps:
+        return None, "no training comms: no embedding output all-to-all to compress"
+    calls = ctx.frame(f"""
+        SELECT tag, dtype, count(*) AS calls, sum(bytes_out)::DOUBLE / {steps} AS bytes_per_step
+        FROM train_comms WHERE op IN ({traffic.sql_list(traffic.A2A_OPS)}) GROUP BY ALL ORDER BY tag, dtype""")
+    value_bytes = pl.col("dtype").str.replace("torch.", "", literal=True).replace_strict(
+        FLOAT_BYTES, default=None, return_dtype=pl.Int64)
+    calls = calls.with_columns(value_bytes.alias("value_bytes"))
+    output = calls.filter(pl.col("value_bytes").is_not_null())
+    if output.height == 0:
+        return None, "no floating-point all-to-all in the training comms: no embedding outputs cross ranks"
+    output = output.with_columns((pl.col("bytes_per_step") / pl.col("value_bytes") * MP_KEEP_RATIO
+                                  * (INDEX_BYTES + pl.col("value_bytes"))).alias("predicted_bytes_per_step"))
+    result.tables["dct_mp"] = output.select("tag", "dtype", "calls", "bytes_per_step", "predicted_bytes_per_step")
+    measured, predicted_out = float(output["bytes_per_step"].sum()), float(output["predicted_bytes_per_step"].sum())
+    input_dist = float(calls["bytes_per_step"].sum()) - measured
+    predicted = {
+        "output_a2a_bytes_per_step": predicted_out,
+        "baseline_output_a2a_bytes_per_step": measured,
+        "ratio": predicted_out / measured,
+        "a2a_bytes_per_step": input_dist + predicted_out,
+        "step_time_s": None,
+    }
+    a2a_bw = bandwidth.get("all_to_all_single")
+    if a2a_bw and base["step_time_s"] is not None:
+        saved = (measured - predicted_out) / world * traffic.bus_factor("all_to_all_single", world) / a2a_bw
+        predicted["step_time_s"] = max(0.0, base["step_time_s"] - saved)
+    result.evidence["mp"] = {
+        "rows": "comms: training all-to-all calls of a floating-point dtype (embedding outputs and their "
+                f"gradients; tags {', '.join(sorted(set(output['tag'])))})",
+        "keep_ratio_source": "the DCT paper's 20x fewer elements (5% per sample); the trace has no activation "
+                             "statistics, so it is not measured",
+        "formula": "output_a2a_bytes_per_step = sum(bytes_out / value_bytes) * keep_ratio * (4 + value_bytes)",
+    }
+    why = (f"keep the largest {MP_KEEP_RATIO:.0%} of each sample's embedding outputs (the paper's ratio; the trace "
+           f"has no activation statistics): {measured:,.0f} -> {predicted_out:,.0f} output all-to-all bytes per step "
+           "with an int32 index per kept value")
+    return {"keep_ratio": MP_KEEP_RATIO, "predicted": predicted, "why": why}, None

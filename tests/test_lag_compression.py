@@ -1,0 +1,144 @@
+"""The BLS lag bound and DCT compression policies on runs of known content: the lag recurrence
+against a discrete-event simulation, the bound chosen on balanced and jittered traces, and the
+compression bytes against their formulas; every section passes the core's validator."""
+
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analyses.context import open_context
+from analyses.policies import compression, lag
+from tests.test_traffic import MS, bsp_run, comm, make_run
+from tracekit.policy import new_policy, validate
+
+
+def simulate(c: np.ndarray, bound: int | None) -> float:
+    """Makespan by discrete events: a rank starts step t the moment it has finished t-1 and every
+    rank has finished t-1-bound; the clock jumps from one step completion to the next."""
+    ranks, steps = c.shape
+    done = [0] * ranks  # steps each rank completed
+    running: list[tuple[float, int]] = []
+    busy = [False] * ranks
+    now = 0.0
+    while True:
+        for p in range(ranks):
+            t = done[p]
+            if not busy[p] and t < steps and (bound is None or min(done) >= t - bound):
+                busy[p] = True
+                heapq.heappush(running, (now + c[p, t], p))
+        if not running:
+            return now
+        now, p = heapq.heappop(running)
+        busy[p] = False
+        done[p] += 1
+
+
+def test_the_lag_recurrence_equals_a_discrete_event_simulation() -> None:
+    rng = np.random.default_rng(7)
+    for ranks, steps in ((2, 10), (3, 12), (5, 7)):
+        c = rng.exponential(1.0, size=(ranks, steps)) + 0.1
+        for bound in (0, 1, 2, 4, None):
+            assert lag.replay(c, bound) == pytest.approx(simulate(c, bound), rel=1e-12), (ranks, steps, bound)
+    c = rng.exponential(1.0, size=(3, 9))
+    assert lag.replay(c, 0) == pytest.approx(c.max(axis=0).sum())  # bulk-synchronous
+    assert lag.replay(c, None) == pytest.approx(c.sum(axis=1).max())  # every rank alone
+
+
+def policy_with(section: dict, name: str) -> dict:
+    model = {"tables": [{"name": "t0", "num_rows": 100, "dim": 8}], "world_size": 2}
+    policy = new_policy(source_run="run", model=model)
+    policy[name] = section
+    return policy
+
+
+def test_a_balanced_run_keeps_the_synchronous_bound_and_says_so(tmp_path: Path) -> None:
+    per_step = np.array([3, 5, 2, 4, 6, 3, 2, 5]) * MS
+    derived = lag.derive(open_context(bsp_run(tmp_path / "run", np.stack([per_step, per_step]))))
+    assert derived.section["bound"] == 0
+    assert abs(derived.section["predicted"]["gain"]) < 1e-12
+    assert derived.section["why"].startswith("balanced run")
+    assert derived.tables["lag_makespan"]["gain"].abs().max() < 1e-12
+    validate(policy_with(derived.section, "lag"), tmp_path / "policy.json")
+
+
+def test_per_rank_jitter_gets_a_bound_and_its_replayed_gain(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    work = (2 * MS + rng.exponential(3 * MS, size=(2, 30))).astype(np.int64)
+    derived = lag.derive(open_context(bsp_run(tmp_path / "run", work)))
+    c = (work[:, 1:] + MS) / 1e9  # step - wait = work + transfer; step 0 is warm-up
+    table = derived.tables["lag_makespan"]
+    assert table["bound"].to_list() == [*range(9), None]
+    assert table["makespan_s"].to_list() == pytest.approx([lag.replay(c, b) for b in [*range(9), None]])
+    bound = derived.section["bound"]
+    best = table["makespan_s"].min()
+    assert bound >= 1 and lag.replay(c, bound) <= best * 1.01 < lag.replay(c, bound - 1)
+    assert derived.section["predicted"]["gain"] == pytest.approx(1 - lag.replay(c, bound) / lag.replay(c, 0))
+    assert derived.section["predicted"]["gain"] > 0.05
+    assert derived.section["predicted"]["step_time_s"] == pytest.approx(lag.replay(c, bound) / 29)
+    validate(policy_with(derived.section, "lag"), tmp_path / "policy.json")
+
+
+def test_one_rank_gets_a_reason_not_a_bound(tmp_path: Path) -> None:
+    derived = lag.derive(open_context(bsp_run(tmp_path / "run", np.array([[1, 2, 3]]) * MS)))
+    assert derived.section is None and "at least 2 ranks" in derived.reason
+
+
+def grad_row(step: int, name: str, numel: int, counts: tuple[int, int, int]) -> dict:
+    return {"step": step, "name": name, "numel": numel, "l2": 1.0, "absmax": 1.0, "q50": 0.1, "q90": 0.5,
+            "q99": 0.8, "q999": 0.9, "count_above_keep_0_1pct": counts[0], "count_above_keep_1pct": counts[1],
+            "count_above_keep_10pct": counts[2], "thr_keep_0_1pct": 0.9, "thr_keep_1pct": 0.8, "thr_keep_10pct": 0.5}
+
+
+# counts above the stale thresholds (0.1%, 1%, 10%) at sampled steps 0, 10, 20
+COUNTS = {"a": (1000, [(1, 10, 100), (6, 12, 150), (3, 8, 90)]),
+          "b": (200, [(1, 2, 20), (0, 3, 10), (2, 1, 30)])}
+
+
+def compression_run(path: Path, *, with_grads: bool = True) -> Path:
+    grads = [grad_row(10 * i, name, numel, counts[i]) for name, (numel, counts) in COUNTS.items() for i in range(3)]
+    comms = {r: [c for t in range(3) for c in (
+        comm(t, "all_to_all_single", splits_out=[1536, 1536], splits_in=[1536, 1536], dtype="torch.int64"),
+        comm(t, "all_to_all_single", splits_out=[2048, 2048], splits_in=[2048, 2048], tag="_AllToAll.forward"),
+        comm(t, "all_reduce", bytes_out=4800, bytes_in=4800, tag="_sum_allreduce_hook", is_async=True),
+        comm(t, "all_to_all_single", splits_out=[2048, 2048], splits_in=[2048, 2048], tag="_AllToAll.backward"),
+        comm(t, "all_reduce", bytes_out=16, bytes_in=16, tag="_log_progress", dtype="torch.float64"))]
+        for r in (0, 1)}
+    steps = {r: [(t * 10 * MS, (t + 1) * 10 * MS) for t in range(3)] for r in (0, 1)}
+    return make_run(path, comms=comms, steps=steps, grads={0: grads, 1: grads} if with_grads else None)
+
+
+def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
+    derived = compression.derive(open_context(compression_run(tmp_path / "run")))
+    dp, mp = derived.section["dp"], derived.section["mp"]
+    # 0.1%: step 10 lets 6 + 0 through against targets 1 + 1: 3x, over the bound; 1%: at most 15 / 12
+    assert dp["keep_ratio"] == 0.01 and dp["refresh_every"] == 1000 and dp["error_feedback"] is True
+    kept = np.mean([10 + 2, 12 + 3, 8 + 1])
+    assert dp["predicted"]["kept_elements_per_rank"] == kept
+    assert dp["predicted"]["dp_bytes_per_step"] == 2 * 8 * kept  # W ranks' all-gather of (int32, fp32) pairs
+    assert dp["predicted"]["baseline_dp_bytes_per_step"] == 2 * 4800  # the hook's all-reduce, not the log's
+    assert dp["predicted"]["ratio"] == pytest.approx(2 * 8 * kept / 9600)
+    assert dp["predicted"]["dp_wire_bytes_per_step"] == 1 * 2 * 8 * kept
+    assert dp["predicted"]["baseline_dp_wire_bytes_per_step"] == 2 * 1 / 2 * 9600
+    per_param = {name: (ratio, d01, d1) for name, ratio, d01, d1 in
+                 derived.tables["dct_dp"].select("name", "keep_ratio", "drift_0_1pct", "drift_1pct").rows()}
+    assert per_param == {"a": (0.01, 6.0, 1.2), "b": (0.001, 2.0, 1.5)}
+    measured = 2 * (4096 + 4096)
+    assert mp["keep_ratio"] == 0.05
+    assert mp["predicted"]["baseline_output_a2a_bytes_per_step"] == measured
+    assert mp["predicted"]["output_a2a_bytes_per_step"] == pytest.approx(measured / 4 * 0.05 * 8)
+    assert mp["predicted"]["a2a_bytes_per_step"] == pytest.approx(2 * 3072 + measured / 4 * 0.05 * 8)
+    assert mp["predicted"]["ratio"] == pytest.approx(0.1)
+    assert set(derived.tables["dct_mp"]["tag"]) == {"_AllToAll.forward", "_AllToAll.backward"}
+    validate(policy_with(derived.section, "compression"), tmp_path / "policy.json")
+
+
+def test_without_grads_only_mp_is_derived_and_dp_says_why(tmp_path: Path) -> None:
+    derived = compression.derive(open_context(compression_run(tmp_path / "run", with_grads=False)))
+    assert set(derived.section) == {"mp"} and "no grads table" in derived.evidence["not_derived"]["dp"]
+    bare = compression.derive(open_context(make_run(tmp_path / "bare", steps={0: [(0, MS)], 1: [(0, MS)]})))
+    assert bare.section is None and "compression.dp: no grads table" in bare.reason
+    assert "compression.mp: no training comms" in bare.reason
