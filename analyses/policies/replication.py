@@ -1,0 +1,242 @@
+"""Hybrid hot-row replication (SCARS papers.md §2 steps 3-5, HugeCTR §7, FlexShard tier 1 §5):
+the rows chosen are replicated on every rank and looked up where the sample is; the rest stay
+sharded and go through the all-to-all.
+
+Rows are taken in order of benefit per replica byte (SCARS B.1, FlexShard B.6), net of the sparse
+synchronisation they add, in seconds per step:
+
+    score_i = (a2a_i / BW_a2a − sync_i / BW_ar) / (W · rb_i)
+    a2a_i   = remote all-to-all bytes per step row i's lookups free: a sequence lookup's ids and
+              rows, a pooled bag's lengths, ids and rows shared among its ids (exact for one-hot
+              bags; a bag leaves only when all its ids are hot, which the replay counts exactly)
+    sync_i  = ((W−1) · id_bytes · (step, rank) pairs touching i + 2(W−1) · rb_i · steps touching i) / steps
+
+Every prefix K of that order is replayed exactly over the recorded lookups (costmodel.hot_curve:
+an item leaves at K > its last position), with both syncs per step (analyses.costmodel):
+dense 2(W−1)·Σ rb over the K rows, sparse over the union of hot rows touched that step. The policy
+takes the cheaper sync and the K of least predicted step time = measured step time − baseline
+communication time + (remote a2a bytes / W / BW_a2a + sync bytes / W / BW_ar), with Σ rb ≤ the
+budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes; without one,
+the unconstrained optimum). Bandwidths are bus bandwidths (analyses.costmodel.bandwidths).
+
+HugeCTR's frequent set is computed beside it (calibration_data.cu, papers B.3): over the I sampled
+steps with global batch B and per-rank batch M = B/W, a row is frequent if its count ≥
+B·I·sqrt(2·p_dup/(M(M−1))) (one node, p_dup 0.01) or ≥ I·N·(BW_a2a/BW_ar)·N/(N−1) (N > 1 nodes,
+Options.topology); the count is rounded up to a multiple of W. It is replayed the same way
+(rows by count) and shown in the evidence and the sweep.
+
+Outputs: the `replication` section (sync, budget_bytes_per_rank, predicted {a2a_bytes_per_step,
+a2a_remote_bytes_per_step, sync_bytes_per_step, step_time_s, ...}), policy/hot_rows.parquet
+(table_name, row, count, benefit_bytes = a2a_i), and analysis table `replication_sweep` (one row
+per budget point; `point` says which is the optimum, HugeCTR's, the given budget).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from analyses import costmodel
+from analyses.context import Context, PolicyResult
+from analyses.costmodel import A2A, ALL_REDUCE, COLLECTIVES, Setup
+
+P_DUP_MAX = 0.01  # HugeCTR's default
+
+
+@dataclass
+class Curve:
+    """Every prefix K = 0..n of a row order, replayed: per-step figures as arrays of n + 1."""
+
+    order: pl.DataFrame  # tid, table_name, row, rb, lookups, benefit_rem, steps, src_steps, pos
+    replica_bytes: np.ndarray  # per rank
+    a2a_out: np.ndarray
+    a2a_rem: np.ndarray
+    dense: np.ndarray
+    sparse: np.ndarray
+    coverage: np.ndarray  # share of lookups on hot rows
+    union_rows: np.ndarray  # hot rows touched per step (union over ranks)
+    comm_time: np.ndarray
+    step_time: np.ndarray | None
+
+    @property
+    def sync(self) -> np.ndarray:
+        return np.minimum(self.dense, self.sparse)
+
+    def sync_kind(self, k: int) -> str:
+        return "dense_allreduce" if self.dense[k] < self.sparse[k] else "sparse_allreduce"
+
+
+_cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
+
+
+def cannot(ctx: Context) -> str | None:
+    """Why no embedding policy can be derived from this run, or None."""
+    if not ctx.has("lookups"):
+        return "the run has no lookups (record with --lookup-every N > 0)"
+    if ctx.model.world_size < 2:
+        return "one rank: every lookup is already local, nothing travels"
+    if not ctx.has("comms"):
+        return "the run has no comms: the source rank of each lookup is unknown"
+    s = costmodel.setup(ctx)
+    if s.sampled_steps == 0 or not s.base_remote:
+        return "no training lookup could be attributed to a source rank (no input-dist all-to-all)"
+    return None
+
+
+def budget(ctx: Context) -> int | None:
+    """Replica bytes per rank allowed by the options, None for no limit."""
+    options = ctx.options
+    if options.budget_bytes is not None:
+        return int(options.budget_bytes)
+    if options.budget_fraction is not None:
+        total = sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
+        return int(options.budget_fraction * total)
+    return None
+
+
+def order_table(ctx: Context, name: str, key: str) -> pl.DataFrame:
+    """Write temp table `name` (tid, row, pos) ordering tk_rows by SQL `key` (descending), ties by
+    lookups, tid, row; return the ordered rows with their figures."""
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE {name} AS
+                SELECT r.*, n.table_name,
+                       (row_number() OVER (ORDER BY {key} DESC, r.lookups DESC, r.tid, r."row") - 1)::BIGINT AS pos
+                FROM tk_rows r JOIN (SELECT tid, table_name FROM tk_names) n USING (tid)""")
+    return ctx.frame(f"""SELECT tid, table_name, "row", rb, lookups, benefit_rem, steps, src_steps, pos
+                         FROM {name} ORDER BY pos""")
+
+
+def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, key: str) -> Curve:
+    """Replay every prefix of the order `key` (module docstring)."""
+    order = order_table(ctx, name, key)
+    n = order.height
+    saved = costmodel.hot_curve(ctx, name, n)
+    a2a_out, a2a_rem = costmodel.curve_totals(s, saved, np.arange(n + 1))
+    rb, steps, src_steps = (order[c].to_numpy().astype(np.float64) for c in ("rb", "steps", "src_steps"))
+    dense, sparse = costmodel.sync_bytes(s.world, s.id_bytes, rb, steps, src_steps, s.sampled_steps)
+    zero = np.zeros(1)
+    dense, sparse = np.concatenate([zero, dense]), np.concatenate([zero, sparse])
+    lookups = order["lookups"].to_numpy().astype(np.float64)
+    coverage = np.concatenate([zero, np.cumsum(lookups)]) / max(lookups.sum(), 1.0)
+    union_rows = np.concatenate([zero, np.cumsum(steps)]) / max(s.sampled_steps, 1)
+    comm = (a2a_rem / s.world / bw[A2A] + np.minimum(dense, sparse) / s.world / bw[ALL_REDUCE])
+    base_comm = costmodel.comm_time(s.base_remote, 0, s.world, bw)
+    step_time = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s + comm - base_comm)
+    replica = np.concatenate([zero, np.cumsum(rb)])
+    return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, coverage, union_rows, comm, step_time)
+
+
+def benefit_key(s: Setup, bw: dict[str, float]) -> str:
+    """SQL for score_i (module docstring) over tk_rows."""
+    w1 = s.world - 1
+    sync = f"(({w1} * {s.id_bytes} * src_steps + 2 * {w1} * rb * steps) / {max(s.sampled_steps, 1)})"
+    return f"((benefit_rem / {bw[A2A]!r} - {sync} / {bw[ALL_REDUCE]!r}) / rb)"
+
+
+def best(c: Curve, limit: int | None) -> int:
+    """The K of least communication time with replica bytes within `limit` (the smallest on ties)."""
+    allowed = c.replica_bytes <= (limit if limit is not None else math.inf)
+    times = np.where(allowed, c.comm_time, np.inf)
+    return int(np.argmin(times))
+
+
+def hugectr(ctx: Context, s: Setup, bw: dict[str, float]) -> dict:
+    """HugeCTR's count threshold (papers B.3) over the sampled steps, and how many rows pass it."""
+    steps = max(s.sampled_steps, 1)
+    batch = s.samples / steps
+    per_rank = batch / s.world
+    nodes = ctx.options.topology[0] if ctx.options.topology else 1
+    if nodes > 1:
+        threshold = steps * nodes * (bw[A2A] / bw[ALL_REDUCE]) * nodes / (nodes - 1)
+        rule = "I·N·(BW_a2a/BW_ar)·N/(N−1)"
+    else:
+        threshold = batch * steps * math.sqrt(2 * P_DUP_MAX / max(per_rank * (per_rank - 1), 1e-12))
+        rule = "B·I·sqrt(2·p_dup/(M(M−1)))"
+    counts = ctx.sql("SELECT lookups FROM tk_rows").fetchall()
+    passing = sum(1 for (c,) in counts if c >= threshold)
+    frequent = int(math.ceil(passing / s.world) * s.world) if passing else 0
+    if frequent > len(counts):
+        frequent = max(frequent - s.world, 0)
+    return {"threshold": threshold, "rule": rule, "iterations": steps, "global_batch": batch,
+            "per_rank_batch": per_rank, "nodes": nodes, "p_dup_max": P_DUP_MAX, "rows": frequent}
+
+
+def sweep(s: Setup, c: Curve, points: dict[str, int], ordering: str) -> pl.DataFrame:
+    """One row per K of `points` (label -> K), sorted by K."""
+    rows = []
+    for label, k in points.items():
+        rows.append({"point": label, "ordering": ordering, "budget_bytes": float(c.replica_bytes[k]), "hot_rows": k,
+                     "a2a_bytes_per_step": float(c.a2a_out[k]), "a2a_remote_bytes_per_step": float(c.a2a_rem[k]),
+                     "sparse_sync_bytes_per_step": float(c.sparse[k]), "dense_sync_bytes_per_step": float(c.dense[k]),
+                     "sync_bytes_per_step": float(c.sync[k]), "sync": c.sync_kind(k),
+                     "total_bytes_per_step": float(c.a2a_out[k] + c.sync[k]),
+                     "total_remote_bytes_per_step": float(c.a2a_rem[k] + c.sync[k]),
+                     "comm_time_s": float(c.comm_time[k]),
+                     "step_time_s": None if c.step_time is None else float(c.step_time[k]),
+                     "lookup_coverage": float(c.coverage[k]), "union_hot_rows_per_step": float(c.union_rows[k])})
+    return pl.DataFrame(rows, schema_overrides={"step_time_s": pl.Float64}).sort("hot_rows", maintain_order=True)
+
+
+def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+    """The replication section, its hot_rows list, the budget sweep and the evidence."""
+    key = repr(sorted((bandwidth or {}).items()))
+    cached = _cache.setdefault(ctx, {})
+    if key not in cached:
+        cached[key] = _derive(ctx, bandwidth)
+    return cached[key]
+
+
+def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
+    reason = cannot(ctx)
+    if reason:
+        return PolicyResult("replication", reason=reason)
+    s = costmodel.setup(ctx)
+    bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
+    c = curve(ctx, s, bw, "tk_order_replication", benefit_key(s, bw))
+    limit = budget(ctx)
+    k = best(c, limit)
+    h = hugectr(ctx, s, bw)
+    by_count = curve(ctx, s, bw, "tk_order_count", "r.lookups")
+    points = {f"sweep {i}": p for i, p in enumerate(costmodel.log_points(c.order.height))}
+    points.update({"optimum": best(c, None)} if limit is None else {"optimum": best(c, None), "budget": k})
+    table = pl.concat([sweep(s, c, points, "benefit"), sweep(s, by_count, {"hugectr": h["rows"]}, "count")])
+    table = table.with_columns(pl.col("point").str.replace(r"^sweep \d+$", "sweep"),
+                               (pl.col("point") == ("budget" if limit is not None else "optimum")).alias("chosen"))
+    hot = c.order.head(k)
+    rows = hot.select("table_name", "row", pl.col("lookups").alias("count"),
+                      pl.col("benefit_rem").alias("benefit_bytes"))
+    sync = c.sync_kind(k)
+    predicted = {"a2a_bytes_per_step": float(c.a2a_out[k]), "a2a_remote_bytes_per_step": float(c.a2a_rem[k]),
+                 "sync_bytes_per_step": float(c.sync[k]), "step_time_s": None if c.step_time is None else float(c.step_time[k]),
+                 "comm_time_s": float(c.comm_time[k]), "hot_rows": k, "replica_bytes_per_rank": float(c.replica_bytes[k]),
+                 "lookup_coverage": float(c.coverage[k])}
+    saved = s.base_remote - c.a2a_rem[k]
+    why = (f"{k} rows by benefit per replica byte ({c.coverage[k]:.0%} of lookups): the all-to-all sends "
+           f"{saved / max(s.base_remote, 1):.0%} fewer remote bytes for a {sync.replace('_', ' ')} of "
+           f"{c.sync[k] / max(saved, 1):.2f}× those bytes; communication time per step least at this budget")
+    if k == 0:
+        why = "no row frees more all-to-all time than its replica's synchronisation costs: nothing to replicate"
+    section = {"kind": "hybrid", "rows": "policy/hot_rows.parquet",
+               "budget_bytes_per_rank": int(limit if limit is not None else c.replica_bytes[k]),
+               "sync": sync, "predicted": predicted, "why": why}
+    evidence = {
+        "trace": f"train_lookups of {s.sampled_steps} sampled steps, source ranks from the input dist "
+                 f"({'exact' if s.attribution.exact else 'approximate'})",
+        "ordering": "score_i = (a2a_i/BW_a2a − sync_i/BW_ar)/(W·rb_i), descending",
+        "baseline": {"a2a_bytes_per_step": s.base_out, "a2a_remote_bytes_per_step": s.base_remote,
+                     "step_time_s": s.step_time_s},
+        "a2a_remote_bytes_saved_per_step": float(saved),
+        "sparse_sync_bytes_per_step": float(c.sparse[k]), "dense_sync_bytes_per_step": float(c.dense[k]),
+        "union_hot_rows_per_step": float(c.union_rows[k]),
+        "budget_bytes_per_rank": limit, "bandwidth": bw, "bandwidth_source": bw_source,
+        "hugectr": {**h, "a2a_remote_bytes_per_step": float(by_count.a2a_rem[h["rows"]]),
+                    "sync_bytes_per_step": float(by_count.sync[h["rows"]]),
+                    "comm_time_s": float(by_count.comm_time[h["rows"]]),
+                    "lookup_coverage": float(by_count.coverage[h["rows"]])},
+        "notes": s.notes,
+    }
+    return PolicyResult("replication", section=section, rows={"hot_rows": rows}, evidence=evidence,
+                        tables={"replication_sweep": table})

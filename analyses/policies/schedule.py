@@ -1,0 +1,209 @@
+"""FAE hot/cold scheduling (papers.md §4, B.2): the hot rows replicated on every rank, samples
+whose every id is hot batched together, so those steps skip the all-to-all.
+
+- Hot set: the global top-K rows across tables by count (lookups over the sampled steps), taken
+  while their bytes fit the budget per rank (FAE: K = budget / row_bytes; Options.budget_bytes or
+  budget_fraction, else the replication policy's chosen replica bytes).
+- A sample is hot when every id it holds, in every table, is hot (FAE's input classification).
+  Samples are named across tables by the global sample id of analyses.sources (sampled step,
+  source rank, position in the source's batch). A sequence id that cannot be placed in a sample
+  (row-wise sequence tables) makes every sample of its (step, source) batch cold if its row is
+  cold (conservative). hot_sample_fraction H = hot samples / samples; with batches formed from each
+  pool separately, a fraction H of the steps are hot (⌊H·N/B⌋ of N/B batches) and skip the
+  all-to-all: hot_step_fraction = H.
+- Predicted all-to-all bytes per step = the recorded exchange less what the hot samples put on it
+  (each sample's lengths entries and pooled rows on every owner, its ids, its sequence rows),
+  averaged over all steps.
+- Hot steps synchronise the replicas: the hot samples, taken in order and cut into global batches
+  of B (ranks' sub-batches of b), are replayed; per hot batch the cheaper of the sparse all-reduce
+  over the union of hot rows touched ((W−1)·id_bytes·Σ_r u_r + 2(W−1)·Σ rb over the union) and
+  the dense one (2(W−1)·Σ rb over the hot set); per step that times H.
+- Each switch between phases moves the hot block between owners and replicas:
+  switch_bytes = 2(W−1)·Σ rb over the hot set (FAE's public code switches twice per epoch;
+  not in the per-step figures).
+
+`schedule_sweep` (analysis table) gives the hot-sample fraction and a2a bytes left for hot sets
+of every size along the count order, so the budget FAE needs is visible.
+
+Outputs: the `schedule` section (kind "fae", hot_rows, hot_sample_fraction, predicted
+{a2a_bytes_per_step, sync_bytes_per_step, step_time_s, hot_step_fraction, switch_bytes, ...}) and its
+row list: policy/hot_rows.parquet when the hot set is replication's, else policy/fae_hot_rows.parquet.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import polars as pl
+
+from analyses import costmodel
+from analyses.context import Context, PolicyResult
+from analyses.costmodel import Setup
+from analyses.policies import replication
+
+_cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
+
+
+def hot_set(ctx: Context, limit: float) -> pl.DataFrame:
+    """Temp table tk_fae_hot (tid, row) and its rows (table_name, row, count, benefit_bytes): the
+    most counted rows while their bytes fit `limit`."""
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_hot AS
+                SELECT tid, "row", lookups, benefit_rem FROM (
+                    SELECT *, sum(rb) OVER (ORDER BY lookups DESC, tid, "row"
+                                            ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS used
+                    FROM tk_rows) WHERE used <= {float(limit)!r}""")
+    return ctx.frame("""SELECT n.table_name, h."row", h.lookups AS count, h.benefit_rem AS benefit_bytes
+                        FROM tk_fae_hot h JOIN (SELECT tid, table_name FROM tk_names) n USING (tid)
+                        ORDER BY h.lookups DESC, h.tid, h."row" """)
+
+
+def classify(ctx: Context) -> None:
+    """Temp table tk_fae_cold (gid, step, src): every sample holding a cold id, and every sample of
+    a (step, source) batch holding an unplaced cold sequence id."""
+    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_cold AS
+        WITH cold AS (SELECT l.step, l.src, l.gid FROM tk_x l ANTI JOIN tk_fae_hot h USING (tid, "row")),
+             placed AS (SELECT DISTINCT gid, step, src FROM cold WHERE gid IS NOT NULL),
+             batches AS (SELECT DISTINCT step, src FROM cold WHERE gid IS NULL),
+             whole AS (SELECT DISTINCT g.gid, b.step, b.src FROM batches b JOIN tk_x g USING (step, src)
+                       WHERE g.gid IS NOT NULL)
+        SELECT * FROM placed UNION SELECT * FROM whole""")
+
+
+def saved_bytes(ctx: Context, s: Setup) -> tuple[float, float]:
+    """(bytes_out, remote) per step the hot samples put on the recorded exchange."""
+    steps = max(s.sampled_steps, 1)
+    per_lookup = ctx.sql(f"""
+        SELECT coalesce(sum({s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END), 0)::DOUBLE,
+               coalesce(sum(CASE WHEN l.owner <> l.src THEN {s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END
+                                 ELSE 0 END), 0)::DOUBLE
+        FROM tk_x l JOIN tk_names n USING (tid) ANTI JOIN tk_fae_cold c USING (gid)
+        WHERE l.gid IS NOT NULL""").fetchall()[0]
+    fixed = ctx.sql(f"""
+        WITH per_src AS (
+            SELECT t.src, sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
+                              * t.n_shards) AS out_b,
+                          sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
+                              * t.n_remote_shards) AS rem_b
+            FROM tk_tshards t JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY t.src),
+             hot AS (SELECT b.src, sum(b.b) - coalesce(any_value(c.n), 0) AS n
+                     FROM tk_batches b JOIN tk_steps USING (step)
+                     LEFT JOIN (SELECT src, count(*) AS n FROM tk_fae_cold GROUP BY src) c USING (src)
+                     GROUP BY b.src)
+        SELECT coalesce(sum(h.n * p.out_b), 0)::DOUBLE, coalesce(sum(h.n * p.rem_b), 0)::DOUBLE
+        FROM hot h JOIN per_src p USING (src)""").fetchall()[0]
+    return (per_lookup[0] + fixed[0]) / steps, (per_lookup[1] + fixed[1]) / steps
+
+
+def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float) -> tuple[float, str, float]:
+    """(sync bytes per hot step, kind, hot batches replayed): hot samples in gid order cut into
+    global batches of B (module docstring)."""
+    batch = max(int(round(s.samples / max(s.sampled_steps, 1))), 1)
+    per_rank = max(batch // max(s.world, 1), 1)
+    w1 = s.world - 1
+    rows = ctx.sql(f"""
+        WITH hot AS (SELECT DISTINCT l.gid FROM tk_x l ANTI JOIN tk_fae_cold c USING (gid) WHERE l.gid IS NOT NULL),
+             numbered AS (SELECT gid, (row_number() OVER (ORDER BY gid) - 1) AS i FROM hot),
+             full_batches AS (SELECT count(*) // {batch} AS n FROM numbered),
+             cut AS (SELECT gid, i // {batch} AS hb, (i % {batch}) // {per_rank} AS r FROM numbered
+                     WHERE i < greatest((SELECT n FROM full_batches), 1) * {batch}),
+             touched AS (SELECT DISTINCT c.hb, c.r, l.tid, l."row" FROM tk_x l JOIN cut c USING (gid)),
+             per_rank AS (SELECT hb, count(*) AS u_r FROM touched GROUP BY hb),
+             per_batch AS (SELECT u.hb, any_value(p.u_r) AS u_r, sum(n.rb) AS union_rb
+                           FROM (SELECT DISTINCT hb, tid, "row" FROM touched) u JOIN tk_names n USING (tid)
+                           JOIN per_rank p USING (hb) GROUP BY u.hb)
+        SELECT count(*), avg({w1} * {s.id_bytes} * u_r + 2 * {w1} * union_rb) FROM per_batch""").fetchall()[0]
+    hot_batches, sparse = rows[0], float(rows[1] or 0.0)
+    dense = 2 * w1 * hot_bytes
+    return (sparse, "sparse_allreduce", hot_batches) if sparse <= dense else (dense, "dense_allreduce", hot_batches)
+
+
+def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
+    """Table `schedule_sweep`: per hot-set size K (rows by count) the hot-sample fraction and the
+    a2a bytes per step left, in one pass (a sample is hot for K > the last count position of its
+    ids); sequence ids not placed in samples are left out of this curve."""
+    order = ctx.frame('SELECT rb FROM tk_order_count ORDER BY pos')
+    n = order.height
+    hist = ctx.frame(f"""
+        WITH per_sample AS (
+            SELECT l.gid, any_value(l.src) AS src, max(o.pos) AS maxpos,
+                   sum({s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END) AS out_b,
+                   sum(CASE WHEN l.owner <> l.src THEN {s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END
+                            ELSE 0 END) AS rem_b
+            FROM tk_x l JOIN tk_order_count o USING (tid, "row") JOIN tk_names n USING (tid)
+            WHERE l.gid IS NOT NULL GROUP BY l.gid),
+             fixed AS (
+            SELECT t.src, sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
+                              * t.n_shards) AS out_b,
+                          sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
+                              * t.n_remote_shards) AS rem_b
+            FROM tk_tshards t JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY t.src)
+        SELECT maxpos, count(*) AS samples, sum(p.out_b + f.out_b)::DOUBLE AS out_b,
+               sum(p.rem_b + f.rem_b)::DOUBLE AS rem_b
+        FROM per_sample p JOIN fixed f USING (src) GROUP BY maxpos""")
+    def cumulative(column: str) -> np.ndarray:
+        per = np.zeros(n + 1)
+        np.add.at(per, hist["maxpos"].to_numpy().astype(np.int64) + 1, hist[column].to_numpy())
+        return np.cumsum(per)
+
+    samples, out_b, rem_b = cumulative("samples"), cumulative("out_b"), cumulative("rem_b")
+    budget = np.concatenate([[0.0], np.cumsum(order["rb"].to_numpy().astype(np.float64))])
+    steps = max(s.sampled_steps, 1)
+    points = sorted({*costmodel.log_points(n), chosen})
+    return pl.DataFrame({"hot_rows": points, "budget_bytes": budget[points],
+                         "hot_sample_fraction": samples[points] / max(s.samples, 1),
+                         "a2a_bytes_per_step": s.base_out - out_b[points] / steps,
+                         "a2a_remote_bytes_per_step": s.base_remote - rem_b[points] / steps,
+                         "chosen": [p == chosen for p in points]})
+
+
+def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+    """The schedule section and its hot-row list (module docstring)."""
+    key = repr(sorted((bandwidth or {}).items()))
+    cached = _cache.setdefault(ctx, {})
+    if key not in cached:
+        cached[key] = _derive(ctx, bandwidth)
+    return cached[key]
+
+
+def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
+    reason = replication.cannot(ctx)
+    if reason:
+        return PolicyResult("schedule", reason=reason)
+    s = costmodel.setup(ctx)
+    bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
+    rep = replication.derive(ctx, bandwidth)
+    limit = replication.budget(ctx)
+    if limit is None:
+        limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
+    rows = hot_set(ctx, limit)
+    hot_bytes = float(ctx.sql("SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN tk_names n USING (tid)").fetchall()[0][0])
+    classify(ctx)
+    cold = ctx.sql("SELECT count(*) FROM tk_fae_cold").fetchall()[0][0]
+    fraction = 1 - cold / s.samples if s.samples else 0.0
+    saved_out, saved_rem = saved_bytes(ctx, s)
+    sync_hot, sync_kind, hot_batches = hot_batch_sync(ctx, s, hot_bytes)
+    a2a_out, a2a_rem = s.base_out - saved_out, s.base_remote - saved_rem
+    sync = fraction * sync_hot
+    step_time = costmodel.predicted_step_time(s, a2a_rem, sync, bw)
+    switch = 2 * (s.world - 1) * hot_bytes
+    predicted = {"a2a_bytes_per_step": a2a_out, "a2a_remote_bytes_per_step": a2a_rem, "sync_bytes_per_step": sync,
+                 "step_time_s": step_time, "hot_step_fraction": fraction, "hot_sample_fraction": fraction,
+                 "hot_rows": rows.height, "switch_bytes": switch}
+    shared = rep.section is not None and _same_rows(rows, rep.rows["hot_rows"])
+    name = "hot_rows" if shared else "fae_hot_rows"
+    why = (f"{fraction:.0%} of samples hold only the {rows.height} most-read rows: batched apart, that share "
+           f"of steps skips the all-to-all ({saved_rem / max(s.base_remote, 1):.0%} of its remote bytes)")
+    section = {"kind": "fae", "hot_rows": f"policy/{name}.parquet", "hot_sample_fraction": fraction,
+               "budget_bytes_per_rank": int(limit), "predicted": predicted, "why": why}
+    evidence = {"samples": s.samples, "cold_samples": cold, "hot_batches_replayed": hot_batches,
+                "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
+                "shared_with_replication": shared, "bandwidth": bw, "bandwidth_source": bw_source,
+                "notes": list(s.notes)}
+    return PolicyResult("schedule", section=section, rows={name: rows}, evidence=evidence,
+                        tables={"schedule_sweep": sweep(ctx, s, rows.height)})
+
+
+def _same_rows(a: pl.DataFrame, b: pl.DataFrame) -> bool:
+    key = ["table_name", "row"]
+    return a.height == b.height and a.select(key).sort(key).equals(b.select(key).sort(key))

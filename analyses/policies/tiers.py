@@ -1,0 +1,186 @@
+"""FlexShard-like tiers for a topology of H nodes × G ranks per node (papers.md §5, B.6):
+tier 1 rows are replicated on every rank, tier 2 rows once per node (sharded over its ranks), the
+rest (tier 3) stay sharded as recorded. Without --topology the run's ranks are one node: tier 2
+is then the recorded sharding itself and the tiers reduce to replication (tier 1).
+
+Rows are ranked as for replication (benefit per replica byte, analyses.policies.replication), so
+tier 1 is a prefix K1 of that order and tier 2 the next K2 rows. A tier-2 row's node copy sits on
+the node's rank with the same local index as its recorded owner o (rank node(q)·G + o mod G
+serves source q), so a bag's ids keep one destination. Per item (a pooled bag at one owner, or a
+sequence lookup) from source q to owner o, with m its last position in the order:
+
+    m < K1            local                      (leaves the exchange)
+    K1 <= m < K1+K2   to node(q)·G + o mod G     (local, or intra-node)
+    otherwise         to o as recorded           (local, intra-node, or inter-node)
+
+Network bytes (lengths, ids, rows forward and backward; what a rank sends itself is left out) are
+replayed exactly over the recorded lookups for any (K1, K2); what no item carries (a sequence
+table's lengths, bags without ids) stays where it was recorded. Synchronisation per step, over the
+union U of touched rows of a tier (bytes summed over ranks, rb row bytes):
+
+    tier 1  hierarchical all-reduce: intra 2H(G−1)·U1·rb, inter 2(H−1)·U1·rb; the index
+            all-gather sends each rank's touched ids to the G−1 ranks of its node (intra) and the
+            W−G others (inter); or dense over all K1 rows (no index), whichever is faster
+    tier 2  all-reduce among the H node copies: inter 2(H−1)·U2·rb, plus (H−1)·id_bytes per
+            touched (step, rank) pair (an upper bound on the node copies' index exchange)
+
+Memory per rank: rb per tier-1 row, rb/G per tier-2 row; within the budget (Options, else the
+replication policy's chosen replica bytes), K1 runs over log-spaced points (and replication's
+choice) and K2 takes the rest of the budget (none on one node, where tier 2 changes nothing); the
+pair with least time is chosen: (intra a2a / BW_intra + inter a2a / BW_inter + sync bytes over the
+same links, slowed by the measured all-reduce/all-to-all bus bandwidth ratio) / W. BW_intra and
+BW_inter come from --intra-bw/--inter-bw, else the run's all-to-all bus bandwidth (the evidence
+then says inter-node bandwidth is assumed equal); on one node this is replication's time model.
+
+Outputs: the `tiers` section (topology, predicted intra- and inter-node bytes separately) and
+policy/tiers.parquet (table_name, row, tier) listing tier 1 and 2 rows (unlisted rows: tier 3).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import polars as pl
+
+from analyses import costmodel
+from analyses.context import Context, PolicyResult
+from analyses.costmodel import Setup
+from analyses.policies import replication
+
+_cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
+
+
+def topology(ctx: Context) -> tuple[int, int]:
+    """(nodes, ranks per node): Options.topology, else one node of the run's ranks."""
+    return tuple(ctx.options.topology) if ctx.options.topology else (1, ctx.model.world_size)
+
+
+def classes(ctx: Context, s: Setup, order: str, per_node: int) -> pl.DataFrame:
+    """Network bytes per step of items grouped by (maxpos, recorded class c0, tier-2 class c2);
+    class 0 local, 1 intra-node, 2 inter-node; maxpos null: an id outside the order."""
+    g = per_node
+    item = costmodel.item_bytes_sql(s.len_bytes, s.id_bytes)
+    return ctx.frame(f"""
+        WITH items AS (
+            SELECT l.step, l.src, l.owner, l.tid, any_value(l.seq) AS seq, count(*) AS n_ids,
+                   CASE WHEN count(o.pos) = count(*) THEN max(o.pos) END AS maxpos
+            FROM tk_x l LEFT JOIN {order} o USING (tid, "row")
+            GROUP BY l.step, l.src, l.owner, l.tid, CASE WHEN l.seq THEN l.sample ELSE l.gid END),
+        sized AS (
+            SELECT i.*, n.rb, 1 AS n_shards, 1 AS n_remote_shards, n_ids AS n_remote,
+                   CASE WHEN i.owner = i.src THEN 0 WHEN i.owner // {g} = i.src // {g} THEN 1 ELSE 2 END AS c0,
+                   CASE WHEN i.src % {g} = i.owner % {g} THEN 0 ELSE 1 END AS c2
+            FROM items i JOIN tk_names n USING (tid))
+        SELECT maxpos, c0, c2,
+               sum(len_rem + ids_rem + 2 * row_rem)::DOUBLE / {max(s.sampled_steps, 1)} AS bytes
+        FROM (SELECT maxpos, c0, c2, {item} FROM sized) GROUP BY ALL""")
+
+
+def fixed_bytes(ctx: Context, s: Setup, per_node: int, hist: pl.DataFrame) -> dict[int, float]:
+    """Network bytes per step no item carries (sequence tables' lengths, bags without ids), by
+    class: the recorded exchange (tk_pairs) less the items' bytes."""
+    g = per_node
+    rows = ctx.sql(f"""SELECT CASE WHEN sender // {g} = receiver // {g} THEN 1 ELSE 2 END AS c,
+                              sum(bytes)::DOUBLE / {max(s.sampled_steps, 1)}
+                       FROM tk_pairs WHERE sender <> receiver GROUP BY ALL""").fetchall()
+    recorded = {c: b for c, b in rows}
+    return {c: recorded.get(c, 0.0) - float(hist.filter(pl.col("c0") == c)["bytes"].sum()) for c in (1, 2)}
+
+
+def _cumulative(hist: pl.DataFrame, n: int, where: pl.Expr) -> np.ndarray:
+    """A[K] = bytes of the items matching `where` with maxpos < K, K = 0..n."""
+    part = hist.filter(where & pl.col("maxpos").is_not_null())
+    per = np.zeros(n + 1)
+    np.add.at(per, part["maxpos"].to_numpy().astype(np.int64) + 1, part["bytes"].to_numpy())
+    return np.cumsum(per)
+
+
+def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+    """The tiers section and row list for the topology (module docstring)."""
+    key = repr(sorted((bandwidth or {}).items()))
+    cached = _cache.setdefault(ctx, {})
+    if key not in cached:
+        cached[key] = _derive(ctx, bandwidth)
+    return cached[key]
+
+
+def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
+    reason = replication.cannot(ctx)
+    if reason:
+        return PolicyResult("tiers", reason=reason)
+    nodes, g = topology(ctx)
+    if nodes * g != ctx.model.world_size:
+        return PolicyResult("tiers", reason=f"topology {nodes}x{g} does not hold the run's {ctx.model.world_size} ranks")
+    s = costmodel.setup(ctx)
+    bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
+    rep = replication.derive(ctx, bandwidth)
+    order = replication.order_table(ctx, "tk_order_tiers", replication.benefit_key(s, bw))
+    n = order.height
+    hist = classes(ctx, s, "tk_order_tiers", g)
+    c0, c2 = pl.col("c0"), pl.col("c2")
+    fixed = fixed_bytes(ctx, s, g, hist)
+    total = {c: float(hist.filter(c0 == c)["bytes"].sum()) + fixed[c] for c in (1, 2)}
+    a_intra, a_inter = _cumulative(hist, n, c0 == 1), _cumulative(hist, n, c0 == 2)
+    a_t2 = _cumulative(hist, n, c2 == 1)
+    rb, steps, src_steps = (order[c].to_numpy().astype(np.float64) for c in ("rb", "steps", "src_steps"))
+    cum_rb = np.concatenate([[0.0], np.cumsum(rb)])
+    union = np.concatenate([[0.0], np.cumsum(rb * steps)]) / max(s.sampled_steps, 1)  # Σ rb·U per step
+    pairs = np.concatenate([[0.0], np.cumsum(src_steps)]) / max(s.sampled_steps, 1)
+    limit = replication.budget(ctx)
+    limit = float(limit if limit is not None else (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0))
+
+    def figures(k1: int, k2: int) -> dict:
+        k12 = k1 + k2
+        intra = (total[1] - a_intra[k12]) + (a_t2[k12] - a_t2[k1])
+        inter = total[2] - a_inter[k12]
+        tier2_inter = 2 * (nodes - 1) * (union[k12] - union[k1]) + (nodes - 1) * s.id_bytes * (pairs[k12] - pairs[k1])
+        slower = bw["all_reduce"] / bw["all_to_all_single"]  # an all-reduce's bus bandwidth against the a2a's
+        options = []
+        for kind, block, index in (("sparse_allreduce", union[k1], pairs[k1]), ("dense_allreduce", cum_rb[k1], 0.0)):
+            sync_intra = 2 * nodes * (g - 1) * block + (g - 1) * s.id_bytes * index
+            sync_inter = 2 * (nodes - 1) * block + (s.world - g) * s.id_bytes * index + tier2_inter
+            time = (intra / bw["intra"] + inter / bw["inter"]
+                    + sync_intra / (bw["intra"] * slower) + sync_inter / (bw["inter"] * slower)) / s.world
+            options.append((time, kind, sync_intra, sync_inter))
+        time, kind, sync_intra, sync_inter = min(options)
+        return {"tier1_rows": k1, "tier2_rows": k2, "intra_bytes_per_step": intra, "inter_bytes_per_step": inter,
+                "sync_intra_bytes_per_step": sync_intra, "sync_inter_bytes_per_step": sync_inter,
+                "comm_time_s": time, "memory_bytes_per_rank": cum_rb[k1] + (cum_rb[k12] - cum_rb[k1]) / g,
+                "tier1_sync": kind}
+
+    candidates = []
+    chosen_k = int((rep.section or {}).get("predicted", {}).get("hot_rows", 0))
+    for k1 in sorted({*costmodel.log_points(n, 60), chosen_k}):
+        if cum_rb[k1] > limit:
+            break
+        room = (limit - cum_rb[k1]) * g + cum_rb[k1]  # tier-2 rows cost rb/G each
+        k12 = int(np.searchsorted(cum_rb, room, side="right")) - 1
+        candidates.append(figures(k1, 0 if nodes == 1 else max(k12 - k1, 0)))
+    chosen = min(candidates, key=lambda f: (f["comm_time_s"], f["tier1_rows"]))
+    base = figures(0, 0)
+    step_time = None if s.step_time_s is None else max(0.0, s.step_time_s + chosen["comm_time_s"] - base["comm_time_s"])
+    predicted = {**{k: float(v) for k, v in chosen.items() if k != "tier1_sync"},
+                 "a2a_bytes_per_step": float(chosen["intra_bytes_per_step"] + chosen["inter_bytes_per_step"]),
+                 "sync_bytes_per_step": float(chosen["sync_intra_bytes_per_step"] + chosen["sync_inter_bytes_per_step"]),
+                 "baseline_intra_bytes_per_step": float(base["intra_bytes_per_step"]),
+                 "baseline_inter_bytes_per_step": float(base["inter_bytes_per_step"]), "step_time_s": step_time}
+    k1, k2 = chosen["tier1_rows"], chosen["tier2_rows"]
+    rows = (order.head(k1 + k2).with_columns(pl.when(pl.col("pos") < k1).then(1).otherwise(2).cast(pl.Int8).alias("tier"))
+            .select("table_name", "row", "tier"))
+    one_node = nodes == 1
+    why = (f"one node: tier 2 is the recorded sharding, so the tiers reduce to replicating {k1} rows on every rank"
+           if one_node else
+           f"{k1} rows on every rank and {k2} once per node cut inter-node bytes from "
+           f"{base['inter_bytes_per_step']:.3g} to {chosen['inter_bytes_per_step']:.3g} per step within "
+           f"{chosen['memory_bytes_per_rank']:.3g} replica bytes per rank")
+    section = {"topology": {"nodes": nodes, "ranks_per_node": g}, "rows": "policy/tiers.parquet",
+               "tier1_sync": chosen["tier1_sync"],
+               "budget_bytes_per_rank": int(limit), "predicted": predicted, "why": why}
+    notes = list(s.notes)
+    if not one_node and not ctx.options.inter_bw and bandwidth is None:
+        notes.append("no --inter-bw: inter-node bandwidth taken equal to the measured all-to-all bandwidth")
+    evidence = {"ordering": "replication's benefit per replica byte", "candidates": len(candidates),
+                "budget_bytes_per_rank": limit, "bandwidth": bw, "bandwidth_source": bw_source,
+                "reduces_to_replication": one_node, "notes": notes}
+    return PolicyResult("tiers", section=section, rows={"tiers": rows}, evidence=evidence)
