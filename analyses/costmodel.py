@@ -29,22 +29,33 @@ with u_r the hot rows rank r's samples touched (the index all-gather) and the se
 ring all-reduce over the union of hot rows touched that step. Expected values (i.i.d. samples,
 SCARS): per-sample inclusion probability p_i = samples containing row i / samples; per device
 batch b, E[U] = Σ_i 1 − (1 − p_i)^b distinct rows, expected remote rows E[U]·(W−1)/W, and
-E[union] = Σ_{i∈H} 1 − (1 − p_i)^{bW}. For a sequence table whose ids cannot be placed in samples,
-p_i = 1 − (1 − π_i)^L (π_i: share of the table's lookups, L: lookups per sample; papers §1.2).
-The SCARS row-fetch layout (`dedup_fetch`, model B of §1.2) fetches each distinct remote row once
-per device: id_bytes + 2·rb per row.
+E[union] = Σ_{i∈H} 1 − (1 − p_i)^{bW}. A sequence table's ids are not placed in samples
+(analyses.sources), so there p_i = 1 − (1 − π_i)^L (π_i: share of the table's lookups, L: its
+lookups per sample; papers §1.2). The SCARS row-fetch layout (`dedup_fetch`, model B of §1.2)
+fetches each distinct remote row once per device: id_bytes + 2·rb per row.
 
 `lookups` are recorded every `collector_settings.lookup_every` steps: every per-step figure of a
 replay is an average over those sampled steps; `accesses` (every step) are not needed here.
 Source ranks come from analyses.sources.
 
+`compute(ctx)` writes two tables:
+- `costmodel`: policy (baseline, dedup_fetch, replication, tiers, schedule), collective, method
+  (replay | expected), bytes_per_step, remote_bytes_per_step, time_s;
+- `costmodel_check`: check, subject, predicted, measured, diff, rel_diff — `bytes_out` per
+  collective (the replayed baseline against `comms` on the sampled steps: diff 0 when the
+  attribution and the layout hold), `distinct_rows` and `remote_rows` per table (E[U] against the
+  replay's mean per device batch), `replication_a2a_remote` and `replication_union_rows` (the
+  formulas against the replay at the chosen hot set);
+and a summary (baseline bytes and time, bandwidths and their source, baseline_matches_comms,
+distinct_rows_max_rel_diff, source_attribution_exact).
+
     result = compute(ctx)      # tables costmodel, costmodel_check; summary
     setup(ctx)                 # the shared temp tables and per-run constants (cached)
+    comms_replay(ctx)          # per (step, rank, collective): replayed and recorded bytes and splits
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -391,8 +402,7 @@ def _max_rel(check: pl.DataFrame, name: str) -> float | None:
 
 
 def _baseline_rows(s: Setup, bw: dict[str, float]) -> list[dict]:
-    return [{"policy": "baseline", "collective": c, "method": "replay", "bytes_per_step": out,
-             "remote_bytes_per_step": rem, "time_s": comm_time(rem, 0, s.world, bw)} for c, (out, rem) in s.base.items()]
+    return [_row("baseline", c, "replay", out, rem, comm_time(rem, 0, s.world, bw)) for c, (out, rem) in s.base.items()]
 
 
 def _dedup_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> list[dict]:
@@ -410,7 +420,8 @@ def _dedup_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> list[dict]:
 
 
 def _mean_rb(ctx: Context) -> float:
-    return float(ctx.sql("SELECT sum(rb * lookups)::DOUBLE / nullif(sum(lookups), 0) FROM tk_rows").fetchall()[0][0] or 0)
+    rows = ctx.sql("SELECT sum(rb * lookups)::DOUBLE / nullif(sum(lookups), 0) FROM tk_rows").fetchall()
+    return float(rows[0][0] or 0)
 
 
 def _policy_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> tuple[list[dict], list[dict]]:
@@ -436,14 +447,15 @@ def _policy_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> tuple[list[dic
             rows.append(_row("replication", "all_to_all", "expected", None, expected["a2a_remote"],
                              comm_time(expected["a2a_remote"], 0, s.world, bw)))
             rows.append(_row("replication", "sync", "expected", sync_e, sync_e, comm_time(0, sync_e, s.world, bw)))
-            checks.append({"check": "replication_a2a_remote", "subject": "replication", "predicted": expected["a2a_remote"],
-                           "measured": float(remote)})
+            checks.append({"check": "replication_a2a_remote", "subject": "replication",
+                           "predicted": expected["a2a_remote"], "measured": float(remote)})
             checks.append({"check": "replication_union_rows", "subject": "replication", "predicted": expected["union"],
                            "measured": float(derived.evidence["union_hot_rows_per_step"])})
     return rows, checks
 
 
-def _row(policy: str, collective: str, method: str, out: float | None, remote: float | None, time: float | None) -> dict:
+def _row(policy: str, collective: str, method: str, out: float | None, remote: float | None,
+         time: float | None) -> dict:
     return {"policy": policy, "collective": collective, "method": method,
             "bytes_per_step": None if out is None else float(out),
             "remote_bytes_per_step": None if remote is None else float(remote),
@@ -554,6 +566,3 @@ def log_points(n: int, count: int = 30) -> list[int]:
         return [0]
     return sorted({0, n, *(int(round(x)) for x in np.geomspace(1, n, num=min(count, n)))})
 
-
-def ceil_div(a: float, b: float) -> int:
-    return int(math.ceil(a / b)) if b else 0

@@ -13,8 +13,10 @@ import pytest
 
 from analyses import costmodel
 from analyses.context import Options, open_context
+from analyses.policies import replication, schedule, tiers
 from tests.recorded import REPO, TINY, record
 from tests.test_sources import build_run, table
+from tracekit.policy import load_policy, new_policy, write_policy
 
 
 def zipf(rows: int, alpha: float) -> np.ndarray:
@@ -137,5 +139,14 @@ def test_baseline_bytes_equal_a_recorded_trainer_run(tmp_path: Path, sharding: s
     frame = _assert_replay_equals_comms(run_dir)
     assert dict(zip(frame["collective"], frame["tag"])) == costmodel.TRAINER_TAGS
     assert sorted(set(frame["step"])) == [0, 2]
-    result = costmodel.compute(open_context(run_dir))
+    ctx = open_context(run_dir)
+    result = costmodel.compute(ctx)
     assert result.summary["baseline_matches_comms"] is True
+    policy = new_policy(source_run=str(run_dir), model=ctx.model.policy_model())
+    rows = {}
+    for module in (replication, tiers, schedule):
+        derived = module.derive(ctx)
+        assert derived.section is not None, derived.reason
+        policy[derived.name] = derived.section
+        rows.update(derived.rows)
+    assert set(load_policy(write_policy(tmp_path / "policy.json", policy, rows))) >= {"replication", "tiers", "schedule"}

@@ -69,7 +69,8 @@ def exchange(tables: list[dict], world: int, batch: list[dict[str, list[list[int
     calls = {}
     for r in range(world):
         calls[r] = [
-            ("torch.int32", [4 * len(on[o]) * b[r] for o in range(world)], [4 * len(on[r]) * b[q] for q in range(world)]),
+            ("torch.int32", [4 * len(on[o]) * b[r] for o in range(world)],
+             [4 * len(on[r]) * b[q] for q in range(world)]),
             ("torch.int64", [8 * ids[r][o] for o in range(world)], [8 * ids[q][r] for q in range(world)]),
             ("torch.float32", [rows_back[q][r] for q in range(world)], [rows_back[r][o] for o in range(world)]),
         ]

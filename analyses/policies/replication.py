@@ -42,7 +42,7 @@ import polars as pl
 
 from analyses import costmodel
 from analyses.context import Context, PolicyResult
-from analyses.costmodel import A2A, ALL_REDUCE, COLLECTIVES, Setup
+from analyses.costmodel import A2A, ALL_REDUCE, Setup
 
 P_DUP_MAX = 0.01  # HugeCTR's default
 
@@ -155,10 +155,10 @@ def hugectr(ctx: Context, s: Setup, bw: dict[str, float]) -> dict:
     else:
         threshold = batch * steps * math.sqrt(2 * P_DUP_MAX / max(per_rank * (per_rank - 1), 1e-12))
         rule = "B·I·sqrt(2·p_dup/(M(M−1)))"
-    counts = ctx.sql("SELECT lookups FROM tk_rows").fetchall()
-    passing = sum(1 for (c,) in counts if c >= threshold)
-    frequent = int(math.ceil(passing / s.world) * s.world) if passing else 0
-    if frequent > len(counts):
+    passing, seen = ctx.sql(f"""SELECT count(*) FILTER (WHERE lookups >= {threshold!r}), count(*)
+                                FROM tk_rows""").fetchall()[0]
+    frequent = int(math.ceil(passing / s.world) * s.world)
+    if frequent > seen:
         frequent = max(frequent - s.world, 0)
     return {"threshold": threshold, "rule": rule, "iterations": steps, "global_batch": batch,
             "per_rank_batch": per_rank, "nodes": nodes, "p_dup_max": P_DUP_MAX, "rows": frequent}
@@ -182,7 +182,7 @@ def sweep(s: Setup, c: Curve, points: dict[str, int], ordering: str) -> pl.DataF
 
 def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     """The replication section, its hot_rows list, the budget sweep and the evidence."""
-    key = repr(sorted((bandwidth or {}).items()))
+    key = repr(sorted(costmodel.bandwidths(ctx, bandwidth)[0].items()))  # the same figures, one derivation
     cached = _cache.setdefault(ctx, {})
     if key not in cached:
         cached[key] = _derive(ctx, bandwidth)
@@ -210,9 +210,10 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
                       pl.col("benefit_rem").alias("benefit_bytes"))
     sync = c.sync_kind(k)
     predicted = {"a2a_bytes_per_step": float(c.a2a_out[k]), "a2a_remote_bytes_per_step": float(c.a2a_rem[k]),
-                 "sync_bytes_per_step": float(c.sync[k]), "step_time_s": None if c.step_time is None else float(c.step_time[k]),
-                 "comm_time_s": float(c.comm_time[k]), "hot_rows": k, "replica_bytes_per_rank": float(c.replica_bytes[k]),
-                 "lookup_coverage": float(c.coverage[k])}
+                 "sync_bytes_per_step": float(c.sync[k]),
+                 "step_time_s": None if c.step_time is None else float(c.step_time[k]),
+                 "comm_time_s": float(c.comm_time[k]), "hot_rows": k,
+                 "replica_bytes_per_rank": float(c.replica_bytes[k]), "lookup_coverage": float(c.coverage[k])}
     saved = s.base_remote - c.a2a_rem[k]
     why = (f"{k} rows by benefit per replica byte ({c.coverage[k]:.0%} of lookups): the all-to-all sends "
            f"{saved / max(s.base_remote, 1):.0%} fewer remote bytes for a {sync.replace('_', ' ')} of "
@@ -222,13 +223,21 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     section = {"kind": "hybrid", "rows": "policy/hot_rows.parquet",
                "budget_bytes_per_rank": int(limit if limit is not None else c.replica_bytes[k]),
                "sync": sync, "predicted": predicted, "why": why}
-    evidence = {
+    evidence = _evidence(s, c, k, limit, h, by_count, bw, bw_source)
+    return PolicyResult("replication", section=section, rows={"hot_rows": rows}, evidence=evidence,
+                        tables={"replication_sweep": table})
+
+
+def _evidence(s: Setup, c: Curve, k: int, limit: int | None, h: dict, by_count: Curve, bw: dict[str, float],
+              bw_source: str) -> dict:
+    """Which trace rows and formulas the section comes from, and HugeCTR's rule beside it."""
+    return {
         "trace": f"train_lookups of {s.sampled_steps} sampled steps, source ranks from the input dist "
                  f"({'exact' if s.attribution.exact else 'approximate'})",
         "ordering": "score_i = (a2a_i/BW_a2a − sync_i/BW_ar)/(W·rb_i), descending",
         "baseline": {"a2a_bytes_per_step": s.base_out, "a2a_remote_bytes_per_step": s.base_remote,
                      "step_time_s": s.step_time_s},
-        "a2a_remote_bytes_saved_per_step": float(saved),
+        "a2a_remote_bytes_saved_per_step": float(s.base_remote - c.a2a_rem[k]),
         "sparse_sync_bytes_per_step": float(c.sparse[k]), "dense_sync_bytes_per_step": float(c.dense[k]),
         "union_hot_rows_per_step": float(c.union_rows[k]),
         "budget_bytes_per_rank": limit, "bandwidth": bw, "bandwidth_source": bw_source,
@@ -238,5 +247,3 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
                     "lookup_coverage": float(by_count.coverage[h["rows"]])},
         "notes": s.notes,
     }
-    return PolicyResult("replication", section=section, rows={"hot_rows": rows}, evidence=evidence,
-                        tables={"replication_sweep": table})

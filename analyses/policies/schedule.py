@@ -58,40 +58,46 @@ def hot_set(ctx: Context, limit: float) -> pl.DataFrame:
                         ORDER BY h.lookups DESC, h.tid, h."row" """)
 
 
-def classify(ctx: Context) -> None:
-    """Temp table tk_fae_cold (gid, step, src): every sample holding a cold id, and every sample of
-    a (step, source) batch holding an unplaced cold sequence id."""
+def classify(ctx: Context) -> int:
+    """Temp tables tk_fae_cold_batches (step, src: a batch holding an unplaced cold sequence id,
+    every sample of it cold), tk_fae_cold (gid, step, src: the other samples holding a cold id)
+    and tk_fae_batches (step, src, b, hot: hot samples per sampled batch); returns the cold count."""
+    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_cold_batches AS
+               SELECT DISTINCT l.step, l.src FROM tk_x l ANTI JOIN tk_fae_hot h USING (tid, "row")
+               WHERE l.gid IS NULL""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_cold AS
-        WITH cold AS (SELECT l.step, l.src, l.gid FROM tk_x l ANTI JOIN tk_fae_hot h USING (tid, "row")),
-             placed AS (SELECT DISTINCT gid, step, src FROM cold WHERE gid IS NOT NULL),
-             batches AS (SELECT DISTINCT step, src FROM cold WHERE gid IS NULL),
-             whole AS (SELECT DISTINCT g.gid, b.step, b.src FROM batches b JOIN tk_x g USING (step, src)
-                       WHERE g.gid IS NOT NULL)
-        SELECT * FROM placed UNION SELECT * FROM whole""")
+               SELECT DISTINCT l.gid, l.step, l.src FROM tk_x l ANTI JOIN tk_fae_hot h USING (tid, "row")
+               ANTI JOIN tk_fae_cold_batches USING (step, src) WHERE l.gid IS NOT NULL""")
+    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_batches AS
+               SELECT b.step, b.src, b.b,
+                      CASE WHEN w.step IS NOT NULL THEN 0 ELSE b.b - coalesce(c.n, 0) END AS hot
+               FROM tk_batches b JOIN tk_steps USING (step)
+               LEFT JOIN tk_fae_cold_batches w USING (step, src)
+               LEFT JOIN (SELECT step, src, count(*) AS n FROM tk_fae_cold GROUP BY ALL) c USING (step, src)""")
+    return int(ctx.sql("SELECT coalesce(sum(b - hot), 0) FROM tk_fae_batches").fetchall()[0][0])
 
 
 def saved_bytes(ctx: Context, s: Setup) -> tuple[float, float]:
-    """(bytes_out, remote) per step the hot samples put on the recorded exchange."""
+    """(bytes_out, remote) per step the hot samples put on the recorded exchange; an unplaced
+    sequence id of a batch counts for the batch's share of hot samples."""
     steps = max(s.sampled_steps, 1)
+    lookup = f"{s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END"
     per_lookup = ctx.sql(f"""
-        SELECT coalesce(sum({s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END), 0)::DOUBLE,
-               coalesce(sum(CASE WHEN l.owner <> l.src THEN {s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END
-                                 ELSE 0 END), 0)::DOUBLE
-        FROM tk_x l JOIN tk_names n USING (tid) ANTI JOIN tk_fae_cold c USING (gid)
-        WHERE l.gid IS NOT NULL""").fetchall()[0]
+        SELECT coalesce(sum(({lookup}) * w), 0)::DOUBLE,
+               coalesce(sum(CASE WHEN l.owner <> l.src THEN ({lookup}) * w ELSE 0 END), 0)::DOUBLE
+        FROM (SELECT l.*, CASE WHEN l.gid IS NULL THEN f.hot / f.b ELSE 1 END AS w
+              FROM tk_x l JOIN tk_fae_batches f USING (step, src) ANTI JOIN tk_fae_cold c USING (gid)
+              WHERE f.hot > 0) l
+        JOIN tk_names n USING (tid)""").fetchall()[0]
     fixed = ctx.sql(f"""
         WITH per_src AS (
             SELECT t.src, sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
                               * t.n_shards) AS out_b,
                           sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
                               * t.n_remote_shards) AS rem_b
-            FROM tk_tshards t JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY t.src),
-             hot AS (SELECT b.src, sum(b.b) - coalesce(any_value(c.n), 0) AS n
-                     FROM tk_batches b JOIN tk_steps USING (step)
-                     LEFT JOIN (SELECT src, count(*) AS n FROM tk_fae_cold GROUP BY src) c USING (src)
-                     GROUP BY b.src)
-        SELECT coalesce(sum(h.n * p.out_b), 0)::DOUBLE, coalesce(sum(h.n * p.rem_b), 0)::DOUBLE
-        FROM hot h JOIN per_src p USING (src)""").fetchall()[0]
+            FROM tk_tshards t JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY t.src)
+        SELECT coalesce(sum(f.hot * p.out_b), 0)::DOUBLE, coalesce(sum(f.hot * p.rem_b), 0)::DOUBLE
+        FROM tk_fae_batches f JOIN per_src p USING (src)""").fetchall()[0]
     return (per_lookup[0] + fixed[0]) / steps, (per_lookup[1] + fixed[1]) / steps
 
 
@@ -102,7 +108,8 @@ def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float) -> tuple[float, str
     per_rank = max(batch // max(s.world, 1), 1)
     w1 = s.world - 1
     rows = ctx.sql(f"""
-        WITH hot AS (SELECT DISTINCT l.gid FROM tk_x l ANTI JOIN tk_fae_cold c USING (gid) WHERE l.gid IS NOT NULL),
+        WITH hot AS (SELECT DISTINCT l.gid FROM tk_x l ANTI JOIN tk_fae_cold c USING (gid)
+                     ANTI JOIN tk_fae_cold_batches USING (step, src) WHERE l.gid IS NOT NULL),
              numbered AS (SELECT gid, (row_number() OVER (ORDER BY gid) - 1) AS i FROM hot),
              full_batches AS (SELECT count(*) // {batch} AS n FROM numbered),
              cut AS (SELECT gid, i // {batch} AS hb, (i % {batch}) // {per_rank} AS r FROM numbered
@@ -159,7 +166,7 @@ def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
 
 def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     """The schedule section and its hot-row list (module docstring)."""
-    key = repr(sorted((bandwidth or {}).items()))
+    key = repr(sorted(costmodel.bandwidths(ctx, bandwidth)[0].items()))  # the same figures, one derivation
     cached = _cache.setdefault(ctx, {})
     if key not in cached:
         cached[key] = _derive(ctx, bandwidth)
@@ -177,9 +184,9 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     if limit is None:
         limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
     rows = hot_set(ctx, limit)
-    hot_bytes = float(ctx.sql("SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN tk_names n USING (tid)").fetchall()[0][0])
-    classify(ctx)
-    cold = ctx.sql("SELECT count(*) FROM tk_fae_cold").fetchall()[0][0]
+    hot_bytes = float(ctx.sql("SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN tk_names n USING (tid)")
+                      .fetchall()[0][0])
+    cold = classify(ctx)
     fraction = 1 - cold / s.samples if s.samples else 0.0
     saved_out, saved_rem = saved_bytes(ctx, s)
     sync_hot, sync_kind, hot_batches = hot_batch_sync(ctx, s, hot_bytes)
@@ -192,6 +199,7 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
                  "hot_rows": rows.height, "switch_bytes": switch}
     shared = rep.section is not None and _same_rows(rows, rep.rows["hot_rows"])
     name = "hot_rows" if shared else "fae_hot_rows"
+    rows = rep.rows["hot_rows"] if shared else rows  # one file, written the same by either policy
     why = (f"{fraction:.0%} of samples hold only the {rows.height} most-read rows: batched apart, that share "
            f"of steps skips the all-to-all ({saved_rem / max(s.base_remote, 1):.0%} of its remote bytes)")
     section = {"kind": "fae", "hot_rows": f"policy/{name}.parquet", "hot_sample_fraction": fraction,

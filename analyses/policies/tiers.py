@@ -13,9 +13,10 @@ sequence lookup) from source q to owner o, with m its last position in the order
     K1 <= m < K1+K2   to node(q)·G + o mod G     (local, or intra-node)
     otherwise         to o as recorded           (local, intra-node, or inter-node)
 
-Network bytes (lengths, ids, rows forward and backward; what a rank sends itself is left out) are
-replayed exactly over the recorded lookups for any (K1, K2); what no item carries (a sequence
-table's lengths, bags without ids) stays where it was recorded. Synchronisation per step, over the
+Bytes (lengths, ids, rows forward and backward) are replayed exactly over the recorded lookups for
+any (K1, K2), intra- and inter-node separately (what a rank hands itself counts only in
+a2a_bytes_per_step, which compares with `comms`); what no item carries (a sequence table's
+lengths, bags without ids) stays where it was recorded. Synchronisation per step, over the
 union U of touched rows of a tier (bytes summed over ranks, rb row bytes):
 
     tier 1  hierarchical all-reduce: intra 2H(G−1)·U1·rb, inter 2(H−1)·U1·rb; the index
@@ -78,14 +79,16 @@ def classes(ctx: Context, s: Setup, order: str, per_node: int) -> pl.DataFrame:
 
 
 def fixed_bytes(ctx: Context, s: Setup, per_node: int, hist: pl.DataFrame) -> dict[int, float]:
-    """Network bytes per step no item carries (sequence tables' lengths, bags without ids), by
-    class: the recorded exchange (tk_pairs) less the items' bytes."""
+    """Bytes per step no item carries (sequence tables' lengths, bags without ids), by class
+    (0: what a rank hands itself): the recorded exchange (tk_pairs) less the items' bytes."""
     g = per_node
     rows = ctx.sql(f"""SELECT CASE WHEN sender // {g} = receiver // {g} THEN 1 ELSE 2 END AS c,
                               sum(bytes)::DOUBLE / {max(s.sampled_steps, 1)}
                        FROM tk_pairs WHERE sender <> receiver GROUP BY ALL""").fetchall()
     recorded = {c: b for c, b in rows}
-    return {c: recorded.get(c, 0.0) - float(hist.filter(pl.col("c0") == c)["bytes"].sum()) for c in (1, 2)}
+    recorded[0] = ctx.sql(f"""SELECT coalesce(sum(bytes), 0)::DOUBLE / {max(s.sampled_steps, 1)} FROM tk_pairs
+                              WHERE sender = receiver""").fetchall()[0][0]
+    return {c: recorded.get(c, 0.0) - float(hist.filter(pl.col("c0") == c)["bytes"].sum()) for c in (0, 1, 2)}
 
 
 def _cumulative(hist: pl.DataFrame, n: int, where: pl.Expr) -> np.ndarray:
@@ -98,7 +101,7 @@ def _cumulative(hist: pl.DataFrame, n: int, where: pl.Expr) -> np.ndarray:
 
 def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     """The tiers section and row list for the topology (module docstring)."""
-    key = repr(sorted((bandwidth or {}).items()))
+    key = repr(sorted(costmodel.bandwidths(ctx, bandwidth)[0].items()))  # the same figures, one derivation
     cached = _cache.setdefault(ctx, {})
     if key not in cached:
         cached[key] = _derive(ctx, bandwidth)
@@ -111,7 +114,8 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
         return PolicyResult("tiers", reason=reason)
     nodes, g = topology(ctx)
     if nodes * g != ctx.model.world_size:
-        return PolicyResult("tiers", reason=f"topology {nodes}x{g} does not hold the run's {ctx.model.world_size} ranks")
+        return PolicyResult("tiers", reason=f"topology {nodes}x{g} does not hold the run's "
+                                            f"{ctx.model.world_size} ranks")
     s = costmodel.setup(ctx)
     bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
     rep = replication.derive(ctx, bandwidth)
@@ -120,20 +124,23 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     hist = classes(ctx, s, "tk_order_tiers", g)
     c0, c2 = pl.col("c0"), pl.col("c2")
     fixed = fixed_bytes(ctx, s, g, hist)
-    total = {c: float(hist.filter(c0 == c)["bytes"].sum()) + fixed[c] for c in (1, 2)}
-    a_intra, a_inter = _cumulative(hist, n, c0 == 1), _cumulative(hist, n, c0 == 2)
-    a_t2 = _cumulative(hist, n, c2 == 1)
+    total = {c: float(hist.filter(c0 == c)["bytes"].sum()) + fixed[c] for c in (0, 1, 2)}
+    a_self, a_intra, a_inter = (_cumulative(hist, n, c0 == c) for c in (0, 1, 2))
+    a_t2, a_t2_self = _cumulative(hist, n, c2 == 1), _cumulative(hist, n, c2 == 0)
     rb, steps, src_steps = (order[c].to_numpy().astype(np.float64) for c in ("rb", "steps", "src_steps"))
     cum_rb = np.concatenate([[0.0], np.cumsum(rb)])
     union = np.concatenate([[0.0], np.cumsum(rb * steps)]) / max(s.sampled_steps, 1)  # Σ rb·U per step
     pairs = np.concatenate([[0.0], np.cumsum(src_steps)]) / max(s.sampled_steps, 1)
     limit = replication.budget(ctx)
-    limit = float(limit if limit is not None else (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0))
+    if limit is None:
+        limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
+    limit = float(limit)
 
     def figures(k1: int, k2: int) -> dict:
         k12 = k1 + k2
         intra = (total[1] - a_intra[k12]) + (a_t2[k12] - a_t2[k1])
         inter = total[2] - a_inter[k12]
+        own = (total[0] - a_self[k12]) + (a_t2_self[k12] - a_t2_self[k1])
         tier2_inter = 2 * (nodes - 1) * (union[k12] - union[k1]) + (nodes - 1) * s.id_bytes * (pairs[k12] - pairs[k1])
         slower = bw["all_reduce"] / bw["all_to_all_single"]  # an all-reduce's bus bandwidth against the a2a's
         options = []
@@ -145,6 +152,7 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
             options.append((time, kind, sync_intra, sync_inter))
         time, kind, sync_intra, sync_inter = min(options)
         return {"tier1_rows": k1, "tier2_rows": k2, "intra_bytes_per_step": intra, "inter_bytes_per_step": inter,
+                "a2a_bytes_per_step": intra + inter + own, "a2a_remote_bytes_per_step": intra + inter,
                 "sync_intra_bytes_per_step": sync_intra, "sync_inter_bytes_per_step": sync_inter,
                 "comm_time_s": time, "memory_bytes_per_rank": cum_rb[k1] + (cum_rb[k12] - cum_rb[k1]) / g,
                 "tier1_sync": kind}
@@ -161,13 +169,13 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     base = figures(0, 0)
     step_time = None if s.step_time_s is None else max(0.0, s.step_time_s + chosen["comm_time_s"] - base["comm_time_s"])
     predicted = {**{k: float(v) for k, v in chosen.items() if k != "tier1_sync"},
-                 "a2a_bytes_per_step": float(chosen["intra_bytes_per_step"] + chosen["inter_bytes_per_step"]),
-                 "sync_bytes_per_step": float(chosen["sync_intra_bytes_per_step"] + chosen["sync_inter_bytes_per_step"]),
+                 "sync_bytes_per_step": float(chosen["sync_intra_bytes_per_step"]
+                                              + chosen["sync_inter_bytes_per_step"]),
                  "baseline_intra_bytes_per_step": float(base["intra_bytes_per_step"]),
                  "baseline_inter_bytes_per_step": float(base["inter_bytes_per_step"]), "step_time_s": step_time}
     k1, k2 = chosen["tier1_rows"], chosen["tier2_rows"]
-    rows = (order.head(k1 + k2).with_columns(pl.when(pl.col("pos") < k1).then(1).otherwise(2).cast(pl.Int8).alias("tier"))
-            .select("table_name", "row", "tier"))
+    tier = pl.when(pl.col("pos") < k1).then(1).otherwise(2).cast(pl.Int8).alias("tier")
+    rows = order.head(k1 + k2).with_columns(tier).select("table_name", "row", "tier")
     one_node = nodes == 1
     why = (f"one node: tier 2 is the recorded sharding, so the tiers reduce to replicating {k1} rows on every rank"
            if one_node else
