@@ -437,7 +437,11 @@ def _policy_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> tuple[list[dic
         p = derived.section["predicted"]
         a2a = p["a2a_bytes_per_step"]
         remote = p.get("a2a_remote_bytes_per_step", a2a)
-        rows.append(_row(derived.name, "all_to_all", "replay", a2a, remote, comm_time(remote, 0, s.world, bw)))
+        per_collective = derived.evidence.get("collectives") or {"all_to_all": {"bytes_per_step": a2a,
+                                                                               "remote_bytes_per_step": remote}}
+        for collective, b in per_collective.items():
+            rows.append(_row(derived.name, collective, "replay", b["bytes_per_step"], b["remote_bytes_per_step"],
+                             comm_time(b["remote_bytes_per_step"], 0, s.world, bw)))
         rows.append(_row(derived.name, "sync", "replay", p["sync_bytes_per_step"], p["sync_bytes_per_step"],
                          comm_time(0, p["sync_bytes_per_step"], s.world, bw)))
         if derived.name == "replication":

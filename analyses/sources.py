@@ -22,6 +22,11 @@ E[U] is per device batch. The rule (DESIGN.md §4 layout, TorchRec's input dist)
 - Tables that are not sharded (data-parallel replicas, rank-local tables) and runs of one rank:
   the lookup ran on the sample's own rank, `src = rank`, `src_sample = sample`.
 
+The check: replaying the exchange from the attributed lookups gives every split of every
+input-dist and output-dist all-to-all in `comms` byte for byte (analyses.costmodel,
+`costmodel_check`); tests/test_sources.py holds the attribution against the samples the trainer
+consumed on 2-rank runs (table- and row-wise, pooled and sequence).
+
 `attributed(ctx)` builds the temporary table `tk_src` once per context (DuckDB passes over
 `train_lookups`, no Python loop over rows): step, owner, tid (the table's index in the manifest),
 seq (a sequence table), sample, pos, row, src, src_sample (null where the sample is unknown) and
@@ -52,10 +57,9 @@ ELEM_BYTES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "float1
 @dataclass
 class Attribution:
     """`tk_src` and `tk_batches` are ready on the context's connection; `relation` is tk_src with
-    table names; `methods` says per
-    (owner, table_name) how lookups were attributed: 'bags' (pooled, exact), 'ids' (one sequence
-    table on the owner, exact), 'ids-proportional' (several, approximate), 'own-rank' (not
-    sharded, or one rank); `notes` what could not be done."""
+    table names; `methods` says per (owner, table_name) how lookups were attributed: 'bags'
+    (pooled, exact), 'ids' (one sequence table on the owner, exact), 'ids-proportional' (several,
+    approximate), 'own-rank' (not sharded, or one rank); `notes` what could not be done."""
 
     relation: duckdb.DuckDBPyRelation
     methods: pl.DataFrame

@@ -109,6 +109,8 @@ def test_cost_model_tables_hold_every_policy(tmp_path: Path) -> None:
     result = costmodel.compute(open_context(tmp_path / "run"), {"all_to_all_single": 1e9, "all_reduce": 1e9})
     model = result.tables["costmodel"]
     assert set(model["policy"]) == {"baseline", "dedup_fetch", "replication", "tiers", "schedule"}
+    replayed = model.filter((pl.col("policy") == "replication") & (pl.col("method") == "replay"))
+    assert set(replayed["collective"]) == {*costmodel.COLLECTIVES, "sync"}
     base = model.filter(pl.col("policy") == "baseline")
     assert base["bytes_per_step"].sum() == result.summary["baseline_a2a_bytes_per_step"]
     # time from bytes: remote bytes per rank over the bandwidth

@@ -61,6 +61,13 @@ class Curve:
     union_rows: np.ndarray  # hot rows touched per step (union over ranks)
     comm_time: np.ndarray
     step_time: np.ndarray | None
+    saved: dict[str, np.ndarray]  # '<collective>_out' / '_rem': bytes per step freed, costmodel.hot_curve
+
+    def collectives(self, s: Setup, k: int) -> dict[str, dict[str, float]]:
+        """Per collective of the exchange: bytes_out and remote bytes per step left at K = k."""
+        return {c: {"bytes_per_step": s.base[c][0] - float(self.saved[f"{c}_out"][k]),
+                    "remote_bytes_per_step": s.base[c][1] - float(self.saved[f"{c}_rem"][k])}
+                for c in costmodel.COLLECTIVES}
 
     @property
     def sync(self) -> np.ndarray:
@@ -126,7 +133,7 @@ def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, key: str) -> 
     base_comm = costmodel.comm_time(s.base_remote, 0, s.world, bw)
     step_time = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s + comm - base_comm)
     replica = np.concatenate([zero, np.cumsum(rb)])
-    return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, coverage, union_rows, comm, step_time)
+    return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, coverage, union_rows, comm, step_time, saved)
 
 
 def benefit_key(s: Setup, bw: dict[str, float]) -> str:
@@ -238,6 +245,7 @@ def _evidence(s: Setup, c: Curve, k: int, limit: int | None, h: dict, by_count: 
         "baseline": {"a2a_bytes_per_step": s.base_out, "a2a_remote_bytes_per_step": s.base_remote,
                      "step_time_s": s.step_time_s},
         "a2a_remote_bytes_saved_per_step": float(s.base_remote - c.a2a_rem[k]),
+        "collectives": c.collectives(s, k),
         "sparse_sync_bytes_per_step": float(c.sparse[k]), "dense_sync_bytes_per_step": float(c.dense[k]),
         "union_hot_rows_per_step": float(c.union_rows[k]),
         "budget_bytes_per_rank": limit, "bandwidth": bw, "bandwidth_source": bw_source,
