@@ -151,4 +151,5 @@ def test_baseline_bytes_equal_a_recorded_trainer_run(tmp_path: Path, sharding: s
         assert derived.section is not None, derived.reason
         policy[derived.name] = derived.section
         rows.update(derived.rows)
-    assert set(load_policy(write_policy(tmp_path / "policy.json", policy, rows))) >= {"replication", "tiers", "schedule"}
+    loaded = load_policy(write_policy(tmp_path / "policy.json", policy, rows))
+    assert set(loaded) >= {"replication", "tiers", "schedule"}
