@@ -1,0 +1,431 @@
+"""What a software embedding cache would do with the recorded training lookups: FBGEMM TBE's LRU and
+LFU caches and the static top-K oracle, replayed per table over a range of cache sizes (miss-ratio
+curves, `cache_mrc`), and the inputs TorchRec's planner takes for a cached table
+(`analysis/torchrec_cache_stats.json`).
+
+The cache (FBGEMM `SplitTableBatchedEmbeddingBagsCodegen`, research/papers.md §8 and B.8):
+- one cache per table and rank (the rows that rank holds: its shards in the manifest, or the whole
+  table), of load factor lf: `sets` = ceil(rows * lf / 32), 32 ways; row r lives in set
+  fmix64(r) mod sets (MurmurHash3's 64-bit finaliser, FBGEMM's `cache_slot`);
+- a batch is one step's lookups on one rank, deduplicated (the `accesses` rows of that step and
+  rank); an id of a batch not resident when the batch arrives is a miss (it is fetched, inserted or
+  not); miss_ratio = misses / ids over all batches (FBGEMM's unique-miss ratio);
+- LRU: resident ids of the batch get the batch's timestamp; then, per set, the missed ids in
+  ascending row order take the ways in ascending timestamp order (empty first, ties by way),
+  stopping at a way stamped in this batch; ids left over stay uncached;
+- LFU: first each id's global count grows by its lookups in the batch (never decays); per set, the
+  missed ids in descending count (ties: ascending row) are matched in turn with the ways in ascending
+  resident count (empty = -1), the ways sorted once per batch; the i-th id replaces the i-th way iff
+  its count >= that way's count; the first id that is colder ends the set's insertions;
+- oracle: the K = sets * 32 rows of the rank's table that appear in the most batches stay resident
+  for the whole run (fully associative): the fewest misses any fixed set of K rows can have.
+
+At scale (SHARDS, Waldspurger et al., FAST '15): the replay runs on the hashed row sample of
+`analyses.skew.access_sample` (rate R_t per table, `sample_rate`); a sampled cache has R_t times the
+slots, as round(sets * R_t) sets (at least one) of round(32 * sets * R_t / those sets) ways, so that
+a sampled row meets as much competition per slot as it would in the full cache. Where R_t = 1 the
+replay is exact. `simulated_rows` is the sampled cache's size, `cache_rows` the real one.
+
+TorchRec (`torchrec.distributed.types.CacheStatistics`, passed as `CacheParams(stats=...)`):
+- expected_lookups = distinct rows per global training batch, the mean over training steps (each
+  rank's distinct rows per step summed, less rows read on two ranks in one step, as the sample shows);
+- expected_miss_rate(clf) = the LRU curve at the load factors simulated (`expected_miss_rate`), with
+  1.0 at clf = 0 and 0.0 at clf = 1 per TorchRec's convention (interpolate between);
+- cacheability = the area under that curve over clf in [0, 1] (TorchRec's `EmbeddingOffloadStats`);
+- pooling_factor = ids per sample: lookups / samples of the `steps` table, else ids per non-empty bag
+  in `lookups`; for `ParameterConstraints(pooling_factors=[...])`.
+
+    class TraceCacheStatistics(CacheStatistics):
+        def __init__(self, entry):
+            self.entry = entry
+            clf = [0.0, *map(float, entry["expected_miss_rate"]), 1.0]
+            self.curve = (clf, [1.0, *entry["expected_miss_rate"].values(), 0.0])
+        expected_lookups = property(lambda self: self.entry["expected_lookups"])
+        cacheability = property(lambda self: self.entry["cacheability"])
+        def expected_miss_rate(self, clf):
+            return float(numpy.interp(clf, *self.curve))
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from analyses.context import Context, Result
+from analyses.skew import SAMPLE_ROWS, Sample, access_sample, lookup_histogram, sampled_tables
+
+LOAD_FACTORS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+WAYS = 32
+POLICIES = ("lru", "lfu", "oracle")
+STATS_FILE = "torchrec_cache_stats.json"
+EMPTY, PAD = -1, -2  # a free way; a way beyond a sampled cache's associativity (never used)
+NEVER = np.iinfo(np.int64).max
+
+
+def fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser of each element (as FBGEMM's `cache_slot` hashes ids)."""
+    h = np.asarray(x).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(0xFF51AFD7ED558CCD)
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(0xC4CEB9FE1A85EC53)
+        h ^= h >> np.uint64(33)
+    return h
+
+
+def set_of(rows: np.ndarray, sets: np.ndarray | int) -> np.ndarray:
+    """The set each row lives in, in a cache of `sets` sets."""
+    return (fmix64(rows) % np.asarray(sets).astype(np.uint64)).astype(np.int64)
+
+
+@dataclass
+class Stream:
+    """Batches to replay: entry i is id `key[i]` of cache group `group[i]` at step `step[i]`, looked
+    up `count[i]` times; sorted by (step, group, key), one entry per (step, group, key)."""
+
+    step: np.ndarray
+    group: np.ndarray
+    key: np.ndarray
+    count: np.ndarray
+
+    @functools.cached_property
+    def ids(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(uid of each entry, group of each uid, key of each uid), uid dense over (group, key)."""
+        order = np.lexsort((self.key, self.group))
+        g, k = self.group[order], self.key[order]
+        new = np.r_[True, (g[1:] != g[:-1]) | (k[1:] != k[:-1])] if len(k) else np.zeros(0, bool)
+        uid = np.empty(len(k), dtype=np.int64)
+        uid[order] = np.cumsum(new) - 1
+        return uid, g[new], k[new]
+
+
+@dataclass
+class State:
+    """Every simulated set's ways (`tags`: uid, EMPTY or PAD; `stamp`: LRU time of the last batch
+    that used the way), where each (variant, uid) is resident (`where`: set * width + way, or -1),
+    and the LFU count of each uid."""
+
+    tags: np.ndarray
+    stamp: np.ndarray
+    where: np.ndarray
+    freq: np.ndarray
+    n_ids: int
+
+
+def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Replay `stream` through one cache per (group, variant): `sets[g, v]` sets of `ways[g, v]` ways,
+    policy "lru" or "lfu" (module docstring). Returns misses (groups x variants) and ids per group."""
+    groups, variants = sets.shape
+    uid, ugroup, ukey = stream.ids
+    n_ids = len(ukey)
+    events = np.bincount(stream.group, minlength=groups).astype(np.int64)
+    misses = np.zeros(groups * variants, dtype=np.int64)
+    if n_ids == 0:
+        return misses.reshape(groups, variants), events
+    cache = ugroup[None, :] * variants + np.arange(variants)[:, None]  # (variants, ids): each id's cache
+    base = np.r_[0, np.cumsum(sets.ravel())]
+    set_index = base[cache] + set_of(ukey[None, :], sets.ravel()[cache])
+    if base[-1] > max(1 << 20, 2 * set_index.size):  # keep state only for the sets some id maps to
+        used, set_index = np.unique(set_index, return_inverse=True)
+        limit = ways.ravel()[np.searchsorted(base, used, side="right") - 1]  # ways of each set
+    else:
+        limit = np.repeat(ways.ravel(), sets.ravel())
+    set_index = set_index.ravel()
+    width = int(ways.max())
+    beyond = np.arange(width)[None, :] >= limit[:, None]
+    state = State(tags=np.where(beyond, PAD, EMPTY), stamp=np.where(beyond, NEVER, -1),
+                  where=np.full(variants * n_ids, -1, dtype=np.int64), freq=np.zeros(n_ids, dtype=np.int64),
+                  n_ids=n_ids)
+    variant = np.arange(variants, dtype=np.int64)[:, None]
+    insert = _insert_lru if policy == "lru" else _insert_lfu
+    bounds = np.flatnonzero(np.r_[True, stream.step[1:] != stream.step[:-1], True])
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        ids, step = uid[a:b], int(stream.step[a])
+        if policy == "lfu":
+            state.freq[ids] += stream.count[a:b]
+        flat = (variant * n_ids + ids).ravel()  # variant-major, then stream order: keys ascend per cache
+        slot = state.where[flat]
+        missed = slot < 0
+        misses += np.bincount((ugroup[ids] * variants + variant).ravel()[missed], minlength=misses.size)
+        if policy == "lru":
+            state.stamp.ravel()[slot[~missed]] = step
+        flat = flat[missed]
+        insert(state, set_index[flat], flat, step)
+    return misses.reshape(groups, variants), events
+
+
+def _by_set(sets: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates (already ordered as they compete within a set) grouped by set: for the first
+    `width` of each set, their position, their position j within the set and their set's index among
+    the distinct sets; and those sets."""
+    order = np.argsort(sets, kind="stable")
+    s = sets[order]
+    first = np.r_[True, s[1:] != s[:-1]]
+    start = np.flatnonzero(first)
+    group = np.cumsum(first) - 1
+    j = np.arange(len(s)) - start[group]
+    keep = j < width
+    return order[keep], j[keep], group[keep], s[start]
+
+
+def _ways_in_order(cost: np.ndarray, group: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """The way holding the j-th smallest cost of its set's row of `cost` (ties: lower way first):
+    an argmin for sets with one candidate, a sort of the ways for the others."""
+    way = np.argmin(cost[group], axis=1) if len(group) else np.zeros(0, dtype=np.int64)
+    several = np.flatnonzero(np.bincount(group, minlength=len(cost)) > 1)
+    if len(several):
+        row = np.full(len(cost), -1)
+        row[several] = np.arange(len(several))
+        ranked = np.argsort(cost[several], axis=1, kind="stable")
+        later = row[group] >= 0
+        way[later] = ranked[row[group[later]], j[later]]
+    return way
+
+
+def _place(state: State, sets: np.ndarray, way: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """Put the ids of `flat` (variant * n_ids + uid) into (set, way), evicting the residents; the slots."""
+    width = state.tags.shape[1]
+    slot = sets * width + way
+    old = state.tags.ravel()[slot]
+    evicted = old >= 0
+    state.where[flat[evicted] - flat[evicted] % state.n_ids + old[evicted]] = -1
+    state.tags.ravel()[slot] = flat % state.n_ids
+    state.where[flat] = slot
+    return slot
+
+
+def _insert_lru(state: State, sets: np.ndarray, flat: np.ndarray, step: int) -> None:
+    """Per set, missed ids in ascending key order into the ways by ascending stamp; a way stamped in
+    this step (or PAD) ends the set's insertions, and every later way is one too."""
+    if not len(flat):
+        return
+    pick, j, group, distinct = _by_set(sets, state.tags.shape[1])
+    stamps = state.stamp[distinct]
+    way = _ways_in_order(stamps, group, j)
+    free = stamps[group, way] < step
+    pick = pick[free]
+    slot = _place(state, sets[pick], way[free], flat[pick])
+    state.stamp.ravel()[slot] = step
+
+
+def _insert_lfu(state: State, sets: np.ndarray, flat: np.ndarray, step: int) -> None:
+    """Per set, missed ids by descending count (ties: ascending key) against the ways by ascending
+    resident count (empty = -1); the i-th id replaces the i-th way iff its count >= that way's. The
+    first colder id ends the set's insertions, and every later one is colder than its way too."""
+    if not len(flat):
+        return
+    count = state.freq[flat % state.n_ids]
+    by_count = np.argsort(-count, kind="stable")  # stable: equal counts keep ascending keys
+    sets, flat, count = sets[by_count], flat[by_count], count[by_count]
+    pick, j, group, distinct = _by_set(sets, state.tags.shape[1])
+    tags = state.tags[distinct]
+    cost = np.where(tags >= 0, state.freq[np.maximum(tags, 0)], np.where(tags == EMPTY, -1, NEVER))
+    way = _ways_in_order(cost, group, j)
+    ok = count[pick] >= cost[group, way]
+    pick = pick[ok]
+    _place(state, sets[pick], way[ok], flat[pick])
+
+
+def oracle(stream: Stream, capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Misses (groups x variants) with each group's `capacity[g, v]` rows that appear in the most
+    batches always resident, and ids per group."""
+    groups, variants = capacity.shape
+    uid, ugroup, ukey = stream.ids
+    events = np.bincount(stream.group, minlength=groups).astype(np.int64)
+    appearances = np.bincount(uid, minlength=len(ukey))
+    order = np.lexsort((-appearances, ugroup))
+    g, counts = ugroup[order], appearances[order]
+    cumulative = np.cumsum(counts)
+    start = np.searchsorted(g, np.arange(groups), side="left")
+    end = np.searchsorted(g, np.arange(groups), side="right")
+    before = np.where(start > 0, cumulative[np.maximum(start - 1, 0)], 0)
+    last = np.minimum(start[:, None] + capacity, end[:, None]) - 1  # last resident position
+    hits = np.where(last >= start[:, None], cumulative[np.maximum(last, 0)] - before[:, None], 0)
+    return events[:, None] - hits, events
+
+
+# ---------------------------------------------------------------------------------------------- geometry
+
+def rows_held(ctx: Context, table: str, rank: int, fallback: int) -> int:
+    """Rows of `table` on `rank`: its shards there, else the whole table."""
+    try:
+        info = ctx.model.table(table)
+    except KeyError:
+        return fallback
+    mine = sum(int(s["num_rows"]) for s in info.shards if int(s["rank"]) == rank)
+    return mine or info.num_rows or fallback
+
+
+def geometry(full_sets: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sets and ways of the sampled caches: R times the slots of `full_sets` x 32 (module docstring);
+    the full caches themselves where R = 1."""
+    scaled = full_sets * rate[:, None]
+    sets = np.maximum(1, np.round(scaled)).astype(np.int64)
+    ways = np.maximum(1, np.round(WAYS * scaled / sets)).astype(np.int64)
+    exact = rate[:, None] >= 1
+    return np.where(exact, full_sets, sets), np.where(exact, WAYS, ways)
+
+
+# ---------------------------------------------------------------------------------------------- compute
+
+def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS,
+            load_factors: tuple[float, ...] = LOAD_FACTORS) -> Result:
+    """The `cache_mrc` table, torchrec_cache_stats.json and per-table figures."""
+    result = Result()
+    if not ctx.has("accesses"):
+        result.notes.append("no accesses table: the cache replay needs the per-step ids")
+        return result
+    histogram = lookup_histogram(ctx)
+    if histogram.is_empty():
+        result.notes.append("no training rows in accesses (phase = 'train'): nothing to replay")
+        return result
+    sample = access_sample(ctx, sample_rows)
+    totals = histogram.group_by("table_name").agg(
+        (pl.col("lookups") * pl.col("rows")).sum().alias("lookups"), pl.col("accesses").sum(),
+        (pl.col("max_row").max() + 1).alias("seen_rows"))
+    totals = {row["table_name"]: row for row in totals.iter_rows(named=True)}
+
+    tables = len(sample.names)  # a cache per (rank, table), numbered in the sample's order
+    pairs, group = np.unique(sample.rank * tables + sample.table, return_inverse=True)
+    table_of = pairs % tables
+    held = np.array([rows_held(ctx, sample.names[p % tables], int(p // tables),
+                               totals[sample.names[p % tables]]["seen_rows"]) for p in pairs], dtype=np.int64)
+    lf = np.asarray(load_factors, dtype=np.float64)
+    full_sets = np.maximum(1, np.ceil(held[:, None] * lf[None, :] / WAYS)).astype(np.int64)
+    sets, ways = geometry(full_sets, sample.rates[table_of])
+    stream = Stream(sample.step, group.ravel().astype(np.int64), sample.row, sample.count)
+
+    events = np.bincount(stream.group, minlength=len(pairs))
+    stream.ids  # computed once, before the replays share it
+    with ThreadPoolExecutor(2) as pool:  # numpy releases the GIL in the replays' heavy calls
+        lru, lfu = pool.map(lambda policy: simulate(policy, stream, sets, ways)[0], ("lru", "lfu"))
+    misses = {"lru": lru, "lfu": lfu, "oracle": oracle(stream, sets * ways)[0]}
+    steps = len(np.unique(sample.step))
+    ids_per_step = np.array([totals[name]["accesses"] for name in sample.names]) / steps  # exact, unsampled
+    mrc = mrc_table(sample, table_of, events, misses, full_sets, sets * ways, lf, ids_per_step)
+    result.tables["cache_mrc"] = mrc
+
+    stats = planner_stats(ctx, sample, mrc, totals, steps, result.notes)
+    path = write_json(ctx, stats)
+    if (sample.rates < 1).any():
+        result.notes.append(f"miss ratios from a hashed row sample (SHARDS) for {sampled_tables(sample)}")
+    result.summary = {"phase": "train", "load_factors": list(load_factors), "policies": list(POLICIES),
+                      "torchrec_cache_stats": str(path), "steps": steps,
+                      "tables": {name: {**entry, "miss_ratio": curves(mrc, name)}
+                                 for name, entry in stats["tables"].items()}}
+    return result
+
+
+def mrc_table(sample: Sample, table_of: np.ndarray, events: np.ndarray, misses: dict[str, np.ndarray],
+              full_sets: np.ndarray, slots: np.ndarray, lf: np.ndarray, ids_per_step: np.ndarray) -> pl.DataFrame:
+    """Per table, policy and load factor, the caches of every rank together; misses per batch are
+    the miss ratio times the table's (exact) ids per step, all ranks together."""
+    tables = len(sample.names)
+    per_table = lambda x: np.stack([np.bincount(table_of, weights=x[:, v], minlength=tables)  # noqa: E731
+                                    for v in range(x.shape[1])], axis=1)
+    ids = np.bincount(table_of, weights=events, minlength=tables)
+    cache_rows, simulated = per_table(full_sets * WAYS), per_table(slots)
+    frames = []
+    for policy, m in misses.items():
+        missed = per_table(m)
+        for t, name in enumerate(sample.names):
+            if not ids[t]:
+                continue
+            frames.append(pl.DataFrame({
+                "table_name": name, "policy": policy, "load_factor": lf, "cache_rows": cache_rows[t].astype(np.int64),
+                "miss_ratio": missed[t] / ids[t], "unique_miss_per_batch": missed[t] / ids[t] * ids_per_step[t],
+                "sample_rate": float(sample.rates[t]), "simulated_rows": simulated[t].astype(np.int64)}))
+    return pl.concat(frames).sort("table_name", "policy", "load_factor")
+
+
+def curves(mrc: pl.DataFrame, table: str) -> dict[str, dict[str, float]]:
+    part = mrc.filter(table_name=table)
+    return {p: {str(lf): round(r, 5) for lf, r in part.filter(policy=p).select("load_factor", "miss_ratio").iter_rows()}
+            for p in POLICIES}
+
+
+def planner_stats(ctx: Context, sample: Sample, mrc: pl.DataFrame, totals: dict, steps: int,
+                  notes: list[str]) -> dict[str, Any]:
+    """The TorchRec planner inputs of the module docstring, per table."""
+    pooling, source = pooling_factors(ctx, totals, notes)
+    repeated = cross_rank_repeats(sample)
+    tables = {}
+    for t, name in enumerate(sample.names):
+        lru = mrc.filter(table_name=name, policy="lru").sort("load_factor")
+        if lru.is_empty():
+            continue
+        lf, rate = lru["load_factor"].to_list(), lru["miss_ratio"].to_list()
+        tables[name] = {
+            "num_embeddings": _num_rows(ctx, name, totals[name]["seen_rows"]),
+            "expected_lookups": totals[name]["accesses"] * (1 - repeated[t]) / steps,
+            "expected_miss_rate": {str(x): y for x, y in zip(lf, rate)},
+            "expected_miss_rate_lfu": dict(zip(map(str, lf), mrc.filter(table_name=name, policy="lfu")
+                                               .sort("load_factor")["miss_ratio"].to_list())),
+            "cacheability": float(np.trapezoid([1.0, *rate, 0.0], [0.0, *lf, 1.0])),
+            "pooling_factor": pooling.get(name), "sample_rate": float(sample.rates[t])}
+    return {"schema": "tracekit.torchrec_cache_stats/1", "run": str(ctx.path), "phase": "train",
+            "policy": "lru (FBGEMM TBE semantics)", "pooling_factor_source": source, "steps": steps,
+            "tables": tables}
+
+
+def _num_rows(ctx: Context, name: str, seen: int) -> int:
+    try:
+        return ctx.model.table(name).num_rows or seen
+    except KeyError:
+        return seen
+
+
+def cross_rank_repeats(sample: Sample) -> np.ndarray:
+    """Per table, the fraction of sampled (step, rank, row) entries whose (step, row) another rank
+    also read: what summing ranks' distinct rows counts twice."""
+    tables = len(sample.names)
+    ranks = int(sample.rank.max()) + 1
+    on_ranks = np.bincount(np.unique(sample.table * ranks + sample.rank) // ranks, minlength=tables)
+    shared = np.flatnonzero(np.isin(sample.table, np.flatnonzero(on_ranks > 1)))  # only tables read on 2+ ranks
+    repeats = np.zeros(tables)
+    if len(shared):
+        order = shared[np.lexsort((sample.row[shared], sample.step[shared], sample.table[shared]))]
+        t, s, r = sample.table[order], sample.step[order], sample.row[order]
+        again = (t[1:] == t[:-1]) & (s[1:] == s[:-1]) & (r[1:] == r[:-1])
+        repeats = np.bincount(t[1:][again], minlength=tables).astype(np.float64)
+    return repeats / np.maximum(np.bincount(sample.table, minlength=tables), 1)
+
+
+def pooling_factors(ctx: Context, totals: dict, notes: list[str]) -> tuple[dict[str, float], str | None]:
+    """Ids per sample per table: training lookups over the samples of the `steps` table, else ids per
+    non-empty bag in `lookups`."""
+    if ctx.has("steps"):
+        samples = ctx.sql("SELECT sum(samples)::BIGINT FROM steps").fetchall()[0][0] or 0
+        if samples > 0:
+            return {name: row["lookups"] / samples for name, row in totals.items()}, "accesses / steps.samples"
+    if ctx.has("lookups"):
+        rows = ctx.sql("""SELECT table_name, count(*)::DOUBLE / count(DISTINCT (step, rank, sample))
+                          FROM train_lookups GROUP BY ALL""").fetchall()
+        if rows:
+            return dict(rows), "lookups (ids per non-empty bag)"
+    notes.append("pooling factors: no samples in a steps table and no lookups table")
+    return {}, None
+
+
+def write_json(ctx: Context, stats: dict) -> os.PathLike:
+    target = ctx.path / "analysis" / STATS_FILE
+    target.parent.mkdir(exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(stats, indent=2, default=_plain) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+

@@ -1,0 +1,268 @@
+"""Analysis at scale: how long `skew` and `cache` (and, with --full, the whole `tracekit analyze`)
+take on a synthetic run of 100M `accesses` rows, and how much memory, at 50M and 100M rows.
+
+The run is written once into the directory given (and reused): the 26 Criteo Kaggle tables at full
+size with their fitted Zipf exponents, 2 ranks, 4096 samples per rank and step, one id per sample
+and table, each table on one rank (table-wise sharding, t -> rank t % 2), so the owner sees the
+whole global batch of 8192 lookups per table and step. Part files carry the recorder's schema,
+metadata and encodings (`tracekit.store.write_part`), about 2M rows each, rows sorted within a
+(step, table) as the recorder writes them. Its first half of steps (hard links to the same part
+files) is the 50M-row run. Each measurement is a fresh subprocess; wall time is the parent's clock
+around it and peak memory its `ru_maxrss` from `os.wait4` (the child's own, not the maximum over
+all children that `getrusage(RUSAGE_CHILDREN)` reports).
+
+    .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --runs 3
+    .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --runs 3 --full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tracekit.dlrm.presets import CRITEO_KAGGLE_ROWS, CRITEO_KAGGLE_ZIPF  # noqa: E402
+from tracekit.schema import TABLES, file_metadata  # noqa: E402
+from tracekit.store import PARQUET_OPTIONS, write_manifest, write_part  # noqa: E402
+
+BATCH_PER_RANK = 4096
+WORLD = 2
+PART_ROWS = 2_000_000
+SCRAMBLE = 2_654_435_761  # a prime larger than every table: row = rank * SCRAMBLE mod rows is a bijection
+TABLE_NAMES = tuple(f"C{i}" for i in range(1, 27))
+
+
+def zipf_rows(rng: np.random.Generator, rows: int, alpha: float, n: int) -> np.ndarray:
+    """`n` rows of a table of `rows` rows, popularity rank k drawn with P(k) ~ k^-alpha (inverse of
+    the continuous power law's CDF on [1, rows + 1), floored), hot rows spread over the ids."""
+    u = rng.random(n)
+    top = rows + 1.0
+    x = top ** u if abs(alpha - 1) < 1e-9 else (1 + u * (top ** (1 - alpha) - 1)) ** (1 / (1 - alpha))
+    k = np.minimum(np.floor(x).astype(np.int64), rows) - 1
+    return (k * SCRAMBLE) % rows
+
+
+def manifest(steps: int, rows_written: int) -> dict:
+    tables = [{"name": name, "num_rows": rows, "dim": 64, "dtype": "float32", "kind": "pooled",
+               "placement": "sharded", "shards": [{"rank": t % WORLD, "first_row": 0, "num_rows": rows}]}
+              for t, (name, rows) in enumerate(zip(TABLE_NAMES, CRITEO_KAGGLE_ROWS))]
+    return {"schema_version": "1.1", "run_id": "analyze-scale", "status": "completed", "world_size": WORLD,
+            "ranks": list(range(WORLD)), "steps": steps, "tables": tables, "command": ["bench/analyze_scale.py"],
+            "bench": {"accesses_rows": rows_written, "batch_per_rank": BATCH_PER_RANK, "seed": 0}}
+
+
+class PartWriter:
+    """Accesses of one rank, buffered and written as part files of about PART_ROWS rows."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.directory = run_dir / "accesses" / f"rank={rank}"
+        self.batches: list[pa.RecordBatch] = []
+        self.rows = 0
+        self.index = 0
+        self.parts: list[tuple[Path, int]] = []  # (file, last step in it)
+
+    def add(self, step: int, names: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> None:
+        n = len(rows)
+        table_name = pa.DictionaryArray.from_arrays(pa.array(names, pa.int32()), pa.array(TABLE_NAMES))
+        phase = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array(["train"]))
+        self.batches.append(pa.RecordBatch.from_arrays(
+            [pa.array(np.full(n, step, np.int64)), table_name, pa.array(rows), pa.array(counts.astype(np.int32)),
+             phase],
+            schema=TABLES["accesses"]))
+        self.rows += n
+        if self.rows >= PART_ROWS:
+            self.flush(step)
+
+    def flush(self, step: int) -> None:
+        if not self.batches:
+            return
+        data = pa.Table.from_batches(self.batches).replace_schema_metadata(file_metadata("accesses"))
+        self.parts.append((write_part(data, self.directory, self.index, **PARQUET_OPTIONS["accesses"]), step))
+        self.index += 1
+        self.batches, self.rows = [], 0
+
+
+def write_steps(run_dir: Path, steps: int) -> None:
+    for rank in range(WORLD):
+        step = np.arange(steps, dtype=np.int64)
+        t0 = step * 50_000_000
+        data = pa.table({"step": step, "t_start_ns": t0, "t_end_ns": t0 + 45_000_000,
+                         "samples": np.full(steps, BATCH_PER_RANK, np.int32), "loss": pa.nulls(steps, pa.float64())},
+                        schema=TABLES["steps"]).replace_schema_metadata(file_metadata("steps"))
+        write_part(data, run_dir / "steps" / f"rank={rank}", 0)
+
+
+def generate(run_dir: Path, target_rows: int, seed: int = 0) -> dict:
+    """Write the synthetic run (about `target_rows` accesses rows) and its half; the manifest last,
+    so a directory with a manifest is complete."""
+    rng = np.random.default_rng(seed)
+    offsets = np.cumsum((0,) + CRITEO_KAGGLE_ROWS)
+    owner = np.arange(len(TABLE_NAMES)) % WORLD
+    writers = [PartWriter(run_dir, rank) for rank in range(WORLD)]
+    written, step = 0, 0
+    while written < target_rows:
+        keys = np.concatenate([offsets[t] + zipf_rows(rng, rows, alpha, WORLD * BATCH_PER_RANK)
+                               for t, (rows, alpha) in enumerate(zip(CRITEO_KAGGLE_ROWS, CRITEO_KAGGLE_ZIPF))])
+        unique, counts = np.unique(keys, return_counts=True)  # sorted: by table, then row
+        table = np.searchsorted(offsets, unique, side="right") - 1
+        for rank, writer in enumerate(writers):
+            mine = owner[table] == rank
+            writer.add(step, table[mine], unique[mine] - offsets[table[mine]], counts[mine])
+        written += len(unique)
+        step += 1
+    for writer in writers:
+        writer.flush(step - 1)
+    write_steps(run_dir, step)
+    write_manifest(run_dir, manifest(step, written))
+    half = run_dir.with_name(run_dir.name + "-half")
+    link_half(run_dir, half, writers, written)
+    return {"rows": written, "steps": step}
+
+
+def link_half(run_dir: Path, half: Path, writers: list[PartWriter], total_rows: int) -> None:
+    """The run of the first parts (hard links): every part ending before the step whose cut comes
+    closest to half the rows."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    shutil.rmtree(half, ignore_errors=True)
+    parts = [(path, last, pq.ParquetFile(path).metadata.num_rows) for w in writers for path, last in w.parts]
+    cuts = sorted({last + 1 for _, last, _ in parts})
+    rows_before = {cut: sum(n for _, last, n in parts if last < cut) for cut in cuts}
+    steps = min(cuts, key=lambda cut: abs(rows_before[cut] - total_rows / 2))
+    for path, last, _ in parts:
+        if last < steps:
+            target = half / path.relative_to(run_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+    write_steps(half, steps)
+    write_manifest(half, manifest(steps, rows_before[steps]))
+
+
+def ensure(run_dir: Path, target_rows: int) -> None:
+    path = run_dir / "manifest.json"
+    half = run_dir.with_name(run_dir.name + "-half") / "manifest.json"
+    if path.is_file() and half.is_file() and json.loads(path.read_text())["bench"]["accesses_rows"] >= target_rows:
+        return
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    started = time.perf_counter()
+    info = generate(run_dir, target_rows)
+    print(f"wrote {info['rows']:,} accesses rows over {info['steps']} steps in {time.perf_counter() - started:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+def child(target: str, run_dir: Path) -> None:
+    """Run `target` on `run_dir` in this process and print its phase times as JSON."""
+    from analyses import cache, skew
+    from analyses.context import open_context
+
+    times: dict[str, float] = {}
+    started = time.perf_counter()
+    ctx = open_context(run_dir)
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = fn()
+        times[name] = round(time.perf_counter() - t, 3)
+        return out
+
+    timed("per_row_pass", lambda: skew.lookup_histogram(ctx))
+    timed("sample_pass", lambda: skew.access_sample(ctx))
+    results = []
+    if target in ("skew", "skew+cache"):
+        results.append(timed("skew", lambda: skew.compute(ctx)))
+    if target in ("cache", "skew+cache"):
+        results.append(timed("cache", lambda: cache.compute(ctx)))
+    for result in results:
+        for name, frame in result.tables.items():
+            ctx.write(name, frame)
+    times["total"] = round(time.perf_counter() - started, 3)
+    print(json.dumps(times))
+
+
+def run_child(command: list[str]) -> dict:
+    """Wall time, CPU time and peak RSS (ru_maxrss from os.wait4 on exactly this child) of
+    `command`, and the phase times it prints as its last JSON line."""
+    with tempfile.TemporaryFile() as stderr:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr)
+        out = process.stdout.read().decode()
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - started
+        process.returncode = code = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        if code != 0:
+            stderr.seek(0)
+            raise SystemExit(f"{' '.join(command)} failed ({code}):\n{stderr.read().decode()[-3000:]}")
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    phases = json.loads(last) if "--child" in command else {}
+    return {"wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "phases": phases}
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    memory = next((int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
+    return f"{cpu}, {os.cpu_count()} cores, {memory / 2**20:.0f} GiB, {platform.system()}"
+
+
+def rows_of(run_dir: Path) -> int:
+    return json.loads((run_dir / "manifest.json").read_text())["bench"]["accesses_rows"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", type=Path, help="where the synthetic run is (written there if absent)")
+    p.add_argument("--rows", type=float, default=100e6, help="accesses rows of the run (default 100M)")
+    p.add_argument("--runs", type=int, default=3, help="measurements of each target at each size")
+    p.add_argument("--targets", default="skew,cache,skew+cache", help="comma-separated: skew, cache, skew+cache")
+    p.add_argument("--full", action="store_true", help="also time `tracekit analyze RUN --json`")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child, args.run_dir)
+        return 0
+    ensure(args.run_dir, int(args.rows))
+    half = args.run_dir.with_name(args.run_dir.name + "-half")
+    python = sys.executable
+    targets = [t for t in args.targets.split(",") if t]
+    commands = {t: lambda run, t=t: [python, __file__, str(run), "--child", t] for t in targets}
+    if args.full:
+        if (ROOT / "analyses" / "analyze.py").is_file():
+            commands["tracekit analyze"] = lambda run: [python, "-m", "tracekit", "analyze", str(run), "--json"]
+        else:
+            print("analyses/analyze.py does not exist yet: --full skipped")
+    print(f"machine: {machine()}; runs: {args.runs} per cell, medians")
+    print("| target | accesses rows | wall s (median) | runs (wall s) | CPU s (median) | peak RSS MiB (max) | "
+          "phases in the process (median s) |")
+    print("|---|---:|---:|---|---:|---:|---|")
+    for target, command in commands.items():
+        for run in (half, args.run_dir):
+            got = [run_child(command(run)) for _ in range(args.runs)]
+            walls = [g["wall_s"] for g in got]
+            phases = {k: statistics.median(g["phases"][k] for g in got) for k in got[0]["phases"]}
+            print(f"| {target} | {rows_of(run):,} | {statistics.median(walls):.1f} | "
+                  f"{', '.join(f'{w:.1f}' for w in walls)} | {statistics.median(g['cpu_s'] for g in got):.1f} | "
+                  f"{max(g['peak_rss_mib'] for g in got):.0f} | "
+                  f"{', '.join(f'{k} {v:.1f}' for k, v in phases.items())} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
