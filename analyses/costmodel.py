@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import polars as pl
@@ -261,6 +262,17 @@ def _step_time(ctx: Context) -> float | None:
 
 
 # bandwidths and time ---------------------------------------------------------------------------
+
+def once_per_bandwidth(cache: "weakref.WeakKeyDictionary[Context, dict]", ctx: Context, bandwidth: dict | None,
+                       derive: Callable[[Context, dict | None], Any]) -> Any:
+    """derive(ctx, bandwidth), computed once per context and resolved bandwidths (kept in `cache`):
+    the policies build on each other and `analyze` asks for each once more."""
+    key = repr(sorted(bandwidths(ctx, bandwidth)[0].items()))
+    per_context = cache.setdefault(ctx, {})
+    if key not in per_context:
+        per_context[key] = derive(ctx, bandwidth)
+    return per_context[key]
+
 
 def bandwidths(ctx: Context, given: dict | None = None) -> tuple[dict[str, float], str]:
     """{"all_to_all_single", "all_reduce", "intra", "inter"} in bytes/s (bus bandwidths: the time of

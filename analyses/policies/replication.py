@@ -189,11 +189,7 @@ def sweep(s: Setup, c: Curve, points: dict[str, int], ordering: str) -> pl.DataF
 
 def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     """The replication section, its hot_rows list, the budget sweep and the evidence."""
-    key = repr(sorted(costmodel.bandwidths(ctx, bandwidth)[0].items()))  # the same figures, one derivation
-    cached = _cache.setdefault(ctx, {})
-    if key not in cached:
-        cached[key] = _derive(ctx, bandwidth)
-    return cached[key]
+    return costmodel.once_per_bandwidth(_cache, ctx, bandwidth, _derive)
 
 
 def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:

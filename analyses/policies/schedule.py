@@ -166,11 +166,7 @@ def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
 
 def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     """The schedule section and its hot-row list (module docstring)."""
-    key = repr(sorted(costmodel.bandwidths(ctx, bandwidth)[0].items()))  # the same figures, one derivation
-    cached = _cache.setdefault(ctx, {})
-    if key not in cached:
-        cached[key] = _derive(ctx, bandwidth)
-    return cached[key]
+    return costmodel.once_per_bandwidth(_cache, ctx, bandwidth, _derive)
 
 
 def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:

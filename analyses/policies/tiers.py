@@ -101,11 +101,7 @@ def _cumulative(hist: pl.DataFrame, n: int, where: pl.Expr) -> np.ndarray:
 
 def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     """The tiers section and row list for the topology (module docstring)."""
-    key = repr(sorted(costmodel.bandwidths(ctx, bandwidth)[0].items()))  # the same figures, one derivation
-    cached = _cache.setdefault(ctx, {})
-    if key not in cached:
-        cached[key] = _derive(ctx, bandwidth)
-    return cached[key]
+    return costmodel.once_per_bandwidth(_cache, ctx, bandwidth, _derive)
 
 
 def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
