@@ -22,8 +22,8 @@ The cache (FBGEMM `SplitTableBatchedEmbeddingBagsCodegen`, research/papers.md §
 
 At scale (SHARDS, Waldspurger et al., FAST '15): the replay runs on the hashed row sample of
 `analyses.skew.access_sample` (rate R_t per table, `sample_rate`); a sampled cache has R_t times the
-slots, as round(sets * R_t) sets (at least one) of round(32 * sets * R_t / those sets) ways, so that
-a sampled row meets as much competition per slot as it would in the full cache. Where R_t = 1 the
+slots, as ceil(sets * R_t) sets of round(32 * sets * R_t / those sets) ways (at most 32), so that a
+sampled row meets as much competition per slot as it would in the full cache. Where R_t = 1 the
 replay is exact. `simulated_rows` is the sampled cache's size, `cache_rows` the real one.
 
 TorchRec (`torchrec.distributed.types.CacheStatistics`, passed as `CacheParams(stats=...)`):
@@ -66,7 +66,8 @@ WAYS = 32
 POLICIES = ("lru", "lfu", "oracle")
 STATS_FILE = "torchrec_cache_stats.json"
 EMPTY, PAD = -1, -2  # a free way; a way beyond a sampled cache's associativity (never used)
-NEVER = np.iinfo(np.int64).max
+NEVER = np.iinfo(np.int64).max  # the LFU count of a PAD way: no id replaces it
+LATEST = np.iinfo(np.int32).max  # the LRU stamp of a PAD way: never the least recent
 
 
 def fmix64(x: np.ndarray) -> np.ndarray:
@@ -114,9 +115,9 @@ class State:
     and the LFU count of each uid."""
 
     tags: np.ndarray
-    stamp: np.ndarray
+    stamp: np.ndarray | None
     where: np.ndarray
-    freq: np.ndarray
+    freq: np.ndarray | None
     n_ids: int
 
 
@@ -141,9 +142,10 @@ def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) ->
     set_index = set_index.ravel()
     width = int(ways.max())
     beyond = np.arange(width)[None, :] >= limit[:, None]
-    state = State(tags=np.where(beyond, PAD, EMPTY), stamp=np.where(beyond, NEVER, -1),
-                  where=np.full(variants * n_ids, -1, dtype=np.int64), freq=np.zeros(n_ids, dtype=np.int64),
-                  n_ids=n_ids)
+    state = State(tags=np.where(beyond, PAD, EMPTY).astype(np.int32),
+                  stamp=np.where(beyond, LATEST, -1).astype(np.int32) if policy == "lru" else None,
+                  where=np.full(variants * n_ids, -1, dtype=np.int64),
+                  freq=np.zeros(n_ids, dtype=np.int64) if policy == "lfu" else None, n_ids=n_ids)
     variant = np.arange(variants, dtype=np.int64)[:, None]
     insert = _insert_lru if policy == "lru" else _insert_lfu
     bounds = np.flatnonzero(np.r_[True, stream.step[1:] != stream.step[:-1], True])
@@ -179,7 +181,7 @@ def _by_set(sets: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.nd
 def _ways_in_order(cost: np.ndarray, group: np.ndarray, j: np.ndarray) -> np.ndarray:
     """The way holding the j-th smallest cost of its set's row of `cost` (ties: lower way first):
     an argmin for sets with one candidate, a sort of the ways for the others."""
-    way = np.argmin(cost[group], axis=1) if len(group) else np.zeros(0, dtype=np.int64)
+    way = np.argmin(cost, axis=1)[group]  # right for each set's first candidate
     several = np.flatnonzero(np.bincount(group, minlength=len(cost)) > 1)
     if len(several):
         row = np.full(len(cost), -1)
@@ -268,17 +270,18 @@ def geometry(full_sets: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.nd
     """Sets and ways of the sampled caches: R times the slots of `full_sets` x 32 (module docstring);
     the full caches themselves where R = 1."""
     scaled = full_sets * rate[:, None]
-    sets = np.maximum(1, np.round(scaled)).astype(np.int64)
-    ways = np.maximum(1, np.round(WAYS * scaled / sets)).astype(np.int64)
+    sets = np.maximum(1, np.ceil(scaled)).astype(np.int64)
+    ways = np.maximum(1, np.round(WAYS * scaled / sets)).astype(np.int64)  # <= 32
     exact = rate[:, None] >= 1
     return np.where(exact, full_sets, sets), np.where(exact, WAYS, ways)
 
 
 # ---------------------------------------------------------------------------------------------- compute
 
-def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS,
-            load_factors: tuple[float, ...] = LOAD_FACTORS) -> Result:
-    """The `cache_mrc` table, torchrec_cache_stats.json and per-table figures."""
+def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors: tuple[float, ...] = LOAD_FACTORS,
+            tables: tuple[str, ...] | None = None) -> Result:
+    """The `cache_mrc` table, torchrec_cache_stats.json and per-table figures (of `tables` only when
+    given: every row of a few tables replays in a check of the sampled curves)."""
     result = Result()
     if not ctx.has("accesses"):
         result.notes.append("no accesses table: the cache replay needs the per-step ids")
@@ -287,17 +290,17 @@ def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS,
     if histogram.is_empty():
         result.notes.append("no training rows in accesses (phase = 'train'): nothing to replay")
         return result
-    sample = access_sample(ctx, sample_rows)
+    sample = access_sample(ctx, sample_rows, tables)
     totals = histogram.group_by("table_name").agg(
         (pl.col("lookups") * pl.col("rows")).sum().alias("lookups"), pl.col("accesses").sum(),
         (pl.col("max_row").max() + 1).alias("seen_rows"))
     totals = {row["table_name"]: row for row in totals.iter_rows(named=True)}
 
-    tables = len(sample.names)  # a cache per (rank, table), numbered in the sample's order
-    pairs, group = np.unique(sample.rank * tables + sample.table, return_inverse=True)
-    table_of = pairs % tables
-    held = np.array([rows_held(ctx, sample.names[p % tables], int(p // tables),
-                               totals[sample.names[p % tables]]["seen_rows"]) for p in pairs], dtype=np.int64)
+    n_tables = len(sample.names)  # a cache per (rank, table), numbered in the sample's order
+    pairs, group = np.unique(sample.rank * n_tables + sample.table, return_inverse=True)
+    table_of = pairs % n_tables
+    held = np.array([rows_held(ctx, sample.names[t], int(p // n_tables), totals[sample.names[t]]["seen_rows"])
+                     for p, t in zip(pairs, table_of)], dtype=np.int64)
     lf = np.asarray(load_factors, dtype=np.float64)
     full_sets = np.maximum(1, np.ceil(held[:, None] * lf[None, :] / WAYS)).astype(np.int64)
     sets, ways = geometry(full_sets, sample.rates[table_of])
@@ -314,11 +317,11 @@ def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS,
     result.tables["cache_mrc"] = mrc
 
     stats = planner_stats(ctx, sample, mrc, totals, steps, result.notes)
-    path = write_json(ctx, stats)
+    path = write_json(ctx, stats) if tables is None else None
     if (sample.rates < 1).any():
         result.notes.append(f"miss ratios from a hashed row sample (SHARDS) for {sampled_tables(sample)}")
     result.summary = {"phase": "train", "load_factors": list(load_factors), "policies": list(POLICIES),
-                      "torchrec_cache_stats": str(path), "steps": steps,
+                      "torchrec_cache_stats": path and str(path), "steps": steps,
                       "tables": {name: {**entry, "miss_ratio": curves(mrc, name)}
                                  for name, entry in stats["tables"].items()}}
     return result

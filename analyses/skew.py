@@ -116,13 +116,16 @@ class Sample:
         return len(self.row)
 
 
-def access_sample(ctx: Context, sample_rows: int | None = SAMPLE_ROWS) -> Sample:
-    """The hashed row sample with about `sample_rows` accesses rows per table (None: every row)."""
-    return shared(ctx, ("access_sample", sample_rows), lambda: _access_sample(ctx, sample_rows))
+def access_sample(ctx: Context, sample_rows: int | None = SAMPLE_ROWS, tables: tuple[str, ...] | None = None) -> Sample:
+    """The hashed row sample with about `sample_rows` accesses rows per table (None: every row), of
+    every table or of `tables` only."""
+    return shared(ctx, ("access_sample", sample_rows, tables), lambda: _access_sample(ctx, sample_rows, tables))
 
 
-def _access_sample(ctx: Context, sample_rows: int | None) -> Sample:
+def _access_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...] | None) -> Sample:
     per_table = lookup_histogram(ctx).group_by("table_name").agg(pl.col("accesses").sum()).sort("table_name")
+    if tables is not None:
+        per_table = per_table.filter(pl.col("table_name").is_in(tables))
     names = per_table["table_name"].to_list()
     accesses = np.maximum(per_table["accesses"].to_numpy(), 1)
     rate = np.ones(len(names)) if sample_rows is None else np.minimum(1.0, sample_rows / accesses)

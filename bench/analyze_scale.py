@@ -13,6 +13,7 @@ all children that `getrusage(RUSAGE_CHILDREN)` reports).
 
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --runs 3
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --runs 3 --full
+    .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --accuracy C2,C10,C24   # sampled vs exact
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tracekit.dlrm.presets import CRITEO_KAGGLE_ROWS, CRITEO_KAGGLE_ZIPF  # noqa: E402
 from tracekit.schema import TABLES, file_metadata  # noqa: E402
 from tracekit.store import PARQUET_OPTIONS, write_manifest, write_part  # noqa: E402
 
@@ -56,6 +56,8 @@ def zipf_rows(rng: np.random.Generator, rows: int, alpha: float, n: int) -> np.n
 
 
 def manifest(steps: int, rows_written: int) -> dict:
+    from tracekit.dlrm.presets import CRITEO_KAGGLE_ROWS  # imports torch: only where the run is written
+
     tables = [{"name": name, "num_rows": rows, "dim": 64, "dtype": "float32", "kind": "pooled",
                "placement": "sharded", "shards": [{"rank": t % WORLD, "first_row": 0, "num_rows": rows}]}
               for t, (name, rows) in enumerate(zip(TABLE_NAMES, CRITEO_KAGGLE_ROWS))]
@@ -108,6 +110,8 @@ def write_steps(run_dir: Path, steps: int) -> None:
 def generate(run_dir: Path, target_rows: int, seed: int = 0) -> dict:
     """Write the synthetic run (about `target_rows` accesses rows) and its half; the manifest last,
     so a directory with a manifest is complete."""
+    from tracekit.dlrm.presets import CRITEO_KAGGLE_ROWS, CRITEO_KAGGLE_ZIPF
+
     rng = np.random.default_rng(seed)
     offsets = np.cumsum((0,) + CRITEO_KAGGLE_ROWS)
     owner = np.arange(len(TABLE_NAMES)) % WORLD
@@ -216,6 +220,32 @@ def run_child(command: list[str]) -> dict:
             "phases": phases}
 
 
+def accuracy(run_dir: Path, tables: tuple[str, ...]) -> None:
+    """The sampled miss-ratio curves of `tables` against an exact replay of every one of their rows."""
+    import polars as pl
+
+    from analyses import cache
+    from analyses.context import open_context
+
+    ctx = open_context(run_dir)
+    sampled = cache.compute(ctx).tables["cache_mrc"].filter(pl.col("table_name").is_in(tables))
+    started = time.perf_counter()
+    exact = cache.compute(ctx, sample_rows=None, tables=tables).tables["cache_mrc"]
+    print(f"exact replay of {', '.join(tables)}: {time.perf_counter() - started:.0f} s")
+    error = (pl.col("miss_ratio") - pl.col("miss_ratio_exact")).abs()
+    joined = sampled.join(exact, on=["table_name", "policy", "load_factor"], suffix="_exact")
+    summary = joined.group_by("table_name").agg(
+        pl.col("sample_rate").first(), error.mean().alias("mean_abs_error"), error.max().alias("max_abs_error"),
+        pl.col("miss_ratio_exact").min().alias("exact_min"), pl.col("miss_ratio_exact").max().alias("exact_max"))
+    rows = {t.name: t.num_rows for t in ctx.model.tables}
+    print("| table | rows | sample rate | mean abs error | max abs error | exact miss ratios |")
+    print("|---|---:|---:|---:|---:|---|")
+    for row in summary.sort("table_name").iter_rows(named=True):
+        print(f"| {row['table_name']} | {rows.get(row['table_name'], '?'):,} | {row['sample_rate']:.3f} | "
+              f"{row['mean_abs_error']:.4f} | {row['max_abs_error']:.4f} | "
+              f"{row['exact_min']:.3f}-{row['exact_max']:.3f} |")
+
+
 def machine() -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     memory = next((int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
@@ -233,12 +263,18 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="measurements of each target at each size")
     p.add_argument("--targets", default="skew,cache,skew+cache", help="comma-separated: skew, cache, skew+cache")
     p.add_argument("--full", action="store_true", help="also time `tracekit analyze RUN --json`")
+    p.add_argument("--accuracy", metavar="TABLES",
+                   help="instead: compare the sampled miss-ratio curves of these tables (comma-separated) "
+                        "with an exact replay")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child, args.run_dir)
         return 0
     ensure(args.run_dir, int(args.rows))
+    if args.accuracy:
+        accuracy(args.run_dir, tuple(args.accuracy.split(",")))
+        return 0
     half = args.run_dir.with_name(args.run_dir.name + "-half")
     python = sys.executable
     targets = [t for t in args.targets.split(",") if t]

@@ -204,6 +204,9 @@ def test_the_analysis_replays_every_table_and_rank_exactly_when_nothing_is_sampl
     b = mrc.filter(table_name="b", policy="lru").sort("load_factor")
     assert b["cache_rows"].to_list() == [2 * 32 * math.ceil(1000 * lf / 32) for lf in lfs]  # both ranks' caches
     assert not any("sample" in note for note in result.notes)
+    only_a = cache.compute(ctx, load_factors=lfs, tables=("a",))
+    assert only_a.tables["cache_mrc"].equals(mrc.filter(table_name="a"))
+    assert only_a.summary["torchrec_cache_stats"] is None  # a check of some tables leaves the run's file alone
 
 
 def test_torchrec_planner_inputs_come_from_the_trace(tmp_path: Path) -> None:
