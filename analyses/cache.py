@@ -20,6 +20,10 @@ The cache (FBGEMM `SplitTableBatchedEmbeddingBagsCodegen`, research/papers.md §
 - oracle: the K = sets * 32 rows of the rank's table that appear in the most batches stay resident
   for the whole run (fully associative): the fewest misses any fixed set of K rows can have.
 
+`cache_mrc`: a row per table, policy (lru | lfu | oracle) and load factor: cache_rows (the real
+caches' slots, every rank's together), miss_ratio, unique_miss_per_batch (misses per training step,
+every rank together: miss_ratio times the table's exact ids per step), sample_rate, simulated_rows.
+
 At scale (SHARDS, Waldspurger et al., FAST '15): the replay runs on the hashed row sample of
 `analyses.skew.access_sample` (rate R_t per table, `sample_rate`); a sampled cache has R_t times the
 slots, as ceil(sets * R_t) sets of round(32 * sets * R_t / those sets) ways (at most 32), so that a

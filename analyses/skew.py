@@ -20,6 +20,10 @@ largest row seen + 1), rows ranked by n_r, most read first:
   (below) with k scaled by the table's sampling rate, so it is exact where that rate is 1 and an
   estimate (`sample_rate` says which) elsewhere.
 
+Tables: `skew` (table_name and the figures above, with num_rows, rows_touched, lookups), `coverage`
+(table_name, rows, row_fraction = rows / N, share), `hot_set_stability` (table_name, window: the
+later of the two, first_step and last_step of it, k, jaccard, sample_rate).
+
 Passes over `accesses` (never a Python loop over rows; memory bounded by DuckDB's limit):
 1. `lookup_histogram`: one GROUP BY (table, row) in DuckDB, reduced at once to how many rows of each
    table were read exactly n times. Every figure above except the hot set is exact from it, since
