@@ -9,6 +9,7 @@ returns data and the CLI only prints it.
 from __future__ import annotations
 
 import contextlib
+import shutil
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
@@ -17,7 +18,8 @@ from rich.table import Table
 
 from tracekit.units import format_bytes
 
-console = Console(stderr=False)
+# 120 columns where no terminal says otherwise (a pipe, a file, the README): the tables stay whole
+console = Console(width=shutil.get_terminal_size((120, 24)).columns)
 
 
 @contextlib.contextmanager
