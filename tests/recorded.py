@@ -4,6 +4,7 @@ tests (whose machines have neither) can use it."""
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -51,3 +52,11 @@ def sample_accesses(start: int, stop: int, samples: int = 4096) -> Counter:
         counts.update((f"t{t}", row) for row in b.values[offset:offset + n].tolist())
         offset += n
     return counts
+
+
+def record_script(tmp_path: Path, name: str, text: str, ranks: int = 2) -> tuple[int, Path]:
+    """Write `text` as `tmp_path/name` and record it under torchrun with `ranks` gloo ranks."""
+    script = tmp_path / name
+    script.write_text(text)
+    return record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", str(ranks), str(script))

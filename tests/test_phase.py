@@ -18,7 +18,7 @@ from torch import nn
 import tracekit
 from collectors import embedding, phase, steps
 from collectors.steps import StepClock
-from tests.recorded import REPO, TINY, expected_accesses, record, sample_accesses
+from tests.recorded import REPO, TINY, expected_accesses, record, record_script, sample_accesses
 from tracekit.run import open_run
 from tracekit.schema import file_metadata
 from tracekit.store import RunWriter, write_manifest, write_part
@@ -213,10 +213,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_a_user_scripts_evaluation_is_eval_exactly(tmp_path: Path) -> None:
-    script = tmp_path / "user_eval.py"
-    script.write_text(USER_EVAL_SCRIPT)
-    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(script))
+    code, run_dir = record_script(tmp_path, "user_eval.py", USER_EVAL_SCRIPT)
     assert code == 0
     accesses = open_run(run_dir).scan("accesses").collect()
     for r in (0, 1):

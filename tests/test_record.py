@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from tracekit.cli import cli
-from tests.recorded import REPO, TINY, expected_accesses, record
+from tests.recorded import REPO, TINY, expected_accesses, record, record_script
 from tracekit.run import open_run
 
 def expected_tables(world_size: int, sharding: str, sequence_tables: int) -> list[dict]:
@@ -206,10 +206,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_a_user_script_is_recorded_without_changing_it(tmp_path: Path) -> None:
-    script = tmp_path / "user_train.py"
-    script.write_text(USER_SCRIPT)
-    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(script))
+    code, run_dir = record_script(tmp_path, "user_train.py", USER_SCRIPT)
     assert code == 0
     # not under DDP, so each rank trains a table of its own (tests/test_table_identity.py)
     assert json.loads((run_dir / "manifest.json").read_text())["tables"] == [

@@ -5,13 +5,12 @@ a rank's own untagged module stays its own even when another rank's has the same
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
 
-from tests.recorded import record
+from tests.recorded import record_script
 from tracekit.run import open_run
 
 # The shape of a widely used open-source DLRM script: model-parallel tables in a rank-local
@@ -60,10 +59,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_rank_local_tables_stay_apart_and_replicas_and_shards_merge(tmp_path: Path) -> None:
-    script = tmp_path / "dlrm_like.py"
-    script.write_text(SCRIPT)
-    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(script))
+    code, run_dir = record_script(tmp_path, "dlrm_like.py", SCRIPT)
     assert code == 0
     manifest = json.loads((run_dir / "manifest.json").read_text())
     tables = {t["name"]: (t["num_rows"], t["placement"], t["shards"]) for t in manifest["tables"]}
