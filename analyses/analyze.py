@@ -12,7 +12,6 @@ Policies come from training rows only; evaluation traffic is reported beside the
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -37,20 +36,14 @@ POLICIES: dict[str, str] = {
 }
 
 
-def bandwidth(ctx: Context) -> dict[str, float | None]:
-    """Bytes/s of the all-to-all and all-reduce: --intra-bw/--inter-bw where given, else measured in the run."""
-    measured: dict[str, float | None] = {}
-    if ctx.has("comms"):
-        from analyses import traffic
+def bandwidth(ctx: Context) -> dict[str, Any]:
+    """Bytes/s of the all-to-all, the all-reduce and the links within and between nodes, resolved
+    once for every policy (analyses.costmodel.bandwidths: the options, else measured in the run),
+    with where they came from."""
+    from analyses.costmodel import bandwidths
 
-        measured = traffic.measured_bandwidth(ctx)
-    options = ctx.options
-    rate = options.inter_bw or options.intra_bw
-    return {"all_to_all_single": rate or measured.get("all_to_all_single"),
-            "all_reduce": rate or measured.get("all_reduce"),
-            "intra": options.intra_bw or measured.get("all_to_all_single"),
-            "inter": options.inter_bw or options.intra_bw or measured.get("all_to_all_single"),
-            "source": "options" if rate else "measured in the run"}
+    figures, source = bandwidths(ctx)
+    return {**figures, "source": source}
 
 
 def analyze(path: str | os.PathLike, options: Options | None = None,
@@ -88,9 +81,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         if name not in ctx.options.policies:
             continue
         progress(f"policy: {name}")
-        derive = importlib.import_module(module).derive
-        takes_bandwidth = len(inspect.signature(derive).parameters) > 1
-        derived: PolicyResult = derive(ctx, bw) if takes_bandwidth else derive(ctx)
+        derived: PolicyResult = importlib.import_module(module).derive(ctx, bw)
         for table, frame in derived.tables.items():
             report["written"].append(str(ctx.write(table, frame)))
         if derived.section is None:

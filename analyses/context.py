@@ -25,7 +25,7 @@ import polars as pl
 
 from tracekit.errors import TracekitError
 from tracekit.run import Run, open_run
-from tracekit.schema import PHASED, TABLES
+from tracekit.schema import PHASED
 
 MEMORY_LIMIT = "1GB"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
@@ -172,5 +172,3 @@ def open_context(path: str | os.PathLike, options: Options | None = None, *,
     except duckdb.Error as err:
         raise TracekitError(f"{run.path}: cannot read the trace ({str(err).splitlines()[0]})") from None
 
-
-ANALYSIS_TABLES = TABLES  # re-exported for `tracekit sql`, which lists trace and analysis tables

@@ -290,12 +290,10 @@ def bandwidths(ctx: Context, given: dict | None = None) -> tuple[dict[str, float
         found.update({k: float(v) for k, v in (("intra", options.intra_bw), ("inter", options.inter_bw)) if v})
         source = "--intra-bw/--inter-bw"
     if not found and ctx.has("comms"):
-        try:
-            from analyses.traffic import measured_bandwidth
-            found = {k: float(v) for k, v in measured_bandwidth(ctx).items() if v}
-            source = "traffic.measured_bandwidth (bus bandwidth of the run's largest calls)"
-        except ImportError:
-            found = {}
+        from analyses.traffic import measured_bandwidth
+
+        found = {k: float(v) for k, v in measured_bandwidth(ctx).items() if v}
+        source = "traffic.measured_bandwidth (bus bandwidth of the run's largest calls)"
     if not found and ctx.has("comms"):
         rows = ctx.sql("""SELECT op, sum(bytes_out)::DOUBLE / nullif(sum(t_end_ns - t_start_ns), 0) * 1e9
                           FROM train_comms WHERE t_end_ns >= t_start_ns AND op IN ('all_to_all_single', 'all_reduce')

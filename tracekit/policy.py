@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from tracekit.errors import PolicyMismatch, TracekitError
 
 SCHEMA = "tracekit.policy/1"
@@ -50,8 +52,6 @@ def write_policy(path: str | os.PathLike, policy: dict, rows: dict[str, Any] | N
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for name, frame in (rows or {}).items():
-        import pyarrow.parquet as pq
-
         table = frame.to_arrow() if hasattr(frame, "to_arrow") else frame
         target = path.parent / "policy" / f"{name}.parquet"
         target.parent.mkdir(exist_ok=True)

@@ -63,10 +63,12 @@ FLOAT_BYTES = {dtype: size for dtype, size in DTYPE_BYTES.items() if "float" in 
 DP_ROWS = "op = 'all_reduce' AND (tag LIKE 'ddp_bucket_%' OR \"async\")"
 
 
-def derive(ctx: Context) -> PolicyResult:
+def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+    """The compression section (dp and/or mp); `bandwidth` as `analyze` resolved it (the options'
+    rates or the run's), else the run's measured bus bandwidths."""
     result = PolicyResult("compression")
     base = traffic.baseline(ctx)
-    bandwidth = traffic.measured_bandwidth(ctx)
+    bandwidth = bandwidth or traffic.measured_bandwidth(ctx)
     world = ctx.model.world_size
     steps = traffic.training_steps(ctx)
     dp, dp_reason = _derive_dp(ctx, world, steps, base, bandwidth, result)

@@ -80,7 +80,8 @@ def choose(table: pl.DataFrame) -> int:
     return int(pick["bound"].min())
 
 
-def derive(ctx: Context) -> PolicyResult:
+def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+    """The lag section; `bandwidth` is not used: the replay runs on the recorded step times."""
     result = PolicyResult("lag")
     frame = timeline(ctx).tables.get("timeline")
     if frame is None or frame.height == 0:
