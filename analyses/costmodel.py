@@ -16,17 +16,20 @@ network). Time per step = remote bytes per rank / the all-to-all bandwidth (+ sy
 / the all-reduce bandwidth), and a policy's predicted step time is the measured one plus the
 change in that communication time (SCARS's t_iter = t_compute + t_comm, no overlap).
 
-Under hybrid replication of a hot set H (papers §7, SCARS step 5), an *item* leaves the exchange
-when it is served locally: a pooled bag (source q, sample, table; all its owners' partial bags in
-a row-wise table) when every id of it is in H, taking its lengths entries, ids and returned rows
-forward and backward; a sequence lookup when its row is in H. Bags with no ids are kept. The
-replicas are synchronised every step, the cheaper of
+Under hybrid replication of a hot set H (papers §7, SCARS step 5), as the trainer does it
+(tracekit/dlrm/sharding.py): a hot id is looked up where its sample is, so its id leaves the
+input all-to-all; a pooled bag (source q, sample, table; all its owners' partial bags in a
+row-wise table) whose ids are all in H leaves the output all-to-all (its returned rows, forward
+and backward); a mixed bag sends its cold ids and gets its pooled rows back; a sequence lookup of
+a hot row leaves (id and row). Bags with no ids are kept. The lengths exchange keeps its size
+under every policy (a bag served locally is sent as −1). The replicas are synchronised every
+step, the cheaper of
 
     dense   2(W−1) · Σ_{i∈H} rb_i                                   (ring all-reduce, §1.3)
-    sparse  Σ_r (W−1) · id_bytes · u_r  +  2(W−1) · Σ_{i∈H∩touched} rb_i
+    sparse  W(W−1) · 8  +  Σ_r (W−1) · id_bytes · u_r  +  2(W−1) · Σ_{i∈H∩touched} rb_i
 
-with u_r the hot rows rank r's samples touched (the index all-gather) and the second term the
-ring all-reduce over the union of hot rows touched that step. Expected values (i.i.d. samples,
+with u_r the hot rows rank r's samples touched: an all-gather of each rank's count (int64), the
+ids to the W−1 other ranks, then the ring all-reduce over the union of hot rows touched that step. Expected values (i.i.d. samples,
 SCARS): per-sample inclusion probability p_i = samples containing row i / samples; per device
 batch b, E[U] = Σ_i 1 − (1 − p_i)^b distinct rows, expected remote rows E[U]·(W−1)/W, and
 E[union] = Σ_{i∈H} 1 − (1 − p_i)^{bW}. A sequence table's ids are not placed in samples
@@ -70,6 +73,7 @@ COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
 TRAINER_TAGS = {"input_lengths": "ShardedEmbeddings._input_dist", "input_ids": "ShardedEmbeddings._input_dist",
                 "output_fwd": "_AllToAll.forward", "output_bwd": "_AllToAll.backward"}
 A2A = "all_to_all_single"
+COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int64
 ALL_REDUCE = "all_reduce"
 
 
@@ -165,7 +169,7 @@ def _pairs(ctx: Context, len_bytes: int, id_bytes: int) -> None:
 
 
 def item_bytes_sql(len_bytes: int, id_bytes: int) -> str:
-    """Columns of the bytes an item frees from each collective, from n_ids, n_remote (ids looked
+    """Columns of the bytes an item moves on each collective, from n_ids, n_remote (ids looked
     up on another rank than src), n_shards, n_remote_shards, rb and `seq` (a sequence lookup)."""
     return f"""CASE WHEN seq THEN 0 ELSE {len_bytes} * n_shards END AS len_out,
                CASE WHEN seq THEN 0 ELSE {len_bytes} * n_remote_shards END AS len_rem,
@@ -175,11 +179,15 @@ def item_bytes_sql(len_bytes: int, id_bytes: int) -> str:
 
 
 def items_sql(ctx: Context, order: str) -> str:
-    """SQL: every item (pooled bag, sequence lookup) with the bytes it puts on each collective and,
-    for an ordering table (tid, row, pos), its `maxpos`: the last position of its ids, null if one
-    of them is not in the ordering (the item then never leaves)."""
+    """SQL: what replicating a prefix of an ordering table (tid, row, pos) frees, as items with the
+    bytes each frees from every collective and its `maxpos`, the position from which on it is freed
+    (null: never): per id, its id (at its row's position); per pooled bag, its returned rows (at
+    the last position of its ids, null if one is outside the ordering); per sequence lookup, its id
+    and row. Lengths never leave (module docstring)."""
     s = setup(ctx)
-    columns = item_bytes_sql(s.len_bytes, s.id_bytes)
+    columns = f"""0 AS len_out, 0 AS len_rem, {s.id_bytes} * n_ids AS ids_out, {s.id_bytes} * n_remote AS ids_rem,
+                  CASE WHEN seq THEN rb ELSE rb * n_shards END AS row_out,
+                  CASE WHEN seq THEN rb * n_remote ELSE rb * n_remote_shards END AS row_rem"""
     return f"""
         SELECT step, src, tid, maxpos, n_ids, {columns} FROM (
             SELECT l.step, l.src, l.tid, false AS seq, 1 AS n_ids, CAST(l.owner <> l.src AS INTEGER) AS n_remote,
@@ -187,10 +195,16 @@ def items_sql(ctx: Context, order: str) -> str:
             FROM tk_x l JOIN tk_tshards t USING (tid, src) LEFT JOIN {order} o USING (tid, "row")
             WHERE l.onehot AND l.bag IS NOT NULL)
         UNION ALL
-        SELECT step, src, tid, maxpos, n_ids, {columns} FROM (
+        SELECT l.step, l.src, l.tid, o.pos AS maxpos, 1 AS n_ids, 0 AS len_out, 0 AS len_rem,
+               {s.id_bytes} AS ids_out, {s.id_bytes} * CAST(l.owner <> l.src AS INTEGER) AS ids_rem,
+               0 AS row_out, 0 AS row_rem
+        FROM tk_x l LEFT JOIN {order} o USING (tid, "row") WHERE NOT l.onehot AND l.bag IS NOT NULL
+        UNION ALL
+        SELECT step, src, tid, maxpos, n_ids, 0 AS len_out, 0 AS len_rem, 0 AS ids_out, 0 AS ids_rem,
+               rb * n_shards AS row_out, rb * n_remote_shards AS row_rem FROM (
             SELECT m.*, t.rb, t.n_shards, t.n_remote_shards FROM (
-                SELECT any_value(l.step) AS step, any_value(l.src) AS src, any_value(l.tid) AS tid, false AS seq,
-                       count(*) AS n_ids, count(*) FILTER (WHERE l.owner <> l.src) AS n_remote,
+                SELECT any_value(l.step) AS step, any_value(l.src) AS src, any_value(l.tid) AS tid,
+                       count(*) AS n_ids,
                        CASE WHEN count(o.pos) = count(*) THEN max(o.pos) END AS maxpos
                 FROM tk_x l LEFT JOIN {order} o USING (tid, "row")
                 WHERE NOT l.onehot AND l.bag IS NOT NULL GROUP BY l.bag) m
@@ -206,8 +220,9 @@ def items_sql(ctx: Context, order: str) -> str:
 def _rows(ctx: Context, steps: int, len_b: int, id_b: int) -> None:
     """tk_rows: per (tid, row) its lookups, remote lookups, the steps and (step, source) pairs that
     touched it, the samples holding it, and the all-to-all bytes per step its lookups would free
-    (benefit_out, and benefit_rem off the network): a sequence lookup's bytes, a pooled bag's
-    shared equally among its ids (exact for one-hot bags)."""
+    (benefit_out, and benefit_rem off the network): a sequence lookup's id and row, a pooled
+    lookup's id and its bag's returned rows shared equally among the bag's ids (exact for one-hot
+    bags); lengths never leave."""
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_bags AS
                SELECT bag, count(*) AS n_ids, count(*) FILTER (WHERE owner <> src) AS n_remote
                FROM tk_x WHERE NOT onehot AND bag IS NOT NULL GROUP BY bag""")
@@ -216,19 +231,17 @@ def _rows(ctx: Context, steps: int, len_b: int, id_b: int) -> None:
         WITH onehot AS (
             SELECT l.tid, l."row", l.step, l.src, count(*) AS n, sum({remote}) AS n_remote,
                    count(*) AS samples, count(gid) AS placed,
-                   count(*) * ({len_b} * any_value(t.n_shards) + {id_b} + 2 * any_value(t.rb) * any_value(t.n_shards))
-                       AS share_out,
-                   count(*) * ({len_b} + 2 * any_value(t.rb)) * any_value(t.n_remote_shards) + {id_b} * sum({remote})
+                   count(*) * ({id_b} + 2 * any_value(t.rb) * any_value(t.n_shards)) AS share_out,
+                   count(*) * 2 * any_value(t.rb) * any_value(t.n_remote_shards) + {id_b} * sum({remote})
                        AS share_rem
             FROM tk_x l JOIN tk_tshards t USING (tid, src) WHERE l.onehot GROUP BY ALL),
         shares AS (
             SELECT l.tid, l."row", l.step, l.src, l.gid, l.owner,
                    CASE WHEN l.seq THEN {id_b} + 2 * t.rb
-                        ELSE ({len_b} * t.n_shards + {id_b} * x.n_ids + 2 * t.rb * t.n_shards) / x.n_ids
+                        ELSE {id_b} + 2 * t.rb * t.n_shards / x.n_ids
                    END AS share_out,
                    CASE WHEN l.seq THEN {remote} * ({id_b} + 2 * t.rb)
-                        ELSE ({len_b} * t.n_remote_shards + {id_b} * x.n_remote + 2 * t.rb * t.n_remote_shards)
-                             / x.n_ids END AS share_rem
+                        ELSE {id_b} * {remote} + 2 * t.rb * t.n_remote_shards / x.n_ids END AS share_rem
             FROM tk_x l JOIN tk_tshards t USING (tid, src) LEFT JOIN tk_bags x USING (bag)
             WHERE NOT l.onehot AND (l.bag IS NOT NULL OR l.seq)),
         multi AS (
@@ -337,8 +350,13 @@ def sync_bytes(world: int, id_bytes: int, rb: np.ndarray, steps_touched: np.ndar
     w1 = max(world - 1, 0)
     dense = 2 * w1 * np.cumsum(rb, dtype=np.float64)
     sparse = (w1 * id_bytes * np.cumsum(src_steps, dtype=np.float64)
-              + 2 * w1 * np.cumsum(rb * steps_touched, dtype=np.float64)) / max(steps, 1)
+              + 2 * w1 * np.cumsum(rb * steps_touched, dtype=np.float64)) / max(steps, 1) + count_exchange(world)
     return dense, sparse
+
+
+def count_exchange(world: int) -> float:
+    """Bytes per step of the sparse sync's all-gather of each rank's touched-row count (int64)."""
+    return float(world * max(world - 1, 0) * COUNT_BYTES)
 
 
 def hot_curve(ctx: Context, order: str, n: int) -> dict[str, np.ndarray]:
@@ -491,7 +509,8 @@ def _replication_expected(ctx: Context, s: Setup, k: int) -> dict[str, float]:
     touched = -np.expm1(global_batch * np.log1p(-np.minimum(probability, 1 - 1e-12)))
     per_rank = -np.expm1(device_batch * np.log1p(-np.minimum(probability, 1 - 1e-12)))
     w1 = s.world - 1
-    sparse = w1 * s.id_bytes * s.world * float(per_rank.sum()) + 2 * w1 * float((rb * touched).sum())
+    sparse = (w1 * s.id_bytes * s.world * float(per_rank.sum()) + 2 * w1 * float((rb * touched).sum())
+              + count_exchange(s.world))
     return {"a2a_remote": left, "union": float(touched.sum()), "sparse": sparse}
 
 

@@ -41,12 +41,14 @@ def test_items_leave_the_exchange_as_the_layout_says(tmp_path: Path) -> None:
     saved = costmodel.hot_curve(ctx, "tk_test_order", 3)
     remote = sum(saved[f"{c}_rem"][3] for c in costmodel.COLLECTIVES)
     everything = sum(saved[f"{c}_out"][3] for c in costmodel.COLLECTIVES)
-    # remote: rank 1's two bags [1] of a (4 + 8 + 2·16 each); rank 0's one all-hot bag [5, 5] of b
-    # (4 + 16 + 32; [5, 6] stays whole); rank 0's three ids 7 of s (8 + 2·16 each)
-    assert remote == 2 * 44 + 52 + 3 * 40
-    # and what ranks hand themselves: rank 0's three bags [1]; rank 1's two [5, 5]; rank 1's three 7s
-    assert everything == remote + 3 * 44 + 2 * 52 + 3 * 40
-    assert saved["input_lengths_rem"][3] == 4 * 3  # sequence ids carry no lengths entry
+    # remote: rank 1's two bags [1] of a (8 + 2·16 each); rank 0's all-hot bag [5, 5] of b (16 + 32)
+    # and the hot id of its two bags [5, 6] (8 each: the bag stays, its cold id goes); rank 0's three
+    # ids 7 of s (8 + 2·16 each)
+    assert remote == 2 * 40 + 48 + 2 * 8 + 3 * 40
+    # and what ranks hand themselves: rank 0's three bags [1]; rank 1's two [5, 5] and one [5, 6];
+    # rank 1's three 7s
+    assert everything == remote + 3 * 40 + 2 * 48 + 8 + 3 * 40
+    assert saved["input_lengths_out"][3] == 0  # lengths keep their size: a bag served here is sent as -1
     assert saved["input_ids_rem"][1] == 2 * 8  # a:1 alone frees only a's bags
 
 
@@ -58,11 +60,14 @@ def test_a_row_wise_bag_leaves_with_all_its_partial_bags(tmp_path: Path) -> None
     s = costmodel.setup(ctx)
     hot_order(ctx, [("r", 1), ("r", 2), ("r", 3), ("r", 7), ("r", 8), ("r", 9)])
     saved = costmodel.hot_curve(ctx, "tk_test_order", 6)
-    # every bag hot: the whole recorded exchange leaves, empty partial bags included
-    assert sum(saved[f"{c}_out"][6] for c in costmodel.COLLECTIVES) == s.base_out == 336
-    # remote: each bag's partial bag on the other rank (length 4, rows 2·16) and its remote ids (7 and 3)
-    assert sum(saved[f"{c}_rem"][6] for c in costmodel.COLLECTIVES) == s.base_remote == 4 * 36 + 2 * 8
-    assert sum(saved[f"{c}_out"][1] for c in costmodel.COLLECTIVES) == 0  # row 1 alone: [1, 7] stays
+    # every bag hot: the whole recorded exchange leaves, empty partial bags included, but the
+    # lengths (2 ranks × 2 owners × 2 samples × 4 bytes)
+    assert s.base_out == 336
+    assert sum(saved[f"{c}_out"][6] for c in costmodel.COLLECTIVES) == 336 - 32
+    # remote: each bag's partial bag on the other rank (rows 2·16) and its remote ids (7 and 3)
+    assert s.base_remote == 4 * 36 + 2 * 8
+    assert sum(saved[f"{c}_rem"][6] for c in costmodel.COLLECTIVES) == 4 * 32 + 2 * 8
+    assert sum(saved[f"{c}_out"][1] for c in costmodel.COLLECTIVES) == 8  # row 1 alone: [1, 7] stays, id 1 goes
 
 
 def test_replica_sync_follows_the_touched_rows(tmp_path: Path) -> None:
@@ -77,8 +82,9 @@ def test_replica_sync_follows_the_touched_rows(tmp_path: Path) -> None:
     assert hot["steps"].to_list() == [2, 2, 2] and hot["src_steps"].to_list() == [4, 4, 4]
     dense, sparse = costmodel.sync_bytes(s.world, s.id_bytes, hot["rb"].to_numpy(), hot["steps"].to_numpy(),
                                          hot["src_steps"].to_numpy(), s.sampled_steps)
-    # per step: every hot row touched by both ranks; sparse = (W−1)·8·Σ u_r + 2(W−1)·16·|U|
-    assert sparse[-1] == 1 * 8 * 6 + 2 * 1 * 16 * 3
+    # per step: every hot row touched by both ranks; sparse = W(W−1)·8 (the counts) + (W−1)·8·Σ u_r
+    # + 2(W−1)·16·|U|
+    assert sparse[-1] == 2 * 1 * 8 + 1 * 8 * 6 + 2 * 1 * 16 * 3
     assert dense[-1] == 2 * 1 * 16 * 3
 
 

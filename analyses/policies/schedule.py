@@ -16,7 +16,7 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   averaged over all steps.
 - Hot steps synchronise the replicas: the hot samples, taken in order and cut into global batches
   of B (ranks' sub-batches of b), are replayed; per hot batch the cheaper of the sparse all-reduce
-  over the union of hot rows touched ((W−1)·id_bytes·Σ_r u_r + 2(W−1)·Σ rb over the union) and
+  over the union of hot rows touched (W(W−1)·8 + (W−1)·id_bytes·Σ_r u_r + 2(W−1)·Σ rb over the union) and
   the dense one (2(W−1)·Σ rb over the hot set); per step that times H.
 - Each switch between phases moves the hot block between owners and replicas:
   switch_bytes = 2(W−1)·Σ rb over the hot set (FAE's public code switches twice per epoch;
@@ -120,7 +120,7 @@ def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float) -> tuple[float, str
                            FROM (SELECT DISTINCT hb, tid, "row" FROM touched) u JOIN tk_names n USING (tid)
                            JOIN per_rank p USING (hb) GROUP BY u.hb)
         SELECT count(*), avg({w1} * {s.id_bytes} * u_r + 2 * {w1} * union_rb) FROM per_batch""").fetchall()[0]
-    hot_batches, sparse = rows[0], float(rows[1] or 0.0)
+    hot_batches, sparse = rows[0], float(rows[1] or 0.0) + costmodel.count_exchange(s.world)
     dense = 2 * w1 * hot_bytes
     return (sparse, "sparse_allreduce", hot_batches) if sparse <= dense else (dense, "dense_allreduce", hot_batches)
 

@@ -31,7 +31,9 @@ choice) and K2 takes the rest of the budget (none on one node, where tier 2 chan
 pair with least time is chosen: (intra a2a / BW_intra + inter a2a / BW_inter + sync bytes over the
 same links, slowed by the measured all-reduce/all-to-all bus bandwidth ratio) / W. BW_intra and
 BW_inter come from --intra-bw/--inter-bw, else the run's all-to-all bus bandwidth (the evidence
-then says inter-node bandwidth is assumed equal); on one node this is replication's time model.
+then says inter-node bandwidth is assumed equal). On one node every figure is replication's
+(its exact replay, what the trainer does: the hot ids of a mixed bag are served locally); across
+nodes items move whole, and the trainer does not apply tier 2 there yet.
 
 Outputs: the `tiers` section (topology, predicted intra- and inter-node bytes separately) and
 policy/tiers.parquet (table_name, row, tier) listing tier 1 and 2 rows (unlisted rows: tier 3).
@@ -132,7 +134,16 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
         limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
     limit = float(limit)
 
+    one = replication.curve(ctx, s, bw, "tk_order_tiers", replication.benefit_key(s, bw)) if nodes == 1 else None
+
     def figures(k1: int, k2: int) -> dict:
+        if one is not None:  # one node: tier 1 is replication, as the trainer applies it
+            return {"tier1_rows": k1, "tier2_rows": 0, "intra_bytes_per_step": float(one.a2a_rem[k1]),
+                    "inter_bytes_per_step": 0.0, "a2a_bytes_per_step": float(one.a2a_out[k1]),
+                    "a2a_remote_bytes_per_step": float(one.a2a_rem[k1]),
+                    "sync_intra_bytes_per_step": float(one.sync[k1]), "sync_inter_bytes_per_step": 0.0,
+                    "comm_time_s": float(one.comm_time[k1]), "memory_bytes_per_rank": cum_rb[k1],
+                    "tier1_sync": one.sync_kind(k1)}
         k12 = k1 + k2
         intra = (total[1] - a_intra[k12]) + (a_t2[k12] - a_t2[k1])
         inter = total[2] - a_inter[k12]

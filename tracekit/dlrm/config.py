@@ -64,6 +64,8 @@ class TrainConfig:
     lr: float = _opt(0.1, 'learning rate of the tables and the MLPs')
     optimizer: str = _opt("sgd", 'sgd | adagrad (row-wise for the tables)')
     seed: int = _opt(0, 'fixes the data, the initial weights and so the whole loss curve')
+    # policy
+    policy: str | None = _opt(None, 'apply this policy.json (written by tracekit analyze): replication, tiers, schedule')
     # output
     eval_every: int = _opt(0, 'evaluate every N steps (0: only at the end)')
     log_every: int = _opt(50, 'progress line every N steps')
@@ -137,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     )
     types = {
         "rows": _int_list, "bottom_mlp": _int_list, "top_mlp": _int_list, "zipf": _float_list,
-        "steps": int, "preset": str, "rows": _int_list,
+        "steps": int, "preset": str, "rows": _int_list, "policy": str,
     }
     for f in fields(TrainConfig):
         default = f.default_factory() if f.default is MISSING else f.default  # as declared: bottom_mlp stays None

@@ -16,6 +16,12 @@ Sequence (unpooled) tables send every looked-up row back instead of one pooled r
 (FlexShard's traffic); the data-parallel side then sums each sample's rows, so the dense
 model sees the same [b, T, D] input either way. Backward mirrors the output dist through
 autograd; the owner applies the sparse optimizer to the rows it looked up, inside backward.
+
+With replicated hot rows (tracekit/dlrm/replicas.py), a hot id is looked up where its sample is
+and never sent. A pooled bag whose ids are all hot leaves the exchange: its lengths entry still
+travels, as -1, so the owner knows not to return a row for it; a mixed bag sends its cold ids,
+the owner pools them and the sum with the local hot part is the bag's. Sequence lookups of hot
+rows simply leave. Lengths keep their size, so the exchange needs no extra collective.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 
 import tracekit
 from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
+from tracekit.dlrm.replicas import Replicas
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
 
@@ -92,17 +99,33 @@ class _Routing:
     slots_back: torch.Tensor  # for each returned row: sample * T + table, its slot in [b, T]
 
 
-def _init_shard(spec: TableSpec, t: int, start: int, stop: int, seed: int) -> torch.Tensor:
-    """Rows [start, stop) of table t, uniform(±sqrt(1/rows)), the same at any world size."""
+def _init_chunk(spec: TableSpec, t: int, chunk: int, seed: int) -> torch.Tensor:
+    """Rows of init chunk `chunk` of table t, uniform(±sqrt(1/rows)), seeded by (seed, t, chunk)."""
+    lo = chunk * _INIT_CHUNK_ROWS
+    hi = min(spec.rows, lo + _INIT_CHUNK_ROWS)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + t) * 1_000_003 + chunk)
     bound = math.sqrt(1.0 / spec.rows)
+    return torch.empty(hi - lo, spec.dim).uniform_(-bound, bound, generator=gen)
+
+
+def _init_shard(spec: TableSpec, t: int, start: int, stop: int, seed: int) -> torch.Tensor:
+    """Rows [start, stop) of table t, the same at any world size."""
     pieces = []
     for chunk in range(start // _INIT_CHUNK_ROWS, math.ceil(stop / _INIT_CHUNK_ROWS)):
         lo = chunk * _INIT_CHUNK_ROWS
-        hi = min(spec.rows, lo + _INIT_CHUNK_ROWS)
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + t) * 1_000_003 + chunk)
-        block = torch.empty(hi - lo, spec.dim).uniform_(-bound, bound, generator=gen)
-        pieces.append(block[max(start, lo) - lo : min(stop, hi) - lo])
+        block = _init_chunk(spec, t, chunk, seed)
+        pieces.append(block[max(start, lo) - lo : min(stop, lo + block.shape[0]) - lo])
     return torch.cat(pieces) if pieces else torch.empty(0, spec.dim)
+
+
+def init_rows(spec: TableSpec, t: int, rows: torch.Tensor, seed: int) -> torch.Tensor:
+    """Initial values of the given rows of table t (any order): those its shard starts from."""
+    out = torch.empty(rows.numel(), spec.dim)
+    chunks = torch.div(rows, _INIT_CHUNK_ROWS, rounding_mode="floor")
+    for chunk in torch.unique(chunks).tolist():
+        where = (chunks == chunk).nonzero().flatten()
+        out[where] = _init_chunk(spec, t, chunk, seed)[rows[where] - chunk * _INIT_CHUNK_ROWS]
+    return out
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -154,9 +177,11 @@ class ShardedEmbeddings(nn.Module):
     """
 
     def __init__(self, plan: ShardingPlan, rank: int, optimizer: SparseSGD | RowWiseAdagrad,
-                 *, seed: int, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+                 *, seed: int, device: torch.device, group: dist.ProcessGroup | None = None,
+                 replicas: Replicas | None = None) -> None:
         super().__init__()
         self.plan, self.rank, self.optimizer, self.group = plan, rank, optimizer, group
+        self.replicas = replicas
         self.local_tables = plan.tables_on(rank)
         self.row_start = {t: plan.row_range(t, rank)[0] for t in self.local_tables}
         self.shards = nn.ModuleDict()
@@ -170,26 +195,76 @@ class ShardedEmbeddings(nn.Module):
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.register_buffer("blocks", torch.tensor([plan.block_rows(t) for t in range(len(plan.tables))],
                                                     device=device), persistent=False)
+        self.register_buffer("pooled_mask", torch.tensor([spec.pooled for spec in plan.tables], device=device),
+                             persistent=False)
 
     def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
         """lengths [T, b], values (table, sample, pos) -> embeddings [b, T, D] of the local batch.
 
         `batch_sizes[q]` is rank q's local batch this step (known to every rank).
         """
-        routing = self._route(lengths, values)
+        T, b = lengths.shape
+        served = hot = None
+        if self.replicas is not None:
+            lengths, values, served, hot = self._serve_hot(lengths, values)
+        routing = self._route(lengths, values, served)
         recv_lengths, recv_values = self._input_dist(routing, batch_sizes)
         pooled, rows_out = self._lookup(recv_lengths, recv_values, batch_sizes)
         returned = self._output_dist(pooled, rows_out, routing.rows_back)
-        T, b = lengths.shape
         out = torch.zeros(b * T, returned.shape[1], dtype=returned.dtype, device=returned.device)
-        return out.index_add(0, routing.slots_back, returned).view(b, T, returned.shape[1])
+        out = out.index_add(0, routing.slots_back, returned)
+        if hot is not None:
+            out = out.index_add(0, *hot)
+        return out.view(b, T, returned.shape[1])
+
+    def synchronise(self) -> None:
+        """After backward: bring every rank's replica rows to the same updated values."""
+        if self.replicas is not None:
+            self.replicas.synchronise()
+
+    def table_weights(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """Per local table, its first row and its rows' current values (replicated rows included)."""
+        out = {}
+        for t in self.local_tables:
+            spec = self.plan.tables[t]
+            weight = self.shards[spec.name].weight
+            if self.replicas is not None:
+                rows, values = self.replicas.rows_of(t)
+                start, stop = self.plan.row_range(t, self.rank)
+                mine = (rows >= start) & (rows < stop)
+                if bool(mine.any()):
+                    weight = weight.clone()
+                    weight[rows[mine] - start] = values[mine]
+            out[spec.name] = (self.row_start[t], weight)
+        return out
+
+    # hot rows -----------------------------------------------------------------------------
+
+    def _serve_hot(self, lengths: torch.Tensor, values: torch.Tensor):
+        """Split the batch: hot ids looked up in the replicas here, cold ids for the exchange.
+
+        Returns the cold lengths [T, b], the cold ids, `served` [T, b] (False for a pooled bag
+        that leaves the exchange: non-empty and all hot) and (slots, rows) of the hot lookups.
+        """
+        T, b = lengths.shape
+        bag = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
+                                      output_size=values.numel())  # t * b + sample
+        table_of = torch.div(bag, b, rounding_mode="floor")
+        hit, index = self.replicas.find(values + self.replicas.table_base[table_of])
+        hot_counts = torch.bincount(bag[hit], minlength=T * b).view(T, b)
+        cold_lengths = lengths - hot_counts
+        served = (cold_lengths > 0) | (lengths == 0) | ~self.pooled_mask.view(T, 1)
+        slots = (bag[hit] - table_of[hit] * b) * T + table_of[hit]
+        rows = self.replicas.lookup(self.anchor, index[hit])
+        return cold_lengths, values[~hit], served, (slots, rows)
 
     # input dist ---------------------------------------------------------------------------
 
-    def _route(self, lengths: torch.Tensor, values: torch.Tensor) -> _Routing:
+    def _route(self, lengths: torch.Tensor, values: torch.Tensor, served: torch.Tensor | None) -> _Routing:
         """Order this rank's ids by destination rank, and note where returned rows belong.
 
-        A returned row's slot is `sample * T + table` in the [b, T, D] output.
+        A returned row's slot is `sample * T + table` in the [b, T, D] output. `served` [T, b]
+        (None: all) says which pooled bags the owners pool and return; the others are sent as -1.
         """
         plan = self.plan
         T, b = lengths.shape
@@ -213,7 +288,7 @@ class ShardedEmbeddings(nn.Module):
                 send_values = torch.cat([values[starts[t]:starts[t + 1]] for t in order])
                 if slots is not None:
                     send_slots = torch.cat([slots[starts[t]:starts[t + 1]] for t in order])
-            send_lengths = lengths[order].flatten()
+            send_lengths = (lengths if served is None else torch.where(served, lengths, -1))[order].flatten()
             counts = [[per_table[t] if plan.owners[t] == q else 0 for t in range(T)] for q in range(W)]
         else:
             dest = torch.div(values, self.blocks[table_of], rounding_mode="floor")
@@ -221,7 +296,10 @@ class ShardedEmbeddings(nn.Module):
             send_values, send_slots = values[perm], slots[perm]
             send_lengths = torch.bincount(dest * (T * b) + bag, minlength=W * T * b)
             counts = send_lengths.view(W, T, b).sum(dim=2).tolist()
+            if served is not None:
+                send_lengths.view(W, T * b)[:, ~served.flatten()] = -1
 
+        kept = [b] * T if served is None else served.sum(dim=1).tolist()
         lengths_splits, values_splits, rows_back, slots_back = [], [], [], []
         offset = 0
         for q in range(W):
@@ -232,8 +310,8 @@ class ShardedEmbeddings(nn.Module):
             for t in tables:
                 n = counts[q][t]
                 if plan.tables[t].pooled:
-                    slots_back.append(self._pooled_slots(b, t, lengths.device))
-                    rows += b
+                    slots_back.append(self._pooled_slots(b, t, lengths.device, served))
+                    rows += kept[t]
                 else:
                     slots_back.append(send_slots[offset:offset + n])
                     rows += n
@@ -242,8 +320,9 @@ class ShardedEmbeddings(nn.Module):
         return _Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
                         rows_back, torch.cat(slots_back))
 
-    def _pooled_slots(self, b: int, t: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(b, device=device) * len(self.plan.tables) + t
+    def _pooled_slots(self, b: int, t: int, device: torch.device, served: torch.Tensor | None) -> torch.Tensor:
+        samples = torch.arange(b, device=device) if served is None else served[t].nonzero().flatten()
+        return samples * len(self.plan.tables) + t
 
     def _input_dist(self, routing: _Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows."""
@@ -253,7 +332,7 @@ class ShardedEmbeddings(nn.Module):
         lengths_in = [mine * bq for bq in batch_sizes]
         recv_lengths = routing.lengths.new_empty(sum(lengths_in))
         dist.all_to_all_single(recv_lengths, routing.lengths, lengths_in, routing.lengths_splits, group=self.group)
-        values_in = [int(n) for n in _segment_sums(recv_lengths, lengths_in)]
+        values_in = _segment_sums(self._ids_per_bag(recv_lengths), lengths_in)
         recv_values = routing.values.new_empty(sum(values_in))
         dist.all_to_all_single(recv_values, routing.values, values_in, routing.values_splits, group=self.group)
         return recv_lengths, recv_values
@@ -272,7 +351,8 @@ class ShardedEmbeddings(nn.Module):
         W, mine = self.plan.world_size, len(self.local_tables)
         lengths_by_src = recv_lengths.split([mine * bq for bq in batch_sizes])
         per_src = [lq.view(mine, -1) for lq in lengths_by_src]
-        counts = torch.stack([lq.sum(dim=1) for lq in per_src]).tolist() if mine else [[] for _ in range(W)]
+        counts = (torch.stack([self._ids_per_bag(lq).sum(dim=1) for lq in per_src]).tolist() if mine
+                  else [[] for _ in range(W)])
         value_pieces = recv_values.split([n for row in counts for n in row])
         outputs, rows_out = [], []
         for j, t in enumerate(self.local_tables):
@@ -283,9 +363,13 @@ class ShardedEmbeddings(nn.Module):
             module = self.shards[spec.name]
             if spec.pooled:
                 bag_lengths = torch.cat([per_src[q][j] for q in range(W)]).long()
+                rows = list(batch_sizes)
+                if self.replicas is not None:  # bags sent as -1 were served where their sample is
+                    rows = [int(per_src[q][j].ge(0).sum()) for q in range(W)]
+                    bag_lengths = bag_lengths[bag_lengths >= 0]
                 offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
                 out = _FusedLookup.apply(self.anchor, module, self.optimizer, ids, offsets, bag_lengths)
-                rows_out.append(list(batch_sizes))
+                rows_out.append(rows)
             else:
                 out = _FusedLookup.apply(self.anchor, module, self.optimizer, ids, None, None)
                 rows_out.append([counts[q][j] for q in range(W)])
@@ -304,6 +388,11 @@ class ShardedEmbeddings(nn.Module):
             return send
         splits_out = [sum(rows[q] for rows in rows_out) for q in range(W)]
         return _AllToAll.apply(send, splits_out, rows_back, self.group)
+
+
+    def _ids_per_bag(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Received bag lengths as id counts: a bag sent as -1 holds none."""
+        return lengths if self.replicas is None else lengths.clamp(min=0)
 
 
 def _segment_sums(values: torch.Tensor, sizes: list[int]) -> list[int]:

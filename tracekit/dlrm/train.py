@@ -29,9 +29,12 @@ from tracekit.dlrm.data import Dataset, open_dataset
 from tracekit.dlrm.metrics import log_loss, roc_auc
 from tracekit.dlrm.model import DenseArch
 from tracekit.dlrm.optim import dense_optimizer, sparse_optimizer
+from tracekit.dlrm import policies
+from tracekit.dlrm.policies import AppliedPolicy
+from tracekit.dlrm.replicas import Replicas
 from tracekit.dlrm.runtime import keep_freed_memory, pin_to_cores
 from tracekit.dlrm.schedule import make_schedule, prefetched
-from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec
+from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec, init_rows
 from tracekit.errors import TracekitError
 
 
@@ -77,8 +80,9 @@ def _log(cfg: TrainConfig, rank: int, message: str) -> None:
 
 
 def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
-        device: torch.device) -> TrainResult:
-    """Train on an initialised process group (or none at world size 1) and evaluate."""
+        device: torch.device, policy: AppliedPolicy | None = None) -> TrainResult:
+    """Train on an initialised process group (or none at world size 1) and evaluate, applying
+    `policy` (loaded and checked before the process group started) if given."""
     backend = dist.get_backend() if dist.is_initialized() else "none"
     schedule = make_schedule(cfg, dataset, world_size)
     plan = ShardingPlan.build(build_tables(cfg, dataset), world_size, cfg.sharding)
@@ -93,8 +97,14 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
         dense.register_comm_hook(None, _sum_allreduce_hook)
     # the tables' all-to-alls get their own group, so they never queue behind DDP's all-reduce
     group = dist.new_group() if world_size > 1 else None
-    embeddings = ShardedEmbeddings(plan, rank, sparse_optimizer(cfg.optimizer, cfg.lr), seed=cfg.seed,
-                                   device=device, group=group)
+    sparse = sparse_optimizer(cfg.optimizer, cfg.lr)
+    replicas = None
+    if policy is not None and policy.hot_rows:
+        replicas = Replicas(policy.hot_rows, [t.rows for t in plan.tables], cfg.dim, sparse, sync=policy.sync,
+                            init_rows=lambda t, rows: init_rows(plan.tables[t], t, rows, cfg.seed),
+                            device=device, group=group)
+    embeddings = ShardedEmbeddings(plan, rank, sparse, seed=cfg.seed, device=device, group=group,
+                                   replicas=replicas)
     optimizer = dense_optimizer(cfg.optimizer, dense.parameters(), cfg.lr)
 
     losses = torch.zeros(schedule.steps, dtype=torch.float64)
@@ -110,6 +120,7 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
         logits = dense(batch.dense, embedded)
         loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         (loss_sum / (stop - start)).backward()  # embedding rows are updated inside backward
+        embeddings.synchronise()  # replicated rows: gradients summed over ranks, then updated
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -141,8 +152,7 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
         samples_per_s=timed_samples / timed_s if timed_s > 0 else 0.0,
         train_loss=sum(window) / max(1, len(window)), eval_auc=auc, eval_logloss=ll,
         elapsed_s=t_end - t_begin, losses=step_losses,
-        weights={"tables": {plan.tables[t].name: (embeddings.row_start[t], embeddings.shards[plan.tables[t].name].weight)
-                            for t in embeddings.local_tables},
+        weights={"tables": embeddings.table_weights(),
                  "dense": (dense.module if world_size > 1 else dense).state_dict()},
     )
 
@@ -217,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             raise TracekitError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
         if cfg.sequence_tables > len(dataset.table_rows):
             raise TracekitError(f"--sequence-tables {cfg.sequence_tables} exceeds the {len(dataset.table_rows)} tables")
+        policy = None
+        if cfg.policy is not None:
+            policy = policies.load(cfg.policy, build_tables(cfg, dataset), world_size=world_size,
+                                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     except TracekitError as err:
         if rank == 0:
             print(f"train.py: error: {err}", file=sys.stderr)
@@ -231,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     clean = False
     try:
-        result = run(cfg, dataset, rank=rank, world_size=world_size, device=device)
+        result = run(cfg, dataset, rank=rank, world_size=world_size, device=device, policy=policy)
         if rank == 0:
             _print_summary(cfg, result)
         clean = True

@@ -1,0 +1,141 @@
+"""What the trainer takes from `--policy policy.json` (DESIGN.md §5), checked before any process
+group starts.
+
+    applied = load("runs/base/policy.json", tables, world_size=2, local_world_size=2)
+    applied.hot_rows      # per table: the rows every rank holds a replica of (int64, sorted)
+    applied.sync          # how the replicas' gradients are summed: sparse_allreduce | dense_allreduce
+    applied.fae_hot_rows  # per table: the rows that make a sample hot (FAE), or None
+
+The sections it applies: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2
+once per node, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold
+minibatches; its hot rows are replicated too). Sections applied together replicate the union of
+their rows. `compression` and `lag` are refused, never ignored: the trainer does not apply them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from tracekit.dlrm.replicas import SYNCS
+from tracekit.dlrm.sharding import TableSpec
+from tracekit.policy import PolicyError, check_model, load_policy, row_path
+
+NOT_APPLIED = {
+    "compression": "DCT compression of the all-reduce and the embedding outputs",
+    "lag": "a bounded-lag (BLS) collective schedule",
+}
+
+
+@dataclass(frozen=True)
+class AppliedPolicy:
+    path: Path
+    sections: tuple[str, ...]
+    hot_rows: list[torch.Tensor] | None  # per table, sorted; None: nothing replicated
+    sync: str
+    fae_hot_rows: list[torch.Tensor] | None  # per table, sorted; None: no FAE schedule
+
+    @property
+    def replicated_rows(self) -> int:
+        return sum(r.numel() for r in self.hot_rows) if self.hot_rows else 0
+
+
+def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_world_size: int) -> AppliedPolicy:
+    """The policy at `path` as the trainer applies it; PolicyError (or PolicyMismatch) saying what
+    differs or what cannot be applied."""
+    path = Path(path)
+    policy = load_policy(path)
+    check_model(policy, tables=[{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables],
+                world_size=world_size, path=path)
+    for name, what in NOT_APPLIED.items():
+        if name in policy:
+            raise PolicyError(f"{path}: section {name!r} ({what}) is not applied by the reference trainer yet; "
+                              f"remove it, or derive the policy without it: tracekit analyze RUN "
+                              f"--policies replication,tiers,schedule")
+    sections = tuple(name for name in ("replication", "tiers", "schedule") if name in policy)
+    replicated: list[torch.Tensor] = []
+    sync = None
+    if "replication" in policy:
+        replicated.append(_rows(path, policy["replication"]["rows"], tables))
+        sync = policy["replication"]["sync"]
+    if "tiers" in policy:
+        replicated.append(_tier_one(path, policy["tiers"], tables, world_size, local_world_size))
+        sync = sync or policy["tiers"].get("tier1_sync", "sparse_allreduce")
+    fae = None
+    if "schedule" in policy:
+        schedule = policy["schedule"]
+        if schedule.get("kind") != "fae":
+            raise PolicyError(f"{path}: schedule.kind: expected \"fae\", got {schedule.get('kind')!r}")
+        fae = _rows(path, schedule["hot_rows"], tables)
+        replicated.append(fae)
+        sync = sync or schedule.get("sync", "sparse_allreduce")
+    if sync not in SYNCS:
+        raise PolicyError(f"{path}: the replicas' sync: expected one of {', '.join(SYNCS)}, got {sync!r}")
+    hot = None
+    if replicated:
+        keys = torch.unique(torch.cat(replicated))
+        hot = _split(keys, tables)
+    return AppliedPolicy(path, sections, hot, sync, None if fae is None else _split(fae, tables))
+
+
+def _rows(policy_path: Path, relative: str, tables: list[TableSpec]) -> torch.Tensor:
+    """The row list at `relative` as sorted global keys (table base + row); refused if a table is
+    unknown or a row out of range."""
+    file = row_path(policy_path, relative)
+    try:
+        frame = pq.read_table(file, columns=["table_name", "row"]).to_pydict()
+    except Exception as err:  # noqa: BLE001 — any unreadable file is refused the same way
+        raise PolicyError(f"{file}: not a row list (Parquet with table_name, row): {err}") from None
+    return _keys(file, frame["table_name"], frame["row"], tables)
+
+
+def _keys(file: Path, names: list, rows: list, tables: list[TableSpec]) -> torch.Tensor:
+    index = {t.name: i for i, t in enumerate(tables)}
+    base = [0]
+    for t in tables:
+        base.append(base[-1] + t.rows)
+    keys = []
+    for name, row in zip(names, rows):
+        t = index.get(name)
+        if t is None:
+            raise PolicyError(f"{file}: table {name!r} is not in the model (tables: {', '.join(index)})")
+        if row is None or not 0 <= row < tables[t].rows:
+            raise PolicyError(f"{file}: row {row} of table {name} is out of range: the table has {tables[t].rows} rows")
+        keys.append(base[t] + row)
+    return torch.unique(torch.tensor(keys, dtype=torch.int64))
+
+
+def _split(keys: torch.Tensor, tables: list[TableSpec]) -> list[torch.Tensor]:
+    """Sorted global keys back to per-table sorted rows."""
+    out, base = [], 0
+    for t in tables:
+        mine = keys[(keys >= base) & (keys < base + t.rows)]
+        out.append(mine - base)
+        base += t.rows
+    return out
+
+
+def _tier_one(path: Path, section: dict, tables: list[TableSpec], world_size: int, local_world_size: int):
+    """Tier-1 rows as keys. Tier 2 sits once per node; on one node that is the recorded sharding."""
+    topology = section.get("topology", {})
+    nodes, per_node = int(topology.get("nodes", 1)), int(topology.get("ranks_per_node", world_size))
+    if nodes * per_node != world_size or per_node != local_world_size:
+        raise PolicyError(f"{path}: tiers.topology is {nodes} node(s) × {per_node} ranks, but this run has "
+                          f"{world_size // max(local_world_size, 1)} node(s) × {local_world_size} ranks "
+                          f"(WORLD_SIZE {world_size}, LOCAL_WORLD_SIZE {local_world_size})")
+    file = row_path(path, section["rows"])
+    try:
+        frame = pq.read_table(file, columns=["table_name", "row", "tier"]).to_pydict()
+    except Exception as err:  # noqa: BLE001
+        raise PolicyError(f"{file}: not a tier list (Parquet with table_name, row, tier): {err}") from None
+    bad = sorted({t for t in frame["tier"] if t not in (1, 2)})
+    if bad:
+        raise PolicyError(f"{file}: tier must be 1 or 2 (unlisted rows are tier 3), got {bad[0]}")
+    if nodes > 1 and 2 in frame["tier"]:
+        raise PolicyError(f"{path}: tier-2 rows across {nodes} nodes (one copy per node) are not applied by the "
+                          f"reference trainer yet; apply the replication section instead")
+    ones = [i for i, tier in enumerate(frame["tier"]) if tier == 1]
+    return _keys(file, [frame["table_name"][i] for i in ones], [frame["row"][i] for i in ones], tables)
