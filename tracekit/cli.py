@@ -259,5 +259,38 @@ def sql(run_dir: Path, query: str, fmt: str, output: Path | None) -> None:
         print_frame(frame)
 
 
+@cli.command()
+@click.argument("base", type=click.Path(path_type=Path))
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--skip-steps", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Leave the first N training steps (warm-up) out of step times and samples/s; bytes use every step.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document (runs, rows, warnings) instead of tables.")
+def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, as_json: bool) -> None:
+    """Compare runs with BASE: measured figures side by side, and each policy's predicted against measured.
+
+    Per run (training rows only): step time, samples/s, bytes per step by op and tag, the
+    embedding all-to-all and replica sync bytes, eval AUC/logloss and the loss curve against
+    BASE's; where a run applied a policy (manifest `policy`), each section's predicted figures
+    against the measured ones, with the saving against BASE. Runs of another model are refused.
+
+    \b
+    Example:
+      tracekit compare runs/base runs/hybrid --json
+    """
+    from analyses.compare import compare as compare_runs
+    from tracekit.errors import TracekitError
+    from tracekit.views import print_compare
+
+    try:
+        result = compare_runs(base, list(runs), skip_steps=skip_steps)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(result.summary, default=str))
+    else:
+        print_compare(result.summary)
+
+
 def main() -> None:
     cli()

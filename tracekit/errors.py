@@ -23,3 +23,7 @@ class RunNotFound(TracekitError):
 
 class SchemaVersionError(TracekitError):
     """Raised when a trace file was written with a schema major version this tracekit cannot read."""
+
+
+class RunMismatch(TracekitError):
+    """Raised when runs compared were recorded from different models; names both runs and what differs."""

@@ -164,3 +164,136 @@ def _value(key: str, value: Any) -> str:
 
 def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
+
+
+def print_compare(summary: dict) -> None:
+    """What `tracekit compare` prints: warnings, the runs side by side (each RUN with its ratio to
+    BASE), bytes by op and tag, the hot/cold split where there is one, and each policy's
+    predicted against measured figures."""
+    for warning in summary["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
+    runs = summary["runs"]
+    console.print(f"[bold]compare[/]: {len(runs) - 1} run(s) against BASE {summary['base']}; training rows only, "
+                  f"bytes over every training step, times after the first {summary['skip_steps']} steps")
+    table = Table("", *(_heading(i, r) for i, r in enumerate(runs)),
+                  title="runs (RUN figures with their ratio to BASE)", title_justify="left")
+    for label, key, kind in COMPARE_FIGURES:
+        table.add_row(label, *(_compared(r, runs[0], key, kind, i == 0) for i, r in enumerate(runs)))
+    console.print(table)
+    _compare_bytes(runs)
+    _compare_schedule(runs)
+    _compare_policies(summary["rows"], summary["base"])
+    for note in summary["notes"]:
+        console.print(f"[dim]note: {note}[/]")
+
+
+COMPARE_FIGURES = (  # label, figure, how it is shown and compared
+    ("device, backend, world, cores", "where", "text"), ("status", "status", "text"),
+    ("training steps (timed)", "steps", "steps"),
+    ("step time, median", "step_time_s", "time"), ("step time, p90", "step_time_p90_s", "time"),
+    ("samples/s", "samples_per_s", "rate"), ("samples per step", "samples_per_step", "count"),
+    ("bytes_out per step, all ops", "bytes_per_step", "bytes"),
+    ("wire bytes per step, all ops", "wire_bytes_per_step", "bytes"),
+    ("embedding all-to-all", "a2a_bytes_per_step", "bytes"), ("  of it remote", "a2a_remote_bytes_per_step", "bytes"),
+    ("replica sync (wire)", "sync_bytes_per_step", "bytes"), ("embedding total", "total_bytes_per_step", "bytes"),
+    ("eval AUC", "metrics.eval_auc", "metric"), ("eval logloss", "metrics.eval_logloss", "metric"),
+    ("train loss", "metrics.train_loss", "metric"), ("samples/s (trainer)", "metrics.samples_per_s", "rate"),
+    ("max |Δ loss| per step vs BASE", "loss_max_abs_diff", "loss"),
+    ("policy", "policy", "policy"),
+)
+
+
+def _heading(i: int, run: dict) -> str:
+    return f"BASE\n{run['run']}" if i == 0 else f"RUN {i}\n{run['run']}"
+
+
+def _get(run: dict, key: str) -> Any:
+    head, _, rest = key.partition(".")
+    value = run.get(head)
+    return (value or {}).get(rest) if rest else value
+
+
+def _compared(run: dict, base: dict, key: str, kind: str, is_base: bool) -> str:
+    """A run's figure as shown, with its ratio to BASE (× for times and rates, % change for bytes,
+    Δ for metrics)."""
+    value, base_value = _get(run, key), _get(base, key)
+    if kind == "policy":
+        return "none" if value is None else f"{value['path']} ({value['status']})"
+    if kind == "steps":
+        return f"{value} ({run['timed_steps']})"
+    if kind == "loss":
+        return "" if is_base else "n/a" if value is None else f"{value:.3g}"
+    if value is None:
+        return "n/a"
+    shown = {"text": str, "time": lambda v: f"{v * 1e3:,.2f} ms", "rate": lambda v: f"{v:,.0f}",
+             "count": lambda v: f"{v:,.6g}", "bytes": format_bytes, "metric": lambda v: f"{v:.4f}"}[kind](value)
+    if is_base or kind in ("text", "count") or base_value is None:
+        return shown
+    if kind == "metric":
+        return f"{shown} Δ{value - base_value:+.4f}"
+    if not base_value:
+        return shown
+    if kind == "bytes":
+        return f"{shown} {value / base_value - 1:+.0%}"
+    return f"{shown} ×{value / base_value:.2f}"
+
+
+def _compare_bytes(runs: list[dict]) -> None:
+    keys = list(dict.fromkeys((r["op"], r["tag"], r["kind"]) for run in runs for r in run["by_op_tag"]))
+    table = Table("op", "tag", "kind", *("BASE" if i == 0 else f"RUN {i}" for i in range(len(runs))),
+                  title="bytes_out per training step by op and tag (wire bytes where they differ)",
+                  title_justify="left")
+    per_run = [{(r["op"], r["tag"], r["kind"]): r for r in run["by_op_tag"]} for run in runs]
+    for key in keys:
+        cells = []
+        for i, rows in enumerate(per_run):
+            r, base = rows.get(key), per_run[0].get(key)
+            if r is None:
+                cells.append("—")
+                continue
+            text = format_bytes(r["bytes_out_per_step"])
+            if r["wire_bytes_per_step"] != r["bytes_out_per_step"]:
+                text += f" (wire {format_bytes(r['wire_bytes_per_step'])})"
+            if i and base and base["bytes_out_per_step"]:
+                text += f" {r['bytes_out_per_step'] / base['bytes_out_per_step'] - 1:+.0%}"
+            cells.append(text)
+        table.add_row(*key, *cells)
+    console.print(table)
+
+
+def _compare_schedule(runs: list[dict]) -> None:
+    split = [(i, s) for i, run in enumerate(runs) for s in run.get("schedule") or []]
+    if not split:
+        return
+    table = Table("run", "schedule", "steps", "bytes_out per step", "embedding bytes per step",
+                  title="hot/cold schedule (steps.schedule)", title_justify="left")
+    for i, s in split:
+        table.add_row("BASE" if i == 0 else f"RUN {i}", s["schedule"], _cell(s["steps"]),
+                      format_bytes(s["bytes_per_step"]), format_bytes(s["embedding_bytes_per_step"]))
+    console.print(table)
+
+
+def _compare_policies(rows: list[dict], base: str) -> None:
+    if not rows:
+        console.print("[dim]no run names a policy it applied (manifest `policy`): nothing predicted to compare[/]")
+        return
+    table = Table("run", "section", "figure", "predicted", "measured", "diff",
+                  title=f"policies: predicted against measured (savings against BASE's measured totals; "
+                        f"section baseline: policy.json's against BASE {base})", title_justify="left")
+    for r in rows:
+        table.add_row(r["run"], r["section"], r["figure"], _policy_value(r, r["predicted"]),
+                      _policy_value(r, r["measured"]), _policy_diff(r))
+    console.print(table)
+
+
+def _policy_value(row: dict, value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    shown = {"bytes": format_bytes, "s": lambda v: f"{v * 1e3:,.2f} ms", "fraction": lambda v: f"{v:.1%}"}
+    return shown[row["unit"]](value)
+
+
+def _policy_diff(row: dict) -> str:
+    if row["unit"] == "fraction":
+        return "n/a" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
+    return "n/a" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"

@@ -1,0 +1,488 @@
+"""Compare: recorded runs against a base run, and each against the policy it applied (DESIGN.md §6).
+
+    result = compare("runs/base", ["runs/hybrid"], skip_steps=5)
+    result.summary["runs"][1]["ratios"]["step_time_s"]   # hybrid's median step time / base's
+    result.tables["compare_policy"]   # run | section | figure | unit | predicted | measured | diff | diff_pct
+
+Every figure comes from training rows: `comms` with phase = 'train' and the `steps` table (training
+steps). Bytes are exact and use every training step; times skip the first `skip_steps` (warm-up).
+
+Per run:
+- step_time_s (median) and step_time_p90_s: per step the slowest rank's t_end_ns − t_start_ns (as
+  analyses.costmodel), over the steps after the first `skip_steps` (all of them, with a warning, where
+  the run has no more). samples_per_s = Σ global samples / Σ step time over those steps; a step's
+  global samples are steps.samples summed over ranks or, where the trainer leaves that 0 (unknown),
+  the batches of the input dist's lengths all-to-all (analyses.sources.batches; `samples_source`).
+- bytes per training step by (op, tag), N = training steps (analyses.traffic.training_steps):
+      bytes_out_per_step  = Σ_ranks bytes_out / N          (policy.json's and `traffic`'s convention)
+      wire_bytes_per_step = Σ_ranks wire / N, per call on a rank in a group of n ranks:
+          all_to_all(_single)              bytes_out − splits_out[own group rank]  (remote bytes only)
+          all_reduce                       2(n−1)/n · bytes_out   (ring; nccl-tests bus bytes)
+          all_gather(_into_tensor/_single) (n−1) · bytes_out      (each rank's input to n−1 peers)
+          any other op                     bytes_out
+- embedding bytes per step (what the policies change), comparable with policy.json's `predicted`:
+      exchange  training all-to-alls not tagged as sync or as a DDP bucket (the reference trainer's
+                tags are the values of costmodel.TRAINER_TAGS; a user's own labels count as well)
+      sync      calls whose tag starts with replica_sync or tier2_sync (the trainer's labels for
+                replica and FlexShard tier-2 synchronisation)
+      a2a_bytes_per_step          Σ exchange bytes_out, self splits included
+      a2a_remote_bytes_per_step   Σ exchange wire (self splits left out)
+      sync_bytes_per_step         Σ sync wire: a ring all-reduce of n bytes per rank is 2(W−1)·n over
+                                  the ranks, an index all-gather (W−1)·ids (counted as sent)
+      total_bytes_per_step        a2a + sync;   total_remote_bytes_per_step  a2a_remote + sync
+- hot/cold, where steps has a `schedule` column ('hot' | 'cold'; schema 1.2): steps, bytes and
+  embedding bytes per step of each kind.
+- quality: manifest `metrics` (eval_auc, eval_logloss, train_loss, samples_per_s; null where absent)
+  and steps.loss (mean over ranks per step): loss_max_abs_diff, the largest |Δ| against BASE over
+  the steps both have (an exact policy gives ~1e-6).
+- ratios to BASE: run / base of each figure above (null where BASE's is 0 or unknown).
+
+Policies. A run that applied one names it in manifest `policy` ({"path", "sha256"}). The file is
+loaded with tracekit.policy.load_policy; a missing file, another sha256, an invalid file or one for
+another model is a warning, and what can be compared still is. Each section present (replication,
+tiers, schedule, compression.dp/.mp, lag) gives rows of predicted against measured for the figures it
+predicts: a2a_bytes_per_step, a2a_remote_bytes_per_step, sync_bytes_per_step, total_bytes_per_step
+(predicted: a2a + sync, sync 0 where the section predicts none), total_remote_bytes_per_step,
+step_time_s, and the savings against BASE's measured figures (the baseline used throughout):
+
+    saving         predicted 1 − predicted total / BASE total,  measured 1 − run total / BASE total
+    remote_saving  the same with total_remote_bytes_per_step
+
+diff = measured − predicted; diff_pct = diff / predicted (0 where both are 0, null where only the
+prediction is). The trainer applies every section present together, so a run with several sections
+measures all of them at once against each section's own prediction (a note says so). The policy's
+`baseline` is shown as section "baseline" against BASE's measured figures: a check that the policy
+was derived from a run like BASE. A predicted step time is the source run's median over every step
+plus the change in communication time; the measured one skips the warm-up steps.
+
+Refused with RunMismatch (naming both runs and what differs): runs of another model, i.e. manifest
+`tables` (name, num_rows, dim) or world_size differ. Warned: a status other than completed, another
+number of training steps or samples per step, a recorded command that differs other than in
+`--policy X`, `-o/--out/--output X` and `--json`.
+
+Tables (`compare(...).tables`): compare_runs (one row per run, the figures above), compare_bytes
+(run, op, tag, kind, calls, bytes_out_per_step, wire_bytes_per_step), compare_schedule (run,
+schedule, steps, bytes_per_step, embedding_bytes_per_step), compare_policy (run, section, figure,
+unit, predicted, measured, diff, diff_pct). The summary (JSON-able): base, skip_steps, runs (each
+with its figures, ratios, by_op_tag, schedule, metrics, policy), rows, warnings, notes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import duckdb
+import polars as pl
+
+from analyses import sources, traffic
+from analyses.context import Context, Result, open_context
+from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
+from tracekit.errors import PolicyMismatch, RunMismatch, TracekitError
+from tracekit.policy import SECTIONS, PolicyError, check_model, load_policy
+from tracekit.schema import STATUS_COMPLETED
+
+SKIP_STEPS = 5
+SYNC_TAGS = ("replica_sync", "tier2_sync")
+"""Tag prefixes of replica synchronisation (the trainer's tracekit.label names)."""
+DDP_TAGS = ("ddp_bucket",)
+EMBEDDING = ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "sync_bytes_per_step", "total_bytes_per_step",
+             "total_remote_bytes_per_step")
+METRICS = ("eval_auc", "eval_logloss", "train_loss", "samples_per_s")
+RATIOS = ("step_time_s", "step_time_p90_s", "samples_per_s", "bytes_per_step", "wire_bytes_per_step", *EMBEDDING)
+IGNORED_OPTIONS = {"--policy": True, "-o": True, "--out": True, "--output": True, "--json": False}
+"""Options of a recorded command that may differ between compared runs (True: takes a value)."""
+
+
+
+def _starts(prefixes: tuple[str, ...]) -> str:
+    return " OR ".join(f"starts_with(tag, '{p}')" for p in prefixes)
+
+
+_CALLS = f"""
+    WITH members AS (SELECT "group", list_sort(list(DISTINCT rank)) AS ranks FROM comms GROUP BY ALL),
+    c AS (SELECT c.step, c.op, c.tag, c.bytes_out, c.group_size, c.splits_out,
+                 CASE WHEN c.group_size = {{world}} THEN c.rank ELSE list_position(m.ranks, c.rank) - 1 END AS me
+          FROM train_comms c JOIN members m USING ("group"))
+    SELECT step, op, tag,
+           CASE WHEN {_starts(SYNC_TAGS)} THEN 'sync'
+                WHEN op IN ({sql_list(A2A_OPS)}) AND NOT ({_starts(DDP_TAGS)}) THEN 'exchange'
+                ELSE 'other' END AS kind,
+           count(*) AS calls, sum(bytes_out)::BIGINT AS bytes_out,
+           sum(CASE WHEN op IN ({sql_list(A2A_OPS)}) THEN bytes_out - coalesce(splits_out[me + 1], 0)
+                    WHEN op = 'all_reduce' THEN 2.0 * (group_size - 1) / group_size * bytes_out
+                    WHEN op IN ({sql_list(GATHER_OPS)}) THEN (group_size - 1) * bytes_out
+                    ELSE bytes_out END)::DOUBLE AS wire_bytes
+    FROM c GROUP BY ALL ORDER BY step, op, tag"""
+_STEPS_SCHEMA = {"step": pl.Int64, "step_time_s": pl.Float64, "samples": pl.Int64, "loss": pl.Float64,
+                 "schedule": pl.String}
+_CALLS_SCHEMA = {"step": pl.Int64, "op": pl.String, "tag": pl.String, "kind": pl.String, "calls": pl.Int64,
+                 "bytes_out": pl.Int64, "wire_bytes": pl.Float64}
+
+
+@dataclass
+class Measured:
+    """One run's figures (JSON-able) and the per-step frames they come from."""
+
+    name: str
+    manifest: dict
+    figures: dict[str, Any]
+    steps: pl.DataFrame  # step, step_time_s, samples (global), loss (mean over ranks), schedule
+    calls: pl.DataFrame  # step, op, tag, kind, calls, bytes_out, wire_bytes (training comms)
+    notes: list[str] = field(default_factory=list)
+
+
+def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_steps: int = SKIP_STEPS) -> Result:
+    """BASE and each of `runs` measured (module docstring), with ratios to BASE and each run's policy
+    predictions against its measurements. TracekitError for a path that is not a run, RunMismatch
+    for runs of another model."""
+    measured: list[Measured] = []
+    for path in (base, *runs):
+        ctx = open_context(path)
+        try:
+            if measured:
+                check_same_model(measured[0], ctx)
+            measured.append(measure(ctx, skip_steps))
+        except duckdb.Error as err:
+            raise TracekitError(f"{ctx.path}: cannot read the trace ({str(err).splitlines()[0]})") from None
+        finally:
+            ctx.con.close()
+    first = measured[0]
+    result = Result()
+    warnings: list[str] = []
+    rows: list[dict] = []
+    for m in measured:
+        warnings += status_warnings(m)
+        result.notes += m.notes
+        if m is not first:
+            warnings += difference_warnings(first, m)
+            m.figures["ratios"] = ratios(first, m)
+            m.figures["loss_max_abs_diff"] = loss_diff(first, m)
+        policy, m.figures["policy"], problems = applied_policy(m)
+        warnings += problems
+        if policy is not None:
+            rows += policy_rows(m, policy, first, result.notes)
+    result.tables = tables(measured, rows)
+    result.summary = {"base": first.name, "skip_steps": skip_steps, "runs": [m.figures for m in measured],
+                      "rows": rows, "warnings": warnings, "notes": result.notes}
+    return result
+
+
+# one run ----------------------------------------------------------------------------------------
+
+def measure(ctx: Context, skip_steps: int) -> Measured:
+    """The figures of one run (module docstring)."""
+    name, manifest, notes = str(ctx.path), ctx.manifest, []
+    steps, samples_source = step_frame(ctx, notes)
+    calls = (ctx.frame(_CALLS.format(world=ctx.model.world_size)) if ctx.has("comms")
+             else pl.DataFrame(schema=_CALLS_SCHEMA))
+    n = traffic.training_steps(ctx)
+    kept = steps.slice(skip_steps) if steps.height > skip_steps else steps
+    if 0 < steps.height <= skip_steps:
+        notes.append(f"{name}: {steps.height} training steps, not more than --skip-steps {skip_steps}: "
+                     "times are over every step")
+    samples_known = kept.height > 0 and kept["samples"].null_count() == 0
+    figures: dict[str, Any] = {
+        "run": name, "status": manifest.get("status"), "exit_code": manifest.get("exit_code"),
+        "where": where(manifest), "world_size": ctx.model.world_size, "steps": n, "timed_steps": kept.height,
+        "step_time_s": kept["step_time_s"].median(),
+        "step_time_p90_s": kept["step_time_s"].quantile(0.9, "linear"),
+        "samples_per_step": steps["samples"].mean() if samples_known else None,
+        "samples_per_s": kept["samples"].sum() / kept["step_time_s"].sum() if samples_known else None,
+        "samples_source": samples_source if samples_known else None,
+        **bytes_figures(calls, n),
+        "metrics": {k: (manifest.get("metrics") or {}).get(k) for k in METRICS},
+        "by_op_tag": by_op_tag(calls, n).to_dicts(),
+        "schedule": schedule_split(steps, calls).to_dicts() or None,
+        "ratios": None, "loss_max_abs_diff": None, "policy": None,
+    }
+    return Measured(name, manifest, figures, steps, calls, notes)
+
+
+def step_frame(ctx: Context, notes: list[str]) -> tuple[pl.DataFrame, str]:
+    """Per training step: the slowest rank's time, global samples (null where unknown), mean loss and
+    the schedule kind (null where the run has no such column); and where the samples came from."""
+    if not ctx.has("steps"):
+        notes.append(f"{ctx.path}: no steps table: no step times, samples or loss")
+        return pl.DataFrame(schema=_STEPS_SCHEMA), "steps"
+    schedule = "mode(schedule)" if "schedule" in ctx.sql("SELECT * FROM steps LIMIT 0").columns else "NULL"
+    steps = ctx.frame(f"""SELECT step, max(t_end_ns - t_start_ns) / 1e9 AS step_time_s, sum(samples)::BIGINT AS samples,
+                                 avg(loss) AS loss, {schedule}::VARCHAR AS schedule
+                          FROM steps GROUP BY step ORDER BY step""")
+    if steps.height and (steps["samples"] > 0).all():
+        return steps, "steps"
+    steps = steps.drop("samples").join(input_dist_samples(ctx), on="step", how="left")
+    if steps["samples"].null_count():
+        notes.append(f"{ctx.path}: samples per step are not on record (steps.samples is 0 and the input "
+                     "dist does not cover every step): no samples/s")
+    return steps.select(*_STEPS_SCHEMA), "input dist"
+
+
+def input_dist_samples(ctx: Context) -> pl.DataFrame:
+    """(step, samples): global batch per training step from the input dist's lengths all-to-all."""
+    try:
+        batches = sources.batches(ctx)
+    except (duckdb.Error, TracekitError, KeyError):
+        return pl.DataFrame(schema={"step": pl.Int64, "samples": pl.Int64})
+    return batches.group_by("step").agg(pl.col("b").sum().cast(pl.Int64).alias("samples"))
+
+
+def bytes_figures(calls: pl.DataFrame, n: int) -> dict[str, float | None]:
+    """Bytes per training step over all ops and the embedding figures (module docstring)."""
+    def per_step(expr: pl.Expr) -> float | None:
+        return float(calls.select(expr.sum()).item()) / n if n else None
+
+    exchange, sync = pl.col("kind") == "exchange", pl.col("kind") == "sync"
+    out = {"bytes_per_step": per_step(pl.col("bytes_out")), "wire_bytes_per_step": per_step(pl.col("wire_bytes")),
+           "a2a_bytes_per_step": per_step(pl.col("bytes_out").filter(exchange)),
+           "a2a_remote_bytes_per_step": per_step(pl.col("wire_bytes").filter(exchange)),
+           "sync_bytes_per_step": per_step(pl.col("wire_bytes").filter(sync)),
+           "allreduce_bytes_per_step": per_step(pl.col("bytes_out").filter(pl.col("op") == "all_reduce"))}
+    if n:
+        out["total_bytes_per_step"] = out["a2a_bytes_per_step"] + out["sync_bytes_per_step"]
+        out["total_remote_bytes_per_step"] = out["a2a_remote_bytes_per_step"] + out["sync_bytes_per_step"]
+    else:
+        out["total_bytes_per_step"] = out["total_remote_bytes_per_step"] = None
+    return out
+
+
+def _embedding_bytes() -> pl.Expr:
+    """A call's embedding bytes: bytes_out of the exchange, wire bytes of sync."""
+    return (pl.when(pl.col("kind") == "exchange").then(pl.col("bytes_out").cast(pl.Float64))
+            .when(pl.col("kind") == "sync").then(pl.col("wire_bytes")).otherwise(0.0))
+
+
+def by_op_tag(calls: pl.DataFrame, n: int) -> pl.DataFrame:
+    return (calls.group_by("op", "tag", "kind")
+            .agg(pl.col("calls").sum(), (pl.col("bytes_out").sum() / max(n, 1)).alias("bytes_out_per_step"),
+                 (pl.col("wire_bytes").sum() / max(n, 1)).alias("wire_bytes_per_step"))
+            .sort("bytes_out_per_step", "op", "tag", descending=[True, False, False]))
+
+
+def schedule_split(steps: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
+    """Per schedule kind: steps, bytes_out and embedding bytes per step (empty without a schedule)."""
+    kinds = steps.filter(pl.col("schedule").is_not_null()).select("step", "schedule")
+    per_kind = kinds.group_by("schedule").agg(pl.len().alias("steps"))
+    moved = (calls.join(kinds, on="step").group_by("schedule")
+             .agg(pl.col("bytes_out").sum().cast(pl.Float64).alias("bytes"), _embedding_bytes().sum().alias("emb")))
+    return (per_kind.join(moved, on="schedule", how="left").fill_null(0.0)
+            .select("schedule", pl.col("steps").cast(pl.Int64),
+                    (pl.col("bytes") / pl.col("steps")).alias("bytes_per_step"),
+                    (pl.col("emb") / pl.col("steps")).alias("embedding_bytes_per_step"))
+            .sort("schedule", descending=True))
+
+
+def where(manifest: dict) -> str:
+    """Device, backend, world size and cores of a run, as every timing must say (DESIGN.md §7)."""
+    devices = manifest.get("devices") or {}
+    gpus = (manifest.get("gpu") or {}).get("devices") or []
+    used = ", ".join(str(g) for g in gpus) if (manifest.get("gpu") or {}).get("samples") else devices.get("cpu", "?")
+    return (f"{used}, {manifest.get('backend', '?')}, world {manifest.get('world_size', '?')}, "
+            f"{devices.get('cores', '?')} cores")
+
+
+# against BASE -----------------------------------------------------------------------------------
+
+def check_same_model(base: Measured, ctx: Context) -> None:
+    """RunMismatch naming both runs and every difference in tables or world size."""
+    ours = {t["name"]: t for t in base.manifest.get("tables") or []}
+    theirs = {t["name"]: t for t in ctx.manifest.get("tables") or []}
+    run = str(ctx.path)
+    differences = [f"table {n} only in {base.name}" for n in sorted(set(ours) - set(theirs))]
+    differences += [f"table {n} only in {run}" for n in sorted(set(theirs) - set(ours))]
+    for name in sorted(set(ours) & set(theirs)):
+        for key in ("num_rows", "dim"):
+            if ours[name].get(key) != theirs[name].get(key):
+                differences.append(f"table {name}: {key} {ours[name].get(key)} in {base.name}, "
+                                   f"{theirs[name].get(key)} in {run}")
+    if base.manifest.get("world_size") != ctx.manifest.get("world_size"):
+        differences.append(f"world size {base.manifest.get('world_size')} in {base.name}, "
+                           f"{ctx.manifest.get('world_size')} in {run}")
+    if differences:
+        raise RunMismatch(f"{run} and {base.name} were recorded from different models: {'; '.join(differences)}; "
+                          "compare runs of one model and data (the same tables, rows, dim and world size)")
+
+
+def status_warnings(m: Measured) -> list[str]:
+    status = m.manifest.get("status")
+    if status == STATUS_COMPLETED:
+        return []
+    return [f"{m.name} is {status} (exit code {m.manifest.get('exit_code')}): its figures cover what was recorded"]
+
+
+def difference_warnings(base: Measured, m: Measured) -> list[str]:
+    """Differences that leave runs comparable but worth knowing: steps, samples per step, command."""
+    out = []
+    steps, base_steps = m.figures["steps"], base.figures["steps"]
+    if steps != base_steps:
+        out.append(f"{m.name} ran {steps} training steps, {base.name} {base_steps}: per-step figures compare, "
+                   "loss curves only over the steps both ran")
+    samples, base_samples = m.figures["samples_per_step"], base.figures["samples_per_step"]
+    if samples is not None and base_samples is not None and samples != base_samples:
+        out.append(f"{m.name} has {samples:g} samples per step, {base.name} {base_samples:g}")
+    changed = command_changes(base.manifest.get("command") or [], m.manifest.get("command") or [])
+    if changed:
+        out.append(f"{m.name}'s command differs from {base.name}'s beyond --policy, -o/--out and --json: "
+                   + "; ".join(changed))
+    return out
+
+
+def normalised_command(argv: list[str]) -> list[str]:
+    """`argv` without the options compared runs may differ in (IGNORED_OPTIONS)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in IGNORED_OPTIONS:
+            skip = IGNORED_OPTIONS[name] and "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def command_changes(base: list[str], run: list[str]) -> list[str]:
+    """Each difference between two commands as `old` → `new`, with the option it belongs to."""
+    a, b = normalised_command(base), normalised_command(run)
+    changes = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+        if op == "equal":
+            continue
+        if op == "replace" and i1 > 0 and a[i1 - 1].startswith("-") and j1 > 0 and b[j1 - 1] == a[i1 - 1]:
+            i1, j1 = i1 - 1, j1 - 1  # show the option whose value changed
+        changes.append(f"`{' '.join(a[i1:i2]) or '(nothing)'}` → `{' '.join(b[j1:j2]) or '(nothing)'}`")
+    return changes
+
+
+def ratios(base: Measured, m: Measured) -> dict[str, float | None]:
+    def ratio(key: str) -> float | None:
+        ours, theirs = m.figures.get(key), base.figures.get(key)
+        return ours / theirs if ours is not None and theirs else None
+
+    return {key: ratio(key) for key in RATIOS}
+
+
+def loss_diff(base: Measured, m: Measured) -> float | None:
+    """max |mean loss − BASE's| over the steps both ran with a loss; None without any."""
+    both = (m.steps.select("step", "loss").join(base.steps.select("step", pl.col("loss").alias("base_loss")), on="step")
+            .drop_nulls())
+    return float((both["loss"] - both["base_loss"]).abs().max()) if both.height else None
+
+
+# policies ---------------------------------------------------------------------------------------
+
+def applied_policy(m: Measured) -> tuple[dict | None, dict | None, list[str]]:
+    """(the policy file the run applied, or None; what the manifest says of it with a status;
+    warnings). A changed file is still used; a missing, invalid or foreign one gives no predictions."""
+    ref = m.manifest.get("policy")
+    if not ref:
+        return None, None, []
+    path = Path(ref.get("path") or "")
+    if not path.is_absolute():
+        path = Path(m.manifest.get("cwd") or ".") / path
+    info = {"path": str(path), "sha256": ref.get("sha256"), "status": "verified"}
+    if not path.is_file():
+        info["status"] = "missing"
+        return None, info, [f"{m.name} applied the policy {path}, which is missing: no predictions to compare"]
+    warnings = []
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != ref.get("sha256"):
+        info["status"] = "changed"
+        warnings.append(f"{m.name} applied {path} with sha256 {str(ref.get('sha256'))[:12]}…, the file now has "
+                        f"{digest[:12]}…: it was rewritten after the run; its predictions now are shown")
+    try:
+        policy = load_policy(path)
+        check_model(policy, tables=m.manifest.get("tables") or [], world_size=int(m.manifest.get("world_size") or 1),
+                    path=path)
+    except PolicyMismatch as err:
+        info["status"] = "another model"
+        return None, info, [*warnings, f"{m.name}: {err}"]
+    except PolicyError as err:
+        info["status"] = "invalid"
+        return None, info, [*warnings, f"{m.name}: {err}"]
+    info["sections"] = [label for label, _ in sections(policy)]
+    return policy, info, warnings
+
+
+def sections(policy: dict) -> list[tuple[str, dict]]:
+    """(label, body) of each section present, compression's dp and mp separately."""
+    out = []
+    for name in SECTIONS:
+        if name == "compression":
+            out += [(f"compression.{sub}", body) for sub, body in policy.get(name, {}).items()]
+        elif name in policy:
+            out.append((name, policy[name]))
+    return out
+
+
+def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> list[dict]:
+    """Predicted against measured for each section of `policy` and its baseline (module docstring)."""
+    measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, "step_time_s")}, **savings(m.figures, base.figures)}
+    rows = []
+    present = sections(policy)
+    for label, body in present:
+        predicted = predicted_figures(body["predicted"], base.figures)
+        rows += [row(m.name, label, figure, value, measured.get(figure)) for figure, value in predicted.items()]
+    if len(present) > 1:
+        notes.append(f"{m.name} applied {', '.join(label for label, _ in present)} together: each row is one "
+                     "section's own prediction against the measurement of all of them")
+    baseline = {"a2a_bytes_per_step": "a2a_bytes_per_step", "allreduce_bytes_per_step": "allreduce_bytes_per_step",
+                "step_time_s": "step_time_s"}
+    rows += [row(m.name, "baseline", key, policy["baseline"][key], base.figures.get(ours))
+             for key, ours in baseline.items() if _number(policy.get("baseline", {}).get(key))]
+    return rows
+
+
+def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
+    """The figures a section predicts, with totals and savings derived as the module docstring says."""
+    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], "step_time_s") if _number(predicted.get(k))}
+    sync = out.get("sync_bytes_per_step", 0.0)
+    if "a2a_bytes_per_step" in out:
+        out["total_bytes_per_step"] = out["a2a_bytes_per_step"] + sync
+    if "a2a_remote_bytes_per_step" in out:
+        out["total_remote_bytes_per_step"] = out["a2a_remote_bytes_per_step"] + sync
+    out.update(savings(out, base))
+    return out
+
+
+def savings(figures: dict, base: dict) -> dict[str, float]:
+    """saving and remote_saving of `figures` against BASE's measured totals, where both exist."""
+    out = {}
+    for name, key in (("saving", "total_bytes_per_step"), ("remote_saving", "total_remote_bytes_per_step")):
+        if _number(figures.get(key)) and base.get(key):
+            out[name] = 1 - figures[key] / base[key]
+    return out
+
+
+def row(run: str, section: str, figure: str, predicted: float, measured: float | None) -> dict:
+    unit = "bytes" if figure.endswith("bytes_per_step") else "s" if figure.endswith("_s") else "fraction"
+    diff = None if measured is None else measured - predicted
+    diff_pct = None if diff is None else diff / predicted if predicted else 0.0 if diff == 0 else None
+    return {"run": run, "section": section, "figure": figure, "unit": unit, "predicted": predicted,
+            "measured": measured, "diff": diff, "diff_pct": diff_pct}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# tables -----------------------------------------------------------------------------------------
+
+def tables(measured: list[Measured], rows: list[dict]) -> dict[str, pl.DataFrame]:
+    flat = [{k: v for k, v in m.figures.items() if not isinstance(v, (dict, list))}
+            | {f"{k}_ratio": (m.figures["ratios"] or {}).get(k) for k in RATIOS}
+            | {f"metric_{k}": v for k, v in m.figures["metrics"].items()}
+            for m in measured]
+    by_op = [by_op_tag(m.calls, m.figures["steps"]).with_columns(pl.lit(m.name).alias("run")) for m in measured]
+    split = [schedule_split(m.steps, m.calls).with_columns(pl.lit(m.name).alias("run")) for m in measured]
+    policy_schema = {"run": pl.String, "section": pl.String, "figure": pl.String, "unit": pl.String,
+                     "predicted": pl.Float64, "measured": pl.Float64, "diff": pl.Float64, "diff_pct": pl.Float64}
+    return {"compare_runs": pl.DataFrame(flat, infer_schema_length=None),
+            "compare_bytes": pl.concat(by_op).select("run", pl.exclude("run")),
+            "compare_schedule": pl.concat(split).select("run", pl.exclude("run")),
+            "compare_policy": pl.DataFrame(rows, schema=policy_schema)}
