@@ -5,8 +5,10 @@ Only then, and only in a process that trains (not the torchrun launcher), does `
 this rank's RunWriter and install the step, embedding, comm, grads and gpu collectors. At exit it
 closes the writer and leaves `ranks/rank=R.json` for the manifest: what the rank wrote, dropped
 and failed, the tables it looked up, the GPU it sampled (or why none), its backend, host and clock
-anchor, and `report_errors` naming any part of the report that could not be written. Settings
-come from TRACEKIT_* variables, read here once into `Settings`.
+anchor, the policy file and metrics it declared (collectors/declared.py), and `report_errors` naming
+any part of the report that could not be written. Settings come from TRACEKIT_* variables, read here
+once into `Settings`. The optional API (`tracekit.step()` and the rest) reaches the active collectors
+through the functions below; before activation, and in processes never traced, its calls do nothing.
 """
 
 from __future__ import annotations
@@ -89,12 +91,31 @@ def arm() -> None:
 
 
 _clock = None  # this process's step clock once activated: the process is traced once
+_declared = None  # and what it declared for the manifest (collectors/declared.py)
 
 
 def advance_step(samples: int | None, loss: float | None) -> None:
     """`tracekit.step()`: end the current step (only once the collectors are active)."""
     if _clock is not None:
         _clock.advance(samples=samples, loss=loss)
+
+
+def name_step(kind: str) -> None:
+    """`tracekit.step_schedule()`: name the kind of the step now running."""
+    if _clock is not None:
+        _clock.schedule = kind
+
+
+def policy_applied(path: str | os.PathLike) -> None:
+    """`tracekit.policy_applied()`: note the policy file the process applies."""
+    if _declared is not None:
+        _declared.policy_applied(path)
+
+
+def add_metrics(values: dict) -> None:
+    """`tracekit.metrics()`: keep the run's final figures."""
+    if _declared is not None:
+        _declared.add_metrics(values)
 
 
 def write_rank_report(path: Path, parts: dict, failures: list[str]) -> None:
@@ -132,16 +153,17 @@ def _json_default(obj: object) -> object:
 
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
-    from collectors import comm, embedding, gpu, grads, phase, steps
+    from collectors import comm, declared, embedding, gpu, grads, phase, steps
     from tracekit.store import RunWriter
 
     if getattr(activate, "done", False):
         return
     activate.done = True
-    global _clock
+    global _clock, _declared
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s)
     anchor = {"monotonic_ns": time.monotonic_ns(), "wall_ns": time.time_ns()}  # read together: aligns ranks' times
     clock = _clock = steps.StepClock()
+    facts = _declared = declared.Declared()
     tables = embedding.install(writer, clock, lookup_every=settings.lookup_every)
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
@@ -162,7 +184,8 @@ def activate(settings: Settings) -> None:
                  "written_rows": lambda: dict(writer.written), "dropped_rows": lambda: dict(writer.dropped),
                  "errors": lambda: writer.errors,
                  "settings": lambda: {**asdict(settings), "run_dir": str(settings.run_dir)},
-                 "tables": lambda: tables.tables, "gpu": sampler.status}
-        write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts, failures)
+                 "tables": lambda: tables.tables, "gpu": sampler.status,
+                 "policy": lambda: facts.policy, "metrics": lambda: facts.metrics}
+        write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts, failures + facts.errors)
 
     atexit.register(finish)

@@ -4,7 +4,8 @@
 the current step: it keeps one `steps` row for its writer (if it has one; the writer thread drains
 them), tells the listeners (`on_step_end(step)`), then moves to the next step. A step runs from
 the end of the previous one (or the clock's creation) to the `advance()` call, timed with
-`time.monotonic_ns()`.
+`time.monotonic_ns()`. `schedule` names the kind of the step now running (`tracekit.step_schedule`,
+e.g. FAE's "hot" or "cold"); it is written with the step's row and cleared when the step ends.
 
 `install(writer, clock)` attaches `writer` to the clock and registers a global optimizer-step
 post hook that calls `clock.advance()`, with the step's loss: the last one-element tensor that a
@@ -54,6 +55,7 @@ class StepClock:
 
     def __init__(self, writer: RunWriter | None = None) -> None:
         self.step = 0
+        self.schedule: str | None = None  # the kind of the step now running, where the program named it
         self.writer: RunWriter | None = None
         self.guard = Guard("steps")
         self._listeners: list[StepListener] = []
@@ -86,6 +88,7 @@ class StepClock:
         for listener in list(self._listeners):
             listener.on_step_end(self.step)
         self.step += 1
+        self.schedule = None
         self._t_start_ns = t_end_ns
 
     def phase_after_close(self, step: int, phase: str) -> str:
@@ -96,17 +99,18 @@ class StepClock:
     def _keep(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
-        self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples), loss))
+        self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples), loss,
+                           self.schedule))
 
     def drain(self, final: bool) -> list[tuple[str, dict]]:
         """The `steps` rows kept since the last drain (called on the writer thread)."""
         rows = [self._rows.popleft() for _ in range(len(self._rows))]
         if not rows:
             return []
-        step, t_start_ns, t_end_ns, samples, loss = zip(*rows)
+        step, t_start_ns, t_end_ns, samples, loss, schedule = zip(*rows)
         loss = [None if x is None else float(x) for x in loss]
         return [("steps", {"step": step, "t_start_ns": t_start_ns, "t_end_ns": t_end_ns, "samples": samples,
-                           "loss": loss})]
+                           "loss": loss, "schedule": schedule})]
 
 
 class StepsHandle:

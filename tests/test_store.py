@@ -308,7 +308,7 @@ def test_unknown_major_version_is_refused(tmp_path):
     run = open_run(run_dir)
     for read in (run.scan, run.relation):
         with pytest.raises(SchemaVersionError, match=r"rank=1/part-00000.parquet has trace schema version 2.0; "
-                           r"this tracekit reads version 1.1"):
+                           rf"this tracekit reads version {SCHEMA_VERSION}"):
             read("steps")
     assert run.scan("accesses").collect().height == 30
 

@@ -5,8 +5,9 @@ process it starts imports our sitecustomize, which stays inert until torch is im
 process that trains (collectors/bootstrap.py). The manifest is written before the command starts
 (`running`) and finalised when it ends (`completed`, `failed` with the exit code, or
 `interrupted`), with what each rank reported, whether anything was traced at all (and if not, why),
-and `finalise_errors` naming whatever part could not be written. Ctrl-C reaches the command
-directly (it shares the terminal's process group); SIGTERM to `record` is forwarded to it.
+and `finalise_errors` naming whatever part could not be written or that ranks disagreed on (the
+policy file applied). Ctrl-C reaches the command directly (it shares the terminal's process group);
+SIGTERM to `record` is forwarded to it.
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
         "tables": lambda: merge_tables(having("tables")),
         "gpu": lambda: gpu_outcome(manifest["gpu"], having("gpu", "written_rows"),
                                    manifest["collector_settings"]["gpu_interval_s"]),
+        "policy": lambda: merge_policy(having("policy"), errors),
+        "metrics": lambda: merge_metrics(having("metrics")),
     }
     for name, compute in parts.items():
         value = _part(errors, name, compute)
@@ -261,6 +264,32 @@ def merge_tables(ranks: list[dict]) -> list[dict]:
                        "placement": first.get("placement"),
                        "shards": [{k: e[k] for k in ("rank", "first_row", "num_rows")} for e in entries]})
     return tables
+
+
+def merge_policy(ranks: list[dict], errors: list[str]) -> dict | None:
+    """The manifest's `policy`: {"path", "sha256"} of the policy file that rank 0 (else the lowest rank
+    that named one) applied, None if none did. A rank that applied another file (another path or
+    other bytes) is named in `errors`."""
+    named = [report for report in ranks if report["policy"] is not None]
+    if not named:
+        return None
+    kept, first = named[0]["policy"], named[0]["rank"]
+    for report in named[1:]:
+        if report["policy"] != kept:
+            errors.append(f"policy: rank {report['rank']} applied {report['policy']['path']} (sha256 "
+                          f"{report['policy']['sha256']}), rank {first} {kept['path']} (sha256 {kept['sha256']}); "
+                          f"the manifest keeps rank {first}'s")
+    return kept
+
+
+def merge_metrics(ranks: list[dict]) -> dict:
+    """The manifest's `metrics`: rank 0's figures, and under the keys rank 0 did not give, those of the
+    lowest rank that gave them; {} where no rank gave any."""
+    merged: dict = {}
+    for report in ranks:  # by rank
+        for key, value in report["metrics"].items():
+            merged.setdefault(key, value)
+    return merged
 
 
 def gpu_status() -> dict:

@@ -6,9 +6,10 @@
     run.relation("steps").aggregate("rank, count(*)").fetchall()
 
 Both readers see every rank's part files with `rank` as a column (hive partitioning), `count` as a
-64-bit integer (so no sum overflows, though files keep int32), and `phase` as `train` in runs
-recorded before it existed (schema 1.0). Before a table is read, each part file's schema version is
-checked: an unknown major version is refused.
+64-bit integer (so no sum overflows, though files keep int32), and the columns a minor version added
+in runs recorded before it (`LATER_COLUMNS`): `phase` as `train` (schema 1.0), `schedule` as null
+(before 1.2). Before a table is read, each part file's schema version is checked: an unknown major
+version is refused.
 Polars and DuckDB are imported on first use, so importing this module stays cheap.
 """
 
@@ -23,12 +24,16 @@ import pyarrow.parquet as pq
 
 from tracekit.errors import SchemaVersionError, TracekitError
 from tracekit.phases import TRAIN
-from tracekit.schema import PHASED, SCHEMA_VERSION, TABLES, VERSION_KEY, major
+from tracekit.schema import SCHEMA_VERSION, TABLES, VERSION_KEY, major
 from tracekit.store import read_manifest
 
 if TYPE_CHECKING:
     import duckdb
     import polars as pl
+
+LATER_COLUMNS: dict[str, str | None] = {"phase": TRAIN, "schedule": None}
+"""Columns added after schema 1.0 (phase in 1.1, schedule in 1.2), and what the readers show for them
+in a table whose part files predate them. Each is a string column."""
 
 
 def open_run(path: str | os.PathLike) -> Run:
@@ -43,7 +48,7 @@ class Run:
         self.path = path
         self.manifest: dict = read_manifest(path)
         self._checked: set[str] = set()
-        self._unphased: set[str] = set()  # tables whose part files predate the phase column
+        self._filled: dict[str, list[str]] = {}  # table -> the LATER_COLUMNS its part files predate
 
     def tables(self) -> list[str]:
         """The trace tables that have at least one part file, in schema order."""
@@ -56,8 +61,7 @@ class Run:
 
         self._check(table)
         frame = pl.scan_parquet(self._glob(table), hive_partitioning=True)
-        if table in self._unphased:
-            frame = frame.with_columns(pl.lit(TRAIN).alias("phase"))
+        frame = frame.with_columns(pl.lit(LATER_COLUMNS[c], dtype=pl.String).alias(c) for c in self._filled[table])
         dictionaries = [f.name for f in TABLES[table] if pa.types.is_dictionary(f.type)]
         widened = [pl.col("count").cast(pl.Int64)] if table == "accesses" else []
         return frame.with_columns(pl.col(dictionaries).cast(pl.String), *widened)
@@ -70,8 +74,9 @@ class Run:
         self._check(table)
         con = duckdb.connect() if con is None else con
         relation = con.read_parquet(self._glob(table), hive_partitioning=True)
-        if table in self._unphased:
-            relation = relation.project(f"*, '{TRAIN}' AS phase")
+        for column in self._filled[table]:
+            value = LATER_COLUMNS[column]
+            relation = relation.project(f"*, CAST({'NULL' if value is None else repr(value)} AS VARCHAR) AS {column}")
         if table == "accesses":
             relation = relation.project('* REPLACE (CAST("count" AS BIGINT) AS "count")')
         return relation
@@ -93,12 +98,14 @@ class Run:
             present = ", ".join(self.tables()) or "none"
             raise TracekitError(f"{self.path} has no {table} table (no {table} rows were recorded); it has: {present}")
         schemas = [check_version(part) for part in parts]
-        phased = {"phase" in schema.names for schema in schemas} if table in PHASED else {True}
-        if len(phased) > 1:
-            raise TracekitError(f"{self.path / table}: some part files have a phase column and some do not; "
-                                "a run directory holds one recording (record again with --force)")
-        if phased == {False}:
-            self._unphased.add(table)
+        self._filled[table] = []
+        for column in [c for c in LATER_COLUMNS if c in TABLES[table].names]:
+            present = {column in schema.names for schema in schemas}
+            if len(present) > 1:
+                raise TracekitError(f"{self.path / table}: some part files have a {column} column and some do "
+                                    "not; a run directory holds one recording (record again with --force)")
+            if present == {False}:
+                self._filled[table].append(column)
         self._checked.add(table)
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 """major.minor; readers accept any minor of a major they know. 1.1 added `phase` to accesses, lookups
-and comms (readers show `train` for a 1.0 run)."""
+and comms (readers show `train` for a 1.0 run); 1.2 added `schedule` to steps (readers show null for
+an older run)."""
 
 VERSION_KEY = b"tracekit.schema_version"
 """Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
@@ -77,6 +78,7 @@ STEPS = pa.schema(
         _required("t_end_ns", pa.int64()),
         _required("samples", pa.int32()),
         pa.field("loss", pa.float64(), nullable=True),
+        pa.field("schedule", pa.string(), nullable=True),  # the step's kind, from tracekit.step_schedule ("hot")
     ]
 )
 

@@ -43,10 +43,11 @@ from tracekit.schema import MANIFEST, TABLES, file_metadata
 
 def to_batch(table: str, columns: dict[str, Any] | pa.RecordBatch) -> pa.RecordBatch:
     """Columns (lists, numpy arrays or Arrow arrays) or a RecordBatch, checked against and cast to
-    the schema of trace table `table`. Raises ValueError naming the table and the column at fault."""
+    the schema of trace table `table`. A nullable column left out is all null (so a writer need not
+    change when a column is added). Raises ValueError naming the table and the column at fault."""
     schema = _schema(table)
     names = columns.schema.names if isinstance(columns, pa.RecordBatch) else list(columns)
-    missing = [name for name in schema.names if name not in names]
+    missing = [f.name for f in schema if f.name not in names and not f.nullable]
     extra = [name for name in names if name not in schema.names]
     if missing or extra:
         raise ValueError(
@@ -54,9 +55,9 @@ def to_batch(table: str, columns: dict[str, Any] | pa.RecordBatch) -> pa.RecordB
             f"expected {schema.names}"
         )
     if isinstance(columns, pa.RecordBatch):
-        arrays = [columns.column(name) for name in schema.names]
-    else:
-        arrays = [columns[name] for name in schema.names]
+        columns = {name: columns.column(name) for name in names}
+    rows = len(columns[names[0]])  # some column is given: every table has a required one
+    arrays = [columns[f.name] if f.name in columns else pa.nulls(rows, f.type) for f in schema]
     return pa.RecordBatch.from_arrays([_to_array(table, f, a) for f, a in zip(schema, arrays)], schema=schema)
 
 
