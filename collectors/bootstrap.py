@@ -100,10 +100,13 @@ def advance_step(samples: int | None, loss: float | None) -> None:
         _clock.advance(samples=samples, loss=loss)
 
 
-def name_step(kind: str) -> None:
-    """`tracekit.step_schedule()`: name the kind of the step now running."""
+def name_step(kind: str | None, samples: int | None) -> None:
+    """`tracekit.step_schedule()`: name the kind and the samples of the step now running."""
     if _clock is not None:
-        _clock.schedule = kind
+        if kind is not None:
+            _clock.schedule = kind
+        if samples is not None:
+            _clock.samples = samples
 
 
 def policy_applied(path: str | os.PathLike) -> None:

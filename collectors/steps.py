@@ -56,6 +56,7 @@ class StepClock:
     def __init__(self, writer: RunWriter | None = None) -> None:
         self.step = 0
         self.schedule: str | None = None  # the kind of the step now running, where the program named it
+        self.samples: int | None = None  # the samples of the step now running on this rank, where named
         self.writer: RunWriter | None = None
         self.guard = Guard("steps")
         self._listeners: list[StepListener] = []
@@ -89,6 +90,7 @@ class StepClock:
             listener.on_step_end(self.step)
         self.step += 1
         self.schedule = None
+        self.samples = None
         self._t_start_ns = t_end_ns
 
     def phase_after_close(self, step: int, phase: str) -> str:
@@ -99,6 +101,7 @@ class StepClock:
     def _keep(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
+        samples = self.samples if samples is None else samples
         self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples), loss,
                            self.schedule))
 

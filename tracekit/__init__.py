@@ -39,15 +39,18 @@ def step(samples: int | None = None, loss: float | None = None) -> None:
         bootstrap.advance_step(samples, loss)
 
 
-def step_schedule(kind: str) -> None:
+def step_schedule(kind: str | None, samples: int | None = None) -> None:
     """Name the kind of the step now running (e.g. FAE's "hot" or "cold"): the `schedule` of its `steps`
-    row, null for steps never named. Holds until the step ends."""
-    if not isinstance(kind, str):
+    row, null for steps never named; and, if given, its samples on this rank (`steps.samples`, else 0:
+    unknown). Holds until the step ends."""
+    if kind is not None and not isinstance(kind, str):
         raise TypeError(f"tracekit.step_schedule: expected a str such as \"hot\", got {type(kind).__name__} {kind!r}")
-    if not kind:
+    if kind == "":
         raise ValueError("tracekit.step_schedule: expected a non-empty name such as \"hot\", got \"\"")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 0):
+        raise TypeError(f"tracekit.step_schedule: samples must be a non-negative int, got {samples!r}")
     if (bootstrap := _bootstrap()) is not None:
-        bootstrap.name_step(kind)
+        bootstrap.name_step(kind, samples)
 
 
 def policy_applied(path: str | os.PathLike) -> None:

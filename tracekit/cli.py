@@ -292,5 +292,74 @@ def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, as_json: bool) 
         print_compare(result.summary)
 
 
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), default=Path("runs/optimize"),
+              show_default=True, help="Folder of every run: base, one per policy section, combined.")
+@click.option("--lookup-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Lookups recorded every N steps in the baseline (1: the predictions are exact).")
+@click.option("--budget", default=None, help="As for analyze: replica memory per rank, bytes (64MiB) or a share (5%).")
+@click.option("--topology", default=None, help="As for analyze: NODESxRANKS for the tiers.")
+@click.option("--intra-bw", default=None, help="As for analyze: bandwidth within a node, e.g. 100gbit.")
+@click.option("--inter-bw", default=None, help="As for analyze: bandwidth between nodes, e.g. 10gbit.")
+@click.option("--policies", default=None, help="As for analyze: comma-separated policies to derive.")
+@click.option("--json", "as_json", is_flag=True, help="Print compare's JSON document at the end instead of tables.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str | None, intra_bw: str | None,
+             inter_bw: str | None, policies: str | None, as_json: bool, command: tuple[str, ...]) -> None:
+    """Record COMMAND, analyse it, re-run it with each policy and their combination, and compare.
+
+    COMMAND must accept `--policy PATH` at its end (the reference trainer's train.py does). Every run
+    lands in OUT (base, replication, schedule, ..., combined) with its log beside it (OUT/<name>.log).
+
+    \b
+    Example:
+      tracekit optimize -o runs/opt -- torchrun --standalone --nproc-per-node 2 train.py --steps 300
+    """
+    from analyses.analyze import analyze as run_analysis
+    from analyses.compare import compare as compare_runs
+    from tracekit import optimize as plan
+    from tracekit.errors import TracekitError
+    from tracekit.views import analysis_progress, print_compare, run_progress
+
+    command = list(command)
+    if command and command[0] == "--":
+        command = command[1:]
+    options = _options(budget, topology, intra_bw, inter_bw, policies)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = out_dir / "base"
+    with run_progress(enabled=not as_json) as progress:
+        progress(f"recording the baseline into {base} (log {out_dir / 'base.log'})")
+        code = plan.record(base, command, out_dir / "base.log", lookup_every=lookup_every)
+    if code != 0:
+        raise click.ClickException(f"the baseline run failed (exit code {code}); its output is in {out_dir / 'base.log'}")
+    try:
+        with analysis_progress(enabled=not as_json) as progress:
+            run_analysis(base, options, progress=progress)
+        reruns, notes = plan.reruns(base / "policy.json")
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    done = []
+    with run_progress(enabled=not as_json) as progress:
+        for i, rerun in enumerate(reruns, 1):
+            progress(f"re-running with {rerun.name} ({i}/{len(reruns)}; log {out_dir / (rerun.name + '.log')})")
+            code = plan.record(out_dir / rerun.name, [*command, "--policy", str(rerun.policy)],
+                               out_dir / f"{rerun.name}.log", lookup_every=0)
+            if code == 0:
+                done.append(out_dir / rerun.name)
+            else:
+                notes.append(f"{rerun.name}: the run failed (exit code {code}); see {out_dir / (rerun.name + '.log')}")
+    if not done:
+        raise click.ClickException("no policy run completed: " + "; ".join(notes or ["no policy to apply"]))
+    try:
+        result = compare_runs(base, done)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    result.summary["notes"] = [*notes, *result.summary.get("notes", [])]
+    if as_json:
+        click.echo(json.dumps(result.summary, default=str))
+    else:
+        print_compare(result.summary)
+
+
 def main() -> None:
     cli()

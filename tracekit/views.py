@@ -34,6 +34,27 @@ def analysis_progress(enabled: bool) -> Iterator[Callable[[str], None]]:
         yield lambda step: bar.update(task, description=step)
 
 
+@contextlib.contextmanager
+def run_progress(enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A `progress(what)` callback showing the run now going and its elapsed time (stderr), or a no-op."""
+    if not enabled:
+        yield lambda what: None
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=False) as bar:
+        task = None
+
+        def show(what: str) -> None:
+            nonlocal task
+            if task is not None:
+                bar.update(task, completed=1, total=1)
+            task = bar.add_task(what, total=None)
+
+        yield show
+        if task is not None:
+            bar.update(task, completed=1, total=1)
+
+
 def print_frame(frame: Any) -> None:
     """A Polars DataFrame as a rich table."""
     table = Table(*frame.columns, show_lines=False)

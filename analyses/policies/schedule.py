@@ -199,7 +199,7 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     why = (f"{fraction:.0%} of samples hold only the {rows.height} most-read rows: batched apart, that share "
            f"of steps skips the all-to-all ({saved_rem / max(s.base_remote, 1):.0%} of its remote bytes)")
     section = {"kind": "fae", "hot_rows": f"policy/{name}.parquet", "hot_sample_fraction": fraction,
-               "budget_bytes_per_rank": int(limit), "predicted": predicted, "why": why}
+               "budget_bytes_per_rank": int(limit), "sync": sync_kind, "predicted": predicted, "why": why}
     evidence = {"samples": s.samples, "cold_samples": cold, "hot_batches_replayed": hot_batches,
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
                 "shared_with_replication": shared, "bandwidth": bw, "bandwidth_source": bw_source,

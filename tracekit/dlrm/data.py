@@ -45,6 +45,10 @@ class Dataset(Protocol):
         """Samples [start, stop), deterministic."""
         ...
 
+    def take(self, index: torch.Tensor) -> Batch:
+        """The samples of the given indices (int64, any order), as `batch` gives them."""
+        ...
+
 
 class TabularDataset:
     """Samples held in memory: dense features, labels and one jagged id column per table.
@@ -80,6 +84,19 @@ class TabularDataset:
             values=torch.cat([v[a:b] for v, a, b in zip(self._values, first, last)]),
             labels=self._labels[start:stop].clone(),
         )
+
+    def take(self, index: torch.Tensor) -> Batch:
+        """The samples of the given indices (int64, any order), as `batch` gives them."""
+        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < self.num_samples):
+            raise IndexError(f"sample indices outside the dataset's {self.num_samples} samples")
+        lengths = self._lengths[:, index]
+        values = []
+        for t, column in enumerate(self._values):
+            first = self._offsets[t, index]
+            within = torch.arange(int(lengths[t].sum())) - torch.repeat_interleave(
+                torch.cumsum(lengths[t], 0) - lengths[t], lengths[t])
+            values.append(column[torch.repeat_interleave(first, lengths[t]) + within])
+        return Batch(dense=self._dense[index], lengths=lengths, values=torch.cat(values), labels=self._labels[index])
 
 
 def open_dataset(

@@ -8,8 +8,9 @@ group starts.
 
 The sections it applies: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2
 once per node, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold
-minibatches; its hot rows are replicated too). Sections applied together replicate the union of
-their rows. `compression` and `lag` are refused, never ignored: the trainer does not apply them.
+minibatches; its hot rows are replicated too, and serve cold batches as well). Sections applied
+together replicate the union of their rows, synchronised the way the section with the most rows
+says. `compression` and `lag` are refused, never ignored: the trainer does not apply them.
 """
 
 from __future__ import annotations
@@ -56,28 +57,27 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
                               f"remove it, or derive the policy without it: tracekit analyze RUN "
                               f"--policies replication,tiers,schedule")
     sections = tuple(name for name in ("replication", "tiers", "schedule") if name in policy)
-    replicated: list[torch.Tensor] = []
-    sync = None
+    replicated: list[tuple[torch.Tensor, str, str]] = []  # (keys, sync, where the sync is named)
     if "replication" in policy:
-        replicated.append(_rows(path, policy["replication"]["rows"], tables))
-        sync = policy["replication"]["sync"]
+        replicated.append((_rows(path, policy["replication"]["rows"], tables), policy["replication"]["sync"],
+                           "replication.sync"))
     if "tiers" in policy:
-        replicated.append(_tier_one(path, policy["tiers"], tables, world_size, local_world_size))
-        sync = sync or policy["tiers"].get("tier1_sync", "sparse_allreduce")
+        replicated.append((_tier_one(path, policy["tiers"], tables, world_size, local_world_size),
+                           policy["tiers"].get("tier1_sync", "sparse_allreduce"), "tiers.tier1_sync"))
     fae = None
     if "schedule" in policy:
         schedule = policy["schedule"]
         if schedule.get("kind") != "fae":
             raise PolicyError(f"{path}: schedule.kind: expected \"fae\", got {schedule.get('kind')!r}")
         fae = _rows(path, schedule["hot_rows"], tables)
-        replicated.append(fae)
-        sync = sync or schedule.get("sync", "sparse_allreduce")
-    if sync not in SYNCS:
-        raise PolicyError(f"{path}: the replicas' sync: expected one of {', '.join(SYNCS)}, got {sync!r}")
-    hot = None
+        replicated.append((fae, schedule.get("sync", "sparse_allreduce"), "schedule.sync"))
+    for _, sync, where in replicated:
+        if sync not in SYNCS:
+            raise PolicyError(f"{path}: {where}: expected one of {', '.join(SYNCS)}, got {sync!r}")
+    hot, sync = None, "sparse_allreduce"
     if replicated:
-        keys = torch.unique(torch.cat(replicated))
-        hot = _split(keys, tables)
+        hot = _split(torch.unique(torch.cat([keys for keys, _, _ in replicated])), tables)
+        sync = max(replicated, key=lambda r: r[0].numel())[1]
     return AppliedPolicy(path, sections, hot, sync, None if fae is None else _split(fae, tables))
 
 

@@ -198,15 +198,22 @@ class ShardedEmbeddings(nn.Module):
         self.register_buffer("pooled_mask", torch.tensor([spec.pooled for spec in plan.tables], device=device),
                              persistent=False)
 
-    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
+    def forward(self, lengths: torch.Tensor, values: torch.Tensor, batch_sizes: list[int],
+                local_only: bool = False) -> torch.Tensor:
         """lengths [T, b], values (table, sample, pos) -> embeddings [b, T, D] of the local batch.
 
-        `batch_sizes[q]` is rank q's local batch this step (known to every rank).
+        `batch_sizes[q]` is rank q's local batch this step (known to every rank). `local_only`:
+        every rank's batch holds only replicated rows (an FAE hot batch), so nothing is exchanged.
         """
         T, b = lengths.shape
         served = hot = None
         if self.replicas is not None:
             lengths, values, served, hot = self._serve_hot(lengths, values)
+        if local_only:
+            if hot is None or values.numel():
+                raise RuntimeError("a local-only batch holds rows that are not replicated")
+            out = self.replicas.weight.new_zeros(b * T, self.replicas.weight.shape[1])
+            return out.index_add(0, *hot).view(b, T, -1)
         routing = self._route(lengths, values, served)
         recv_lengths, recv_values = self._input_dist(routing, batch_sizes)
         pooled, rows_out = self._lookup(recv_lengths, recv_values, batch_sizes)

@@ -252,7 +252,13 @@ class SyntheticDataset:
 
     def batch(self, start: int, stop: int) -> Batch:
         """Samples [start, stop): a pure function of (seed, sample index)."""
-        rows, dense_bytes, label_words = self._draw(start, stop)
+        if not 0 <= start <= stop <= self.num_samples:
+            raise IndexError(f"batch [{start}, {stop}) is outside the dataset's {self.num_samples} samples")
+        return self.take(torch.arange(start, stop, dtype=torch.int64))
+
+    def take(self, index: torch.Tensor) -> Batch:
+        """The samples of the given indices (int64, any order), each as `batch` gives it."""
+        rows, dense_bytes, label_words = self._draw(index)
         cells = self._sigmoid.shape[0]
         cell = (self._logit(dense_bytes, rows) >> (LOGIT_UNIT_BITS - SIGMOID_STEP_BITS)) + cells // 2
         threshold = self._sigmoid[cell.clamp_(0, cells - 1)]
@@ -265,14 +271,13 @@ class SyntheticDataset:
 
     def click_probability(self, start: int, stop: int) -> torch.Tensor:
         """float64 [b]: the true P(label = 1) of samples [start, stop), for measuring the Bayes AUC."""
-        rows, dense_bytes, _ = self._draw(start, stop)
+        rows, dense_bytes, _ = self._draw(torch.arange(start, stop, dtype=torch.int64))
         return torch.sigmoid(self._logit(dense_bytes, rows).double() * 2.0**-LOGIT_UNIT_BITS)
 
-    def _draw(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _draw(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row ids int32 [T, b, P], centred dense bytes int32 [b, D] and label words int32 [b]."""
-        if not 0 <= start <= stop <= self.num_samples:
-            raise IndexError(f"batch [{start}, {stop}) is outside the dataset's {self.num_samples} samples")
-        index = torch.arange(start, stop, dtype=torch.int64)
+        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < self.num_samples):
+            raise IndexError(f"sample indices outside the dataset's {self.num_samples} samples")
         id_words, tail_words = self._words((splitmix64(index + self._key) >> 32).int())
         rows = self._draw_rows(id_words, index)
         D = self.num_dense

@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+import tracekit
 from tracekit.dlrm import config as config_mod
+from tracekit.dlrm import policies
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import Dataset, open_dataset
 from tracekit.dlrm.metrics import log_loss, roc_auc
 from tracekit.dlrm.model import DenseArch
 from tracekit.dlrm.optim import dense_optimizer, sparse_optimizer
-from tracekit.dlrm import policies
 from tracekit.dlrm.policies import AppliedPolicy
 from tracekit.dlrm.replicas import Replicas
 from tracekit.dlrm.runtime import keep_freed_memory, pin_to_cores
@@ -84,7 +85,9 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
     """Train on an initialised process group (or none at world size 1) and evaluate, applying
     `policy` (loaded and checked before the process group started) if given."""
     backend = dist.get_backend() if dist.is_initialized() else "none"
-    schedule = make_schedule(cfg, dataset, world_size)
+    if policy is not None:
+        tracekit.policy_applied(policy.path)  # named in the manifest when traced
+    schedule = make_schedule(cfg, dataset, world_size, policy.fae_hot_rows if policy is not None else None)
     plan = ShardingPlan.build(build_tables(cfg, dataset), world_size, cfg.sharding)
 
     # model: dense part replicated under DDP, tables sharded over the ranks
@@ -111,21 +114,24 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
     timed_samples, t_timed = 0, None
     t_begin = time.perf_counter()
     batches = prefetched(schedule.local_batches(dataset, rank, range(schedule.steps)), depth=2)
-    for step, (start, stop, sizes, batch) in zip(range(schedule.steps), batches):
+    for step, (n, sizes, batch) in zip(range(schedule.steps), batches):
         if step == min(cfg.warmup_steps, schedule.steps - 1):
             t_timed, timed_samples = time.perf_counter(), 0
         batch = batch.to(device)
 
-        embedded = embeddings(batch.lengths, batch.values, sizes)
+        kind = schedule.kind(step)
+        tracekit.step_schedule(kind, samples=sizes[rank])  # named in the trace's steps row when traced
+        # a hot (FAE) batch holds only replicated rows: no embedding all-to-all
+        embedded = embeddings(batch.lengths, batch.values, sizes, local_only=kind == "hot")
         logits = dense(batch.dense, embedded)
         loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
-        (loss_sum / (stop - start)).backward()  # embedding rows are updated inside backward
+        (loss_sum / n).backward()  # embedding rows are updated inside backward
         embeddings.synchronise()  # replicated rows: gradients summed over ranks, then updated
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
         losses[step] = loss_sum.detach().double()
-        timed_samples += stop - start
+        timed_samples += n
         if (step + 1) % cfg.log_every == 0 or step + 1 == schedule.steps:
             _log_progress(cfg, rank, world_size, step, schedule, losses, device)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < schedule.steps:
@@ -136,8 +142,7 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
     t_end = time.perf_counter()
 
     # global mean loss of every step: one all-reduce of the per-step sums at the end
-    sizes = torch.tensor([float(b - a) for a, b in map(schedule.global_range, range(schedule.steps))],
-                         dtype=torch.float64)
+    sizes = torch.tensor([float(schedule.global_size(s)) for s in range(schedule.steps)], dtype=torch.float64)
     if world_size > 1:
         dist.all_reduce(losses)
     step_losses = (losses / sizes).tolist()
@@ -160,7 +165,7 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
 def _log_progress(cfg, rank, world_size, step, schedule, losses, device) -> None:
     first = max(0, step + 1 - cfg.log_every)
     window = torch.tensor([losses[first:step + 1].sum().item(), 0.0], dtype=torch.float64)
-    window[1] = sum(b - a for a, b in map(schedule.global_range, range(first, step + 1))) / world_size
+    window[1] = sum(schedule.global_size(s) for s in range(first, step + 1)) / world_size
     if world_size > 1:
         dist.all_reduce(window)
     _log(cfg, rank, f"step {step + 1}/{schedule.steps}  loss {window[0] / window[1]:.4f}")
@@ -246,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     clean = False
     try:
         result = run(cfg, dataset, rank=rank, world_size=world_size, device=device, policy=policy)
+        tracekit.metrics(eval_auc=result.eval_auc, eval_logloss=result.eval_logloss,
+                         samples_per_s=result.samples_per_s, train_loss=result.train_loss)
         if rank == 0:
             _print_summary(cfg, result)
         clean = True

@@ -1,0 +1,80 @@
+"""`tracekit optimize`: the whole loop in one command (DESIGN.md §1).
+
+    DIR/base            the command recorded as given (lookups on every step, so predictions are exact)
+    DIR/base/policy.json and one file per section the trainer applies: policy.<section>.json
+    DIR/<section>       the command re-run with `--policy DIR/base/policy.<section>.json`
+    DIR/combined        ... with every applicable section together, where there are several
+
+then `tracekit compare DIR/base DIR/<section> ... DIR/combined`. The command must take
+`--policy PATH` as its last option (the reference trainer's train.py does). Each run's output goes
+to DIR/<name>.log; a status line shows which run is going.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracekit.policy import load_policy, write_policy
+
+APPLIED = ("replication", "tiers", "schedule")
+"""The sections the reference trainer applies; optimize re-runs each one alone, then together."""
+
+
+@dataclass(frozen=True)
+class Rerun:
+    name: str  # a section, or "combined"
+    policy: Path
+
+
+def reruns(policy_path: Path) -> tuple[list[Rerun], list[str]]:
+    """One policy file per applicable section (beside policy.json, so row paths hold), and one for
+    their combination; with notes on the sections left out and why."""
+    policy = load_policy(policy_path)
+    chosen, notes = [], []
+    for name in APPLIED:
+        if name not in policy:
+            continue
+        reason = _why_not(name, policy[name])
+        if reason:
+            notes.append(f"{name} not re-run: {reason}")
+            continue
+        chosen.append(name)
+    for name in ("compression", "lag"):
+        if name in policy:
+            notes.append(f"{name} not re-run: the reference trainer does not apply it yet")
+    plans = [Rerun(name, _write_sections(policy_path, policy, [name])) for name in chosen]
+    if len(chosen) > 1:
+        plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
+    return plans, notes
+
+
+def _why_not(name: str, section: dict) -> str | None:
+    predicted = section.get("predicted", {})
+    if name == "replication" and not predicted.get("hot_rows"):
+        return "no row is worth replicating at this budget"
+    if name == "schedule" and not section.get("hot_sample_fraction"):
+        return "no sample holds only hot rows"
+    if name == "tiers":
+        if section.get("topology", {}).get("nodes", 1) == 1:
+            return "one node: the tiers are the replication section"
+        if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
+            return "no row in tier 1 or 2"
+    return None
+
+
+def _write_sections(policy_path: Path, policy: dict, names: list[str], label: str | None = None) -> Path:
+    keep = {k: v for k, v in policy.items() if k not in (*APPLIED, "compression", "lag") or k in names}
+    target = policy_path.with_name(f"policy.{label or names[0]}.json")
+    write_policy(target, keep)
+    return target
+
+
+def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int) -> int:
+    """`tracekit record` of `command` into `run_dir`, its output into `log`; the exit code."""
+    argv = [sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force",
+            "--lookup-every", str(lookup_every), "--", *command]
+    with open(log, "w") as out:
+        return subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT)
