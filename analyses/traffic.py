@@ -191,14 +191,16 @@ def bandwidth(ctx: Context) -> pl.DataFrame:
 
 
 def measured_bandwidth(ctx: Context) -> dict[str, float | None]:
-    """{"all_to_all_single": busbw, "all_reduce": busbw} in bytes/s from the run's training calls
-    (median over each op's largest quarter of calls), None for an op the run did not time."""
+    """{"all_to_all_single": busbw, "all_reduce": busbw} in bytes/s from the run's synchronous training
+    calls (median over each op's largest quarter of calls), None for an op the run did not time so.
+    Async calls are left out: from issue to completion they wait behind the computation they overlap
+    (DDP's bucket all-reduce during backward), which says nothing about the link."""
     measured = {op: None for op in BANDWIDTH_OPS}
     if not ctx.has("comms"):
         return measured
     rows = ctx.sql(f"""
         WITH c AS (SELECT *, size_bytes >= quantile_cont(size_bytes, {LARGE_QUANTILE}) OVER (PARTITION BY op) AS large
-                   FROM ({_CALLS}) WHERE op IN ({sql_list(BANDWIDTH_OPS)}))
+                   FROM ({_CALLS} AND NOT "async") WHERE op IN ({sql_list(BANDWIDTH_OPS)}))
         SELECT op, median(size_bytes / time_s * bus_factor) FROM c WHERE large GROUP BY op""").fetchall()
     measured.update({op: float(bw) for op, bw in rows})
     return measured
