@@ -82,6 +82,7 @@ class Options:
     intra_bw: float | None = None  # bytes/s
     inter_bw: float | None = None
     policies: tuple[str, ...] = ("replication", "tiers", "schedule", "compression", "lag")
+    objective: str = "time"  # a replica budget's figure of merit: predicted step "time", or network "bytes"
 
 
 @dataclass

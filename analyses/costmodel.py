@@ -13,8 +13,10 @@ from source rank q (b_q samples) to owner o (T_o tables with a shard on o, P_o o
 Bytes are summed over ranks' `bytes_out`, self-splits included, so they compare with `comms`
 exactly (`*_bytes_per_step`); `remote_*` leaves out what a rank sends itself (what crosses the
 network). Time per step = remote bytes per rank / the all-to-all bandwidth (+ sync bytes per rank
-/ the all-reduce bandwidth), and a policy's predicted step time is the measured one plus the
-change in that communication time (SCARS's t_iter = t_compute + t_comm, no overlap).
+/ the all-reduce bandwidth, + a collective's latency per collective a policy adds), and a policy's
+predicted step time is the measured one plus the change in that communication time (SCARS's
+t_iter = t_compute + t_comm, no overlap). Bandwidths and latency come from transfer times: a
+call's least duration over the ranks (analyses.traffic), not the waits for late ranks.
 
 Under hybrid replication of a hot set H (papers §7, SCARS step 5), as the trainer does it
 (tracekit/dlrm/sharding.py): a hot id is looked up where its sample is, so its id leaves the
@@ -320,6 +322,19 @@ def bandwidths(ctx: Context, given: dict | None = None) -> tuple[dict[str, float
     bw["intra"] = found.get("intra") or options.intra_bw or a2a
     bw["inter"] = found.get("inter") or options.inter_bw or bw["intra"]
     return {k: float(v) for k, v in bw.items()}, source
+
+
+_latencies: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
+
+
+def latency(ctx: Context) -> float:
+    """Seconds one added synchronous collective costs beyond its bytes (analyses.traffic.latency;
+    0 where the run timed none)."""
+    if ctx not in _latencies:
+        from analyses.traffic import latency as measured
+
+        _latencies[ctx] = measured(ctx) or 0.0
+    return _latencies[ctx]
 
 
 def comm_time(remote_a2a: float, sync: float, world: int, bw: dict[str, float]) -> float:

@@ -174,7 +174,7 @@ def matrix(ctx: Context, steps: int, notes: list[str]) -> pl.DataFrame:
 
 _CALLS = f"""
     SELECT op, group_size, {SIZE_SQL} AS size_bytes, (t_end_ns - t_start_ns) / 1e9 AS time_s,
-           {BUS_FACTOR_SQL} AS bus_factor
+           {BUS_FACTOR_SQL} AS bus_factor, rank, step, "group", seq, "async"
     FROM train_comms
     WHERE t_end_ns >= 0 AND t_end_ns > t_start_ns AND group_size >= 2 AND op <> 'barrier'
       AND {SIZE_SQL} > 0"""
@@ -193,17 +193,43 @@ def bandwidth(ctx: Context) -> pl.DataFrame:
 def measured_bandwidth(ctx: Context) -> dict[str, float | None]:
     """{"all_to_all_single": busbw, "all_reduce": busbw} in bytes/s from the run's synchronous training
     calls (median over each op's largest quarter of calls), None for an op the run did not time so.
-    Async calls are left out: from issue to completion they wait behind the computation they overlap
-    (DDP's bucket all-reduce during backward), which says nothing about the link."""
+
+    A call's time is its transfer time: the least duration any rank saw for it (calls matched across
+    ranks by step, op, group and order), since every other rank also waited for the last one to
+    arrive, which says nothing about the link. Async calls are left out: from issue to completion
+    they wait behind the computation they overlap (DDP's bucket all-reduce during backward)."""
     measured = {op: None for op in BANDWIDTH_OPS}
     if not ctx.has("comms"):
         return measured
     rows = ctx.sql(f"""
         WITH c AS (SELECT *, size_bytes >= quantile_cont(size_bytes, {LARGE_QUANTILE}) OVER (PARTITION BY op) AS large
-                   FROM ({_CALLS} AND NOT "async") WHERE op IN ({sql_list(BANDWIDTH_OPS)}))
+                   FROM ({transfers_sql()}) WHERE op IN ({sql_list(BANDWIDTH_OPS)}))
         SELECT op, median(size_bytes / time_s * bus_factor) FROM c WHERE large GROUP BY op""").fetchall()
     measured.update({op: float(bw) for op, bw in rows})
     return measured
+
+
+def transfers_sql() -> str:
+    """SQL: one row per synchronous training collective (matched across ranks by step, op, group and
+    order within them): op, group_size, size_bytes (the largest rank's), bus_factor and time_s, the
+    least duration a rank saw (its transfer time, without waiting for late ranks)."""
+    return f"""
+        SELECT op, any_value(group_size) AS group_size, max(size_bytes) AS size_bytes, min(time_s) AS time_s,
+               any_value(bus_factor) AS bus_factor
+        FROM (SELECT *, row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
+              FROM ({_CALLS} AND NOT "async"))
+        GROUP BY step, op, "group", nth"""
+
+
+def latency(ctx: Context) -> float | None:
+    """Seconds a synchronous collective costs beyond its bytes: the median transfer time of the
+    run's smallest quarter of synchronous training calls (the time an added collective adds)."""
+    if not ctx.has("comms"):
+        return None
+    rows = ctx.sql(f"""
+        WITH c AS (SELECT *, size_bytes <= quantile_cont(size_bytes, 0.25) OVER () AS small FROM ({transfers_sql()}))
+        SELECT median(time_s) FROM c WHERE small""").fetchall()
+    return float(rows[0][0]) if rows and rows[0][0] is not None else None
 
 
 def imbalance(ctx: Context, steps: int) -> pl.DataFrame:

@@ -229,11 +229,11 @@ def _record_trainer(tmp: Path, *extra: str) -> Path:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict:
-    """A baseline, analysed (replication only, equal all-to-all and all-reduce bandwidths so the
-    choice does not hang on loopback timings), re-run with its policy and with the other sync.
+    """A baseline, analysed (replication only, the budget least in network bytes so the choice does
+    not hang on loopback timings), re-run with its policy and with the other sync.
     {kind: (run dir, predicted figures, sync)} for kind base, analysed, switched."""
     base = _record_trainer(tmp_path_factory.mktemp("base"))
-    summary = analyze(base, Options(policies=("replication",), intra_bw=1e9))
+    summary = analyze(base, Options(policies=("replication",), objective="bytes"))
     assert "replication" in summary["policies"], summary["not_derived"]
     policy = json.loads((base / "policy.json").read_text())
     section = policy["replication"]

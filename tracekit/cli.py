@@ -145,13 +145,13 @@ class InputError(click.ClickException):
 
 
 def _options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-             policies: str | None):
+             policies: str | None, objective: str = "time"):
     """analyze's options as analyses.context.Options; click.BadParameter naming the option at fault."""
     from analyses.analyze import POLICIES
     from analyses.context import Options
     from tracekit.units import parse_budget, parse_rate
 
-    options = Options()
+    options = Options(objective=objective)
     try:
         if budget is not None:
             options.budget_bytes, options.budget_fraction = parse_budget(budget)
@@ -186,9 +186,12 @@ def _options(budget: str | None, topology: str | None, intra_bw: str | None, int
 @click.option("--intra-bw", default=None, help="Bandwidth within a node, e.g. 100Gbit (default: measured in the run).")
 @click.option("--inter-bw", default=None, help="Bandwidth between nodes, e.g. 10Gbit (default: measured in the run).")
 @click.option("--policies", default=None, help="Comma-separated policies to derive (default: all).")
+@click.option("--objective", type=click.Choice(["time", "bytes"]), default="time", show_default=True,
+              help="What the replica budget minimises: predicted step time (measured bandwidths and latency), "
+                   "or the bytes that cross the network (what a slower cluster pays for).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the summary.")
 def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-            policies: str | None, as_json: bool) -> None:
+            policies: str | None, objective: str, as_json: bool) -> None:
     """Derive skew, traffic, timeline, cache and cost figures and the policies of a recorded run.
 
     Writes RUN/analysis/*.parquet, RUN/policy.json and RUN/policy/*.parquet; prints what a
@@ -202,7 +205,7 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
     from tracekit.errors import TracekitError
     from tracekit.views import analysis_progress, print_analysis
 
-    options = _options(budget, topology, intra_bw, inter_bw, policies)
+    options = _options(budget, topology, intra_bw, inter_bw, policies, objective)
     try:
         with analysis_progress(enabled=not as_json) as progress:
             report = run_analysis(run_dir, options, progress=progress)
@@ -302,10 +305,12 @@ def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, as_json: bool) 
 @click.option("--intra-bw", default=None, help="As for analyze: bandwidth within a node, e.g. 100gbit.")
 @click.option("--inter-bw", default=None, help="As for analyze: bandwidth between nodes, e.g. 10gbit.")
 @click.option("--policies", default=None, help="As for analyze: comma-separated policies to derive.")
+@click.option("--objective", type=click.Choice(["time", "bytes"]), default="time", show_default=True,
+              help="As for analyze: what the replica budget minimises.")
 @click.option("--json", "as_json", is_flag=True, help="Print compare's JSON document at the end instead of tables.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str | None, intra_bw: str | None,
-             inter_bw: str | None, policies: str | None, as_json: bool, command: tuple[str, ...]) -> None:
+             inter_bw: str | None, policies: str | None, objective: str, as_json: bool, command: tuple[str, ...]) -> None:
     """Record COMMAND, analyse it, re-run it with each policy and their combination, and compare.
 
     COMMAND must accept `--policy PATH` at its end (the reference trainer's train.py does). Every run
@@ -324,7 +329,7 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
-    options = _options(budget, topology, intra_bw, inter_bw, policies)
+    options = _options(budget, topology, intra_bw, inter_bw, policies, objective)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = out_dir / "base"
     with run_progress(enabled=not as_json) as progress:
@@ -343,7 +348,7 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
         for i, rerun in enumerate(reruns, 1):
             progress(f"re-running with {rerun.name} ({i}/{len(reruns)}; log {out_dir / (rerun.name + '.log')})")
             code = plan.record(out_dir / rerun.name, [*command, "--policy", str(rerun.policy)],
-                               out_dir / f"{rerun.name}.log", lookup_every=0)
+                               out_dir / f"{rerun.name}.log", lookup_every=lookup_every)  # same tracing: times compare
             if code == 0:
                 done.append(out_dir / rerun.name)
             else:

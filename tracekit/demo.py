@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = Path("runs") / "demo"  # under REPO, where the job runs
 DEMO_ARGS = ["--preset", "criteo-kaggle", "--scale", "0.01", "--dim", "16", "--samples", "1000000",
              "--steps", "400", "--log-every", "100"]
-OPTIMIZE_ARGS = ["--policies", "replication,schedule"]
+OPTIMIZE_ARGS = ["--policies", "replication,schedule", "--objective", "bytes"]
 
 
 def main() -> int:

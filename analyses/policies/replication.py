@@ -3,7 +3,8 @@ the rows chosen are replicated on every rank and looked up where the sample is; 
 sharded and go through the all-to-all.
 
 Rows are taken in order of benefit per replica byte (SCARS B.1, FlexShard B.6), net of the sparse
-synchronisation they add, in seconds per step:
+synchronisation they add, in seconds per step (rows whose score is not positive follow, by
+all-to-all bytes freed per replica byte alone):
 
     score_i = (a2a_i / BW_a2a − sync_i / BW_ar) / (W · rb_i)
     a2a_i   = remote all-to-all bytes per step row i's lookups free: a sequence lookup's ids and
@@ -15,8 +16,8 @@ Every prefix K of that order is replayed exactly over the recorded lookups (cost
 an item leaves at K > its last position), with both syncs per step (analyses.costmodel):
 dense 2(W−1)·Σ rb over the K rows, sparse over the union of hot rows touched that step. The policy
 takes the cheaper sync and the K of least predicted step time = measured step time − baseline
-communication time + (remote a2a bytes / W / BW_a2a + sync bytes / W / BW_ar), with Σ rb ≤ the
-budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes; without one,
+communication time + (remote a2a bytes / W / BW_a2a + sync bytes / W / BW_ar + α · the sync's
+collectives: 1 dense, 3 sparse; α from analyses.traffic.latency), with Σ rb ≤ the budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes; without one,
 the unconstrained optimum). Bandwidths are bus bandwidths (analyses.costmodel.bandwidths).
 
 HugeCTR's frequent set is computed beside it (calibration_data.cu, papers B.3): over the I sampled
@@ -105,20 +106,20 @@ def budget(ctx: Context) -> int | None:
     return None
 
 
-def order_table(ctx: Context, name: str, key: str) -> pl.DataFrame:
-    """Write temp table `name` (tid, row, pos) ordering tk_rows by SQL `key` (descending), ties by
+def order_table(ctx: Context, name: str, order_by: str) -> pl.DataFrame:
+    """Write temp table `name` (tid, row, pos) ordering tk_rows by the SQL `order_by` list, ties by
     lookups, tid, row; return the ordered rows with their figures."""
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE {name} AS
                 SELECT r.*, n.table_name,
-                       (row_number() OVER (ORDER BY {key} DESC, r.lookups DESC, r.tid, r."row") - 1)::BIGINT AS pos
+                       (row_number() OVER (ORDER BY {order_by}, r.lookups DESC, r.tid, r."row") - 1)::BIGINT AS pos
                 FROM tk_rows r JOIN (SELECT tid, table_name FROM tk_names) n USING (tid)""")
     return ctx.frame(f"""SELECT tid, table_name, "row", rb, lookups, benefit_rem, steps, src_steps, pos
                          FROM {name} ORDER BY pos""")
 
 
-def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, key: str) -> Curve:
-    """Replay every prefix of the order `key` (module docstring)."""
-    order = order_table(ctx, name, key)
+def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, order_by: str) -> Curve:
+    """Replay every prefix of the order `order_by` (module docstring)."""
+    order = order_table(ctx, name, order_by)
     n = order.height
     saved = costmodel.hot_curve(ctx, name, n)
     a2a_out, a2a_rem = costmodel.curve_totals(s, saved, np.arange(n + 1))
@@ -129,7 +130,12 @@ def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, key: str) -> 
     lookups = order["lookups"].to_numpy().astype(np.float64)
     coverage = np.concatenate([zero, np.cumsum(lookups)]) / max(lookups.sum(), 1.0)
     union_rows = np.concatenate([zero, np.cumsum(steps)]) / max(s.sampled_steps, 1)
-    comm = (a2a_rem / s.world / bw[A2A] + np.minimum(dense, sparse) / s.world / bw[ALL_REDUCE])
+    # each sync collective also costs a collective's latency: one all-reduce (dense), or the count
+    # all-gather, the ids all-to-all and the all-reduce (sparse)
+    collectives = np.where(dense < sparse, 1.0, 3.0)
+    collectives[0] = 0.0
+    comm = (a2a_rem / s.world / bw[A2A] + np.minimum(dense, sparse) / s.world / bw[ALL_REDUCE]
+            + costmodel.latency(ctx) * collectives)
     base_comm = costmodel.comm_time(s.base_remote, 0, s.world, bw)
     step_time = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s + comm - base_comm)
     replica = np.concatenate([zero, np.cumsum(rb)])
@@ -137,17 +143,21 @@ def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, key: str) -> 
 
 
 def benefit_key(s: Setup, bw: dict[str, float]) -> str:
-    """SQL for score_i (module docstring) over tk_rows."""
+    """SQL ORDER BY list over tk_rows: score_i descending (module docstring) while it is positive,
+    then the rows that do not pay for their sync by all-to-all bytes freed per replica byte, so
+    the curve past the optimum says what more memory would still take off the all-to-all."""
     w1 = s.world - 1
     sync = f"(({w1} * {s.id_bytes} * src_steps + 2 * {w1} * rb * steps) / {max(s.sampled_steps, 1)})"
-    return f"((benefit_rem / {bw[A2A]!r} - {sync} / {bw[ALL_REDUCE]!r}) / rb)"
+    score = f"((benefit_rem / {bw[A2A]!r} - {sync} / {bw[ALL_REDUCE]!r}) / rb)"
+    return f"{score} > 0 DESC, CASE WHEN {score} > 0 THEN {score} ELSE benefit_rem / rb END DESC"
 
 
-def best(c: Curve, limit: int | None) -> int:
-    """The K of least communication time with replica bytes within `limit` (the smallest on ties)."""
+def best(c: Curve, limit: int | None, objective: str = "time") -> int:
+    """The K of least communication time (objective "time") or least network bytes, remote
+    all-to-all plus sync ("bytes"), with replica bytes within `limit` (the smallest on ties)."""
     allowed = c.replica_bytes <= (limit if limit is not None else math.inf)
-    times = np.where(allowed, c.comm_time, np.inf)
-    return int(np.argmin(times))
+    merit = c.comm_time if objective == "time" else c.a2a_rem + c.sync
+    return int(np.argmin(np.where(allowed, merit, np.inf)))
 
 
 def hugectr(ctx: Context, s: Setup, bw: dict[str, float]) -> dict:
@@ -200,11 +210,13 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
     c = curve(ctx, s, bw, "tk_order_replication", benefit_key(s, bw))
     limit = budget(ctx)
-    k = best(c, limit)
+    objective = ctx.options.objective
+    k = best(c, limit, objective)
     h = hugectr(ctx, s, bw)
-    by_count = curve(ctx, s, bw, "tk_order_count", "r.lookups")
+    by_count = curve(ctx, s, bw, "tk_order_count", "r.lookups DESC")
     points = {f"sweep {i}": p for i, p in enumerate(costmodel.log_points(c.order.height))}
-    points.update({"optimum": best(c, None)} if limit is None else {"optimum": best(c, None), "budget": k})
+    points.update({"optimum": best(c, None, objective)} if limit is None
+                  else {"optimum": best(c, None, objective), "budget": k})
     table = pl.concat([sweep(s, c, points, "benefit"), sweep(s, by_count, {"hugectr": h["rows"]}, "count")])
     table = table.with_columns(pl.col("point").str.replace(r"^sweep \d+$", "sweep"),
                                (pl.col("point") == ("budget" if limit is not None else "optimum")).alias("chosen"))
@@ -220,9 +232,12 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     saved = s.base_remote - c.a2a_rem[k]
     why = (f"{k} rows by benefit per replica byte ({c.coverage[k]:.0%} of lookups): the all-to-all sends "
            f"{saved / max(s.base_remote, 1):.0%} fewer remote bytes for a {sync.replace('_', ' ')} of "
-           f"{c.sync[k] / max(saved, 1):.2f}× those bytes; communication time per step least at this budget")
+           f"{c.sync[k] / max(saved, 1):.2f}× those bytes; "
+           + ("communication time per step least at this budget" if objective == "time"
+              else "network bytes per step least at this budget"))
     if k == 0:
-        why = "no row frees more all-to-all time than its replica's synchronisation costs: nothing to replicate"
+        why = (f"no row frees more all-to-all {objective} than its replica's synchronisation costs "
+               f"(latency {costmodel.latency(ctx) * 1e3:.2f} ms per added collective): nothing to replicate")
     section = {"kind": "hybrid", "rows": "policy/hot_rows.parquet",
                "budget_bytes_per_rank": int(limit if limit is not None else c.replica_bytes[k]),
                "sync": sync, "predicted": predicted, "why": why}

@@ -258,11 +258,12 @@ class ShardedEmbeddings(nn.Module):
                                       output_size=values.numel())  # t * b + sample
         table_of = torch.div(bag, b, rounding_mode="floor")
         hit, index = self.replicas.find(values + self.replicas.table_base[table_of])
-        hot_counts = torch.bincount(bag[hit], minlength=T * b).view(T, b)
-        cold_lengths = lengths - hot_counts
+        where = hit.nonzero().flatten()
+        hot_bag, hot_table = bag[where], table_of[where]
+        cold_lengths = lengths - torch.bincount(hot_bag, minlength=T * b).view(T, b)
         served = (cold_lengths > 0) | (lengths == 0) | ~self.pooled_mask.view(T, 1)
-        slots = (bag[hit] - table_of[hit] * b) * T + table_of[hit]
-        rows = self.replicas.lookup(self.anchor, index[hit])
+        slots = (hot_bag - hot_table * b) * T + hot_table
+        rows = self.replicas.lookup(self.anchor, index[where])
         return cold_lengths, values[~hit], served, (slots, rows)
 
     # input dist ---------------------------------------------------------------------------
@@ -306,7 +307,12 @@ class ShardedEmbeddings(nn.Module):
             if served is not None:
                 send_lengths.view(W, T * b)[:, ~served.flatten()] = -1
 
-        kept = [b] * T if served is None else served.sum(dim=1).tolist()
+        grid = torch.arange(b, device=lengths.device) * T + torch.arange(T, device=lengths.device).view(T, 1)
+        if served is None:  # a pooled table's returned rows go to slots sample * T + t
+            kept, pooled_slots = [b] * T, grid
+        else:
+            kept = served.sum(dim=1).tolist()
+            pooled_slots = grid[served].split(kept)
         lengths_splits, values_splits, rows_back, slots_back = [], [], [], []
         offset = 0
         for q in range(W):
@@ -317,7 +323,7 @@ class ShardedEmbeddings(nn.Module):
             for t in tables:
                 n = counts[q][t]
                 if plan.tables[t].pooled:
-                    slots_back.append(self._pooled_slots(b, t, lengths.device, served))
+                    slots_back.append(pooled_slots[t])
                     rows += kept[t]
                 else:
                     slots_back.append(send_slots[offset:offset + n])
@@ -326,10 +332,6 @@ class ShardedEmbeddings(nn.Module):
             rows_back.append(rows)
         return _Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
                         rows_back, torch.cat(slots_back))
-
-    def _pooled_slots(self, b: int, t: int, device: torch.device, served: torch.Tensor | None) -> torch.Tensor:
-        samples = torch.arange(b, device=device) if served is None else served[t].nonzero().flatten()
-        return samples * len(self.plan.tables) + t
 
     def _input_dist(self, routing: _Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows."""
@@ -361,6 +363,8 @@ class ShardedEmbeddings(nn.Module):
         counts = (torch.stack([self._ids_per_bag(lq).sum(dim=1) for lq in per_src]).tolist() if mine
                   else [[] for _ in range(W)])
         value_pieces = recv_values.split([n for row in counts for n in row])
+        if self.replicas is not None and mine:  # bags sent as -1 were served where their sample is
+            served = torch.stack([lq.ge(0).sum(dim=1) for lq in per_src]).tolist()
         outputs, rows_out = [], []
         for j, t in enumerate(self.local_tables):
             spec = self.plan.tables[t]
@@ -371,8 +375,8 @@ class ShardedEmbeddings(nn.Module):
             if spec.pooled:
                 bag_lengths = torch.cat([per_src[q][j] for q in range(W)]).long()
                 rows = list(batch_sizes)
-                if self.replicas is not None:  # bags sent as -1 were served where their sample is
-                    rows = [int(per_src[q][j].ge(0).sum()) for q in range(W)]
+                if self.replicas is not None:
+                    rows = [served[q][j] for q in range(W)]
                     bag_lengths = bag_lengths[bag_lengths >= 0]
                 offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
                 out = _FusedLookup.apply(self.anchor, module, self.optimizer, ids, offsets, bag_lengths)

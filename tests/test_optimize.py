@@ -1,0 +1,81 @@
+"""`tracekit optimize`: the whole loop on real 2-rank runs of the reference trainer — the runs it
+leaves, the per-section policy files, the sections it skips and why, and the measured bytes equal
+to the predicted ones in the comparison it prints."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from tests.recorded import REPO
+from tracekit.cli import cli
+from tracekit.optimize import reruns
+from tracekit.policy import load_policy, new_policy, write_policy
+
+TRAIN = ["--tables", "4", "--rows", "2000", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
+         "--batch-size", "64", "--samples", "20000", "--pooling", "1", "--zipf", "1.3", "--eval-fraction", "0.1",
+         "--steps", "24", "--log-every", "1000"]
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("optimize") / "opt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(REPO / "train.py"), *TRAIN]
+    # the bytes objective makes the chosen hot set independent of this machine's timings
+    r = CliRunner().invoke(cli, ["optimize", "-o", str(out), "--policies", "replication,schedule", "--budget", "20%",
+                                 "--objective", "bytes", "--json", "--", *command])
+    assert r.exit_code == 0, r.output
+    return out, json.loads(r.output.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_every_section_runs_and_its_bytes_are_as_predicted(optimized) -> None:
+    out, summary = optimized
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"base", "replication", "schedule", "combined"}
+    for name in ("replication", "schedule", "combined"):
+        assert (out / f"{name}.log").stat().st_size > 0
+        manifest = json.loads((out / name / "manifest.json").read_text())
+        assert manifest["policy"]["path"] == str((out / "base" / f"policy.{name}.json").resolve())
+    sections = {name: set(load_policy(out / "base" / f"policy.{name}.json")) & {"replication", "schedule"}
+                for name in ("replication", "schedule", "combined")}
+    assert sections == {"replication": {"replication"}, "schedule": {"schedule"},
+                        "combined": {"replication", "schedule"}}
+    rows = [r for r in summary["rows"] if r["run"].endswith("replication") and r["section"] == "replication"]
+    exact = {r["figure"]: r for r in rows if r["figure"].endswith("bytes_per_step")}
+    assert exact["a2a_bytes_per_step"]["measured"] == pytest.approx(exact["a2a_bytes_per_step"]["predicted"], rel=1e-9)
+    assert exact["sync_bytes_per_step"]["measured"] == pytest.approx(exact["sync_bytes_per_step"]["predicted"],
+                                                                     rel=1e-9)
+    fae = next(r for r in summary["runs"] if r["run"].endswith("schedule"))
+    kinds = {s["schedule"]: s["steps"] for s in fae["schedule"]}
+    assert kinds.get("hot", 0) > 0 and kinds.get("cold", 0) > 0 and sum(kinds.values()) == 24
+
+
+def test_sections_not_worth_a_run_are_left_out_with_the_reason(tmp_path: Path) -> None:
+    policy = new_policy(source_run="x", model={"tables": [{"name": "t0", "num_rows": 10, "dim": 4}], "world_size": 2})
+    policy["replication"] = {"kind": "hybrid", "rows": "policy/hot_rows.parquet", "budget_bytes_per_rank": 0,
+                             "sync": "dense_allreduce", "predicted": {"hot_rows": 0}, "why": "nothing pays"}
+    policy["tiers"] = {"topology": {"nodes": 1, "ranks_per_node": 2}, "rows": "policy/tiers.parquet",
+                       "predicted": {"tier1_rows": 3}, "why": "one node"}
+    policy["lag"] = {"bound": 2, "predicted": {}, "why": "lag"}
+    rows = pl.DataFrame({"table_name": ["t0"], "row": [1]})
+    path = write_policy(tmp_path / "policy.json", policy,
+                        rows={"hot_rows": rows, "tiers": rows.with_columns(pl.lit(1).alias("tier"))})
+    plans, notes = reruns(path)
+    assert plans == []
+    assert notes == ["replication not re-run: no row is worth replicating at this budget",
+                     "tiers not re-run: one node: the tiers are the replication section",
+                     "lag not re-run: the reference trainer does not apply it yet"]
+
+
+def test_a_failing_baseline_stops_with_its_log(tmp_path: Path) -> None:
+    r = CliRunner().invoke(cli, ["optimize", "-o", str(tmp_path / "opt"), "--", sys.executable, "-c",
+                                 "import sys; print('boom'); sys.exit(3)"])
+    assert r.exit_code != 0
+    assert "the baseline run failed (exit code 3)" in r.output and "base.log" in r.output
+    assert "boom" in (tmp_path / "opt" / "base.log").read_text()
