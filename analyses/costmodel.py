@@ -343,11 +343,14 @@ def comm_time(remote_a2a: float, sync: float, world: int, bw: dict[str, float]) 
     return remote_a2a / w / bw[A2A] + sync / w / bw[ALL_REDUCE]
 
 
-def predicted_step_time(s: Setup, remote_a2a: float, sync: float, bw: dict[str, float]) -> float | None:
-    """The measured step time plus the change in communication time against the baseline."""
+def predicted_step_time(s: Setup, remote_a2a: float, sync: float, bw: dict[str, float],
+                        added_latency_s: float = 0.0) -> float | None:
+    """The measured step time plus the change in communication time against the baseline, and the
+    latency of the collectives a policy adds per step."""
     if s.step_time_s is None:
         return None
-    return max(0.0, s.step_time_s + comm_time(remote_a2a, sync, s.world, bw) - comm_time(s.base_remote, 0, s.world, bw))
+    return max(0.0, s.step_time_s + comm_time(remote_a2a, sync, s.world, bw) - comm_time(s.base_remote, 0, s.world, bw)
+               + added_latency_s)
 
 
 # the formulas ----------------------------------------------------------------------------------

@@ -33,9 +33,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("old")
     p.add_argument("--pairs", type=int, default=5)
-    p.add_argument("train_args", nargs=argparse.REMAINDER)
-    args = p.parse_args()
-    train = [a for a in args.train_args if a != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, train = p.parse_args(argv[:cut]), argv[cut + 1:]
     scratch = Path(tempfile.mkdtemp(prefix="tracekit-ab-"))
     old = scratch / "old"
     subprocess.run(["git", "worktree", "add", "--detach", str(old), args.old], cwd=REPO, check=True,

@@ -1,6 +1,7 @@
 """Replication on the Criteo Kaggle layout, measured against predicted (issue 9's targets).
 
     .venv/bin/python bench/replication_kaggle.py [--scale 0.01] [--steps 300] [--worlds 2,4] [--pairs 3]
+        [--train-args "--sequence-tables 4 --pooling 2"] [--out DIR]
 
 Per world size, all runs recorded with `--lookup-every 1` (the same tracing, so times compare):
 1. `tracekit optimize --policies replication --objective bytes`: the baseline, its analysis, the
@@ -40,14 +41,15 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--share", type=float, default=0.10, help="replica budget of the second policy, share of rows")
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-replication"))
+    p.add_argument("--train-args", default="", help='more options of train.py, e.g. "--sequence-tables 4 --pooling 2"')
     args = p.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, 2 cores, gloo on CPU; "
-          f"preset criteo-kaggle x {args.scale}, dim 16, batch 512 per rank, {args.steps} steps")
+          f"preset criteo-kaggle x {args.scale}, dim 16, batch 512 per rank, {args.steps} steps {args.train_args}")
     for world in map(int, args.worlds.split(",")):
         out = args.out / f"w{world}"
         train = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                  "train.py", "--preset", "criteo-kaggle", "--scale", str(args.scale), "--dim", "16",
-                 "--samples", "1000000", "--steps", str(args.steps), "--log-every", "1000"]
+                 "--samples", "1000000", "--steps", str(args.steps), "--log-every", "1000", *args.train_args.split()]
         subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(out), "--policies", "replication",
                         "--objective", "bytes", "--json", "--", *train], cwd=REPO, capture_output=True, text=True,
                        check=True)

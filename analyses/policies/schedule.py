@@ -101,9 +101,10 @@ def saved_bytes(ctx: Context, s: Setup) -> tuple[float, float]:
     return (per_lookup[0] + fixed[0]) / steps, (per_lookup[1] + fixed[1]) / steps
 
 
-def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float) -> tuple[float, str, float]:
+def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, bw: dict[str, float]) -> tuple[float, str, float]:
     """(sync bytes per hot step, kind, hot batches replayed): hot samples in gid order cut into
-    global batches of B (module docstring)."""
+    global batches of B (module docstring). The kind is the one of less time (a collective's latency
+    each: 3 for sparse, 1 for dense), or of fewer bytes under `--objective bytes`."""
     batch = max(int(round(s.samples / max(s.sampled_steps, 1))), 1)
     per_rank = max(batch // max(s.world, 1), 1)
     w1 = s.world - 1
@@ -122,7 +123,12 @@ def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float) -> tuple[float, str
         SELECT count(*), avg({w1} * {s.id_bytes} * u_r + 2 * {w1} * union_rb) FROM per_batch""").fetchall()[0]
     hot_batches, sparse = rows[0], float(rows[1] or 0.0) + costmodel.count_exchange(s.world)
     dense = 2 * w1 * hot_bytes
-    return (sparse, "sparse_allreduce", hot_batches) if sparse <= dense else (dense, "dense_allreduce", hot_batches)
+    if ctx.options.objective == "time":
+        alpha, rate = costmodel.latency(ctx), s.world * bw[costmodel.ALL_REDUCE]
+        sparse_wins = sparse / rate + 3 * alpha <= dense / rate + alpha
+    else:
+        sparse_wins = sparse <= dense
+    return (sparse, "sparse_allreduce", hot_batches) if sparse_wins else (dense, "dense_allreduce", hot_batches)
 
 
 def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
@@ -185,10 +191,11 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     cold = classify(ctx)
     fraction = 1 - cold / s.samples if s.samples else 0.0
     saved_out, saved_rem = saved_bytes(ctx, s)
-    sync_hot, sync_kind, hot_batches = hot_batch_sync(ctx, s, hot_bytes)
+    sync_hot, sync_kind, hot_batches = hot_batch_sync(ctx, s, hot_bytes, bw)
     a2a_out, a2a_rem = s.base_out - saved_out, s.base_remote - saved_rem
     sync = fraction * sync_hot
-    step_time = costmodel.predicted_step_time(s, a2a_rem, sync, bw)
+    collectives = 3 if sync_kind == "sparse_allreduce" else 1  # the replicas are synchronised every step
+    step_time = costmodel.predicted_step_time(s, a2a_rem, sync, bw, collectives * costmodel.latency(ctx))
     switch = 2 * (s.world - 1) * hot_bytes
     predicted = {"a2a_bytes_per_step": a2a_out, "a2a_remote_bytes_per_step": a2a_rem, "sync_bytes_per_step": sync,
                  "step_time_s": step_time, "hot_step_fraction": fraction, "hot_sample_fraction": fraction,

@@ -61,8 +61,7 @@ class Replicas:
         self.keys = torch.cat([r.to(device) + self.table_base[t] for t, r in enumerate(rows)])
         self.counts = [r.numel() for r in rows]
         self.rows = rows
-        self.weight = torch.cat([init_rows(t, r) for t, r in enumerate(rows)]).to(device) if self.keys.numel() \
-            else torch.empty(0, dim, device=device)
+        self.weight = torch.cat([init_rows(t, r).reshape(-1, dim) for t, r in enumerate(rows)]).to(device)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
