@@ -58,6 +58,8 @@ N_MINUS_ONE = (*GATHER_OPS, "reduce_scatter", "reduce_scatter_tensor", "reduce_s
 BANDWIDTH_OPS = ("all_to_all_single", "all_reduce")
 """The ops `measured_bandwidth` reports, by name."""
 LARGE_QUANTILE = 0.75
+MIN_BANDWIDTH_BYTES = 1 << 16
+"""Calls smaller than this measure latency, not bandwidth: `measured_bandwidth` leaves them out."""
 
 
 def sql_list(values: tuple[str, ...]) -> str:
@@ -192,7 +194,8 @@ def bandwidth(ctx: Context) -> pl.DataFrame:
 
 def measured_bandwidth(ctx: Context) -> dict[str, float | None]:
     """{"all_to_all_single": busbw, "all_reduce": busbw} in bytes/s from the run's synchronous training
-    calls (median over each op's largest quarter of calls), None for an op the run did not time so.
+    calls of at least MIN_BANDWIDTH_BYTES (median over each op's largest quarter of them), None for an
+    op the run did not time so.
 
     A call's time is its transfer time: the least duration any rank saw for it (calls matched across
     ranks by step, op, group and order), since every other rank also waited for the last one to
@@ -203,7 +206,8 @@ def measured_bandwidth(ctx: Context) -> dict[str, float | None]:
         return measured
     rows = ctx.sql(f"""
         WITH c AS (SELECT *, size_bytes >= quantile_cont(size_bytes, {LARGE_QUANTILE}) OVER (PARTITION BY op) AS large
-                   FROM ({transfers_sql()}) WHERE op IN ({sql_list(BANDWIDTH_OPS)}))
+                   FROM ({transfers_sql()})
+                   WHERE op IN ({sql_list(BANDWIDTH_OPS)}) AND size_bytes >= {MIN_BANDWIDTH_BYTES})
         SELECT op, median(size_bytes / time_s * bus_factor) FROM c WHERE large GROUP BY op""").fetchall()
     measured.update({op: float(bw) for op, bw in rows})
     return measured

@@ -127,8 +127,9 @@ def test_bandwidths_come_from_the_caller_the_options_or_the_run(tmp_path: Path) 
     assert bw["all_to_all_single"] == 5.0 and bw["all_reduce"] == 5.0 and source == "x"
     bw, source = costmodel.bandwidths(open_context(tmp_path / "run", Options(intra_bw=7.0)))
     assert bw["all_to_all_single"] == 7.0 and bw["intra"] == 7.0 and "--intra-bw" in source
-    bw, _ = costmodel.bandwidths(ctx)
-    assert bw["all_to_all_single"] > bw["all_reduce"]  # build_run times the a2a at 1 GB/s, the all-reduce slower
+    # calls under traffic.MIN_BANDWIDTH_BYTES measure latency, not bandwidth: bytes over call time instead
+    bw, source = costmodel.bandwidths(ctx)
+    assert bw["all_to_all_single"] > 0 and source.startswith("comms (bytes over call time")
 
 
 @pytest.mark.slow

@@ -186,12 +186,14 @@ def test_schedule_counts_samples_whose_every_id_is_hot(tmp_path: Path) -> None:
     # hot samples (a:1 and b:5): rank 0's 1st and 4th, rank 1's 1st and 3rd
     assert section["hot_sample_fraction"] == 0.5
     p = section["predicted"]
-    per_sample, per_sample_remote = 2 * (4 + 8 + 2 * 16), 4 + 8 + 2 * 16
-    assert p["a2a_bytes_per_step"] == 8 * per_sample - 4 * per_sample
-    assert p["a2a_remote_bytes_per_step"] == 8 * per_sample_remote - 4 * per_sample_remote
-    # one hot batch of 8 samples touches both hot rows: dense sync 2(W−1)·32 beats sparse 8·4 + 2·32;
-    # half the steps are hot
-    assert p["sync_bytes_per_step"] == 0.5 * 64 and result.evidence["hot_step_sync"] == "dense_allreduce"
+    # the hot rows are replicated in every step: each cold sample sends its two lengths entries and
+    # its one cold bag (id and rows, 8 + 2·16); hot steps send nothing. Per step on average, 4 cold
+    # samples, of which two send their cold bag to the other rank and two only a lengths entry
+    assert p["a2a_bytes_per_step"] == 4 * (2 * 4 + 8 + 2 * 16)
+    assert p["a2a_remote_bytes_per_step"] == 2 * (4 + 8 + 2 * 16) + 2 * 4
+    # the replicas are synchronised every step: dense 2(W−1)·32 beats sparse 2·8 + 8·4 + 2·16·2
+    assert p["sync_bytes_per_step"] == 64 and section["sync"] == "dense_allreduce"
+    assert result.evidence["hot_step_sync"] == "dense_allreduce"
     assert p["switch_bytes"] == 2 * 1 * 32
     sweep = result.tables["schedule_sweep"]
     assert sweep.filter(pl.col("chosen"))["hot_sample_fraction"].item() == 0.5
@@ -205,10 +207,11 @@ def test_a_cold_sequence_id_makes_its_whole_batch_cold(tmp_path: Path) -> None:
     assert hot_rows(result).select("table_name", "row").rows() == [("a", 1), ("s", 7)]
     # which of rank 1's samples holds the 8 is not on record: both count cold
     assert result.section["hot_sample_fraction"] == 0.5
-    # rank 0's two samples leave: a's lengths and rows (its own) and ids; s's lengths, ids and rows (remote)
+    # rank 1's two cold samples send their lengths (2 tables each) and the one cold lookup, s:8 (its
+    # own); of that only a's lengths entries cross to rank 0
     p = result.section["predicted"]
-    assert p["a2a_bytes_per_step"] == 352 - (2 * (36 + 4) + 2 * 8 + 2 * 40)
-    assert p["a2a_remote_bytes_per_step"] == 176 - (2 * 4 + 2 * 40)
+    assert p["a2a_bytes_per_step"] == 2 * 2 * 4 + (8 + 2 * 16)
+    assert p["a2a_remote_bytes_per_step"] == 2 * 4
 
 
 def test_every_section_passes_the_policy_validator(tmp_path: Path) -> None:

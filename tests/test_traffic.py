@@ -219,8 +219,8 @@ def test_a_recorded_two_rank_run_is_reported_exactly(tmp_path: Path) -> None:
     dense_elements = grads["numel"][0]
     assert traffic.baseline(ctx)["a2a_bytes_per_step"] == 2 * (512 + 3072 + 4096 + 4096)
     assert traffic.baseline(ctx)["allreduce_bytes_per_step"] == 2 * 4 * dense_elements  # DDP buckets: fp32 gradients
-    # the all-to-alls are synchronous and timed; DDP's all-reduces are async, so they give no bandwidth
-    assert result.summary["bandwidth"]["all_to_all_single"] > 0 and result.summary["bandwidth"]["all_reduce"] is None
+    # calls this small measure latency, and DDP's all-reduces are async: no bandwidth from them
+    assert result.summary["bandwidth"] == {"all_to_all_single": None, "all_reduce": None}
 
     frame = timeline.compute(ctx).tables["timeline"]
     assert frame.height == 2 * steps

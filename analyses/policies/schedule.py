@@ -11,13 +11,15 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   cold (conservative). hot_sample_fraction H = hot samples / samples; with batches formed from each
   pool separately, a fraction H of the steps are hot (⌊H·N/B⌋ of N/B batches) and skip the
   all-to-all: hot_step_fraction = H.
-- Predicted all-to-all bytes per step = the recorded exchange less what the hot samples put on it
-  (each sample's lengths entries and pooled rows on every owner, its ids, its sequence rows),
-  averaged over all steps.
-- Hot steps synchronise the replicas: the hot samples, taken in order and cut into global batches
-  of B (ranks' sub-batches of b), are replayed; per hot batch the cheaper of the sparse all-reduce
-  over the union of hot rows touched (W(W−1)·8 + (W−1)·id_bytes·Σ_r u_r + 2(W−1)·Σ rb over the union) and
-  the dense one (2(W−1)·Σ rb over the hot set); per step that times H.
+- The trainer replicates the hot set and serves hot ids from the replicas in every step, hot or
+  cold (tracekit/dlrm). So the predicted all-to-all bytes per step are replication's exact replay
+  of that hot set (the count order's prefix, analyses.policies.replication.curve) less the lengths
+  entries of the hot samples, which hot steps do not send: a2a = a2a_rep(K) − H · lengths.
+- The replicas are synchronised every step: dense 2(W−1)·Σ rb over the hot set (exact), or sparse
+  as replication's replay of the recorded batches (approximate: hot and cold batches touch other
+  unions); the kind of less time (a collective's latency each: 3 sparse, 1 dense), or of fewer
+  bytes under --objective bytes. `sync_bytes_per_hot_step` (evidence) replays the hot batches alone:
+  the hot samples in order, cut into global batches of B (ranks' sub-batches of b).
 - Each switch between phases moves the hot block between owners and replicas:
   switch_bytes = 2(W−1)·Σ rb over the hot set (FAE's public code switches twice per epoch;
   not in the per-step figures).
@@ -77,34 +79,18 @@ def classify(ctx: Context) -> int:
     return int(ctx.sql("SELECT coalesce(sum(b - hot), 0) FROM tk_fae_batches").fetchall()[0][0])
 
 
-def saved_bytes(ctx: Context, s: Setup) -> tuple[float, float]:
-    """(bytes_out, remote) per step the hot samples put on the recorded exchange; an unplaced
-    sequence id of a batch counts for the batch's share of hot samples."""
-    steps = max(s.sampled_steps, 1)
-    lookup = f"{s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END"
-    per_lookup = ctx.sql(f"""
-        SELECT coalesce(sum(({lookup}) * w), 0)::DOUBLE,
-               coalesce(sum(CASE WHEN l.owner <> l.src THEN ({lookup}) * w ELSE 0 END), 0)::DOUBLE
-        FROM (SELECT l.*, CASE WHEN l.gid IS NULL THEN f.hot / f.b ELSE 1 END AS w
-              FROM tk_x l JOIN tk_fae_batches f USING (step, src) ANTI JOIN tk_fae_cold c USING (gid)
-              WHERE f.hot > 0) l
-        JOIN tk_names n USING (tid)""").fetchall()[0]
-    fixed = ctx.sql(f"""
-        WITH per_src AS (
-            SELECT t.src, sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
-                              * t.n_shards) AS out_b,
-                          sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
-                              * t.n_remote_shards) AS rem_b
-            FROM tk_tshards t JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY t.src)
-        SELECT coalesce(sum(f.hot * p.out_b), 0)::DOUBLE, coalesce(sum(f.hot * p.rem_b), 0)::DOUBLE
-        FROM tk_fae_batches f JOIN per_src p USING (src)""").fetchall()[0]
-    return (per_lookup[0] + fixed[0]) / steps, (per_lookup[1] + fixed[1]) / steps
+def sync_choice(ctx: Context, s: Setup, sparse: float, dense: float, bw: dict[str, float]) -> str:
+    """The replica sync of less time (a collective's latency each: 3 for sparse, 1 for dense), or of
+    fewer bytes under `--objective bytes`."""
+    if ctx.options.objective == "time":
+        alpha, rate = costmodel.latency(ctx), s.world * bw[costmodel.ALL_REDUCE]
+        return "sparse_allreduce" if sparse / rate + 3 * alpha <= dense / rate + alpha else "dense_allreduce"
+    return "sparse_allreduce" if sparse <= dense else "dense_allreduce"
 
 
 def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, bw: dict[str, float]) -> tuple[float, str, float]:
     """(sync bytes per hot step, kind, hot batches replayed): hot samples in gid order cut into
-    global batches of B (module docstring). The kind is the one of less time (a collective's latency
-    each: 3 for sparse, 1 for dense), or of fewer bytes under `--objective bytes`."""
+    global batches of B (module docstring)."""
     batch = max(int(round(s.samples / max(s.sampled_steps, 1))), 1)
     per_rank = max(batch // max(s.world, 1), 1)
     w1 = s.world - 1
@@ -123,12 +109,8 @@ def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, bw: dict[str, float
         SELECT count(*), avg({w1} * {s.id_bytes} * u_r + 2 * {w1} * union_rb) FROM per_batch""").fetchall()[0]
     hot_batches, sparse = rows[0], float(rows[1] or 0.0) + costmodel.count_exchange(s.world)
     dense = 2 * w1 * hot_bytes
-    if ctx.options.objective == "time":
-        alpha, rate = costmodel.latency(ctx), s.world * bw[costmodel.ALL_REDUCE]
-        sparse_wins = sparse / rate + 3 * alpha <= dense / rate + alpha
-    else:
-        sparse_wins = sparse <= dense
-    return (sparse, "sparse_allreduce", hot_batches) if sparse_wins else (dense, "dense_allreduce", hot_batches)
+    kind = sync_choice(ctx, s, sparse, dense, bw)
+    return (sparse if kind == "sparse_allreduce" else dense), kind, hot_batches
 
 
 def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
@@ -190,12 +172,17 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
                       .fetchall()[0][0])
     cold = classify(ctx)
     fraction = 1 - cold / s.samples if s.samples else 0.0
-    saved_out, saved_rem = saved_bytes(ctx, s)
-    sync_hot, sync_kind, hot_batches = hot_batch_sync(ctx, s, hot_bytes, bw)
-    a2a_out, a2a_rem = s.base_out - saved_out, s.base_remote - saved_rem
-    sync = fraction * sync_hot
-    collectives = 3 if sync_kind == "sparse_allreduce" else 1  # the replicas are synchronised every step
+    sync_hot, _, hot_batches = hot_batch_sync(ctx, s, hot_bytes, bw)
+    k = rows.height
+    replicated = replication.curve(ctx, s, bw, "tk_order_count", "r.lookups DESC")
+    lengths_out, lengths_rem = s.base["input_lengths"]
+    a2a_out = float(replicated.a2a_out[k]) - fraction * lengths_out
+    a2a_rem = float(replicated.a2a_rem[k]) - fraction * lengths_rem
+    sync_kind = sync_choice(ctx, s, float(replicated.sparse[k]), float(replicated.dense[k]), bw)
+    sync = float(replicated.sparse[k] if sync_kind == "sparse_allreduce" else replicated.dense[k]) if k else 0.0
+    collectives = (3 if sync_kind == "sparse_allreduce" else 1) if k else 0
     step_time = costmodel.predicted_step_time(s, a2a_rem, sync, bw, collectives * costmodel.latency(ctx))
+    saved_rem = s.base_remote - a2a_rem
     switch = 2 * (s.world - 1) * hot_bytes
     predicted = {"a2a_bytes_per_step": a2a_out, "a2a_remote_bytes_per_step": a2a_rem, "sync_bytes_per_step": sync,
                  "step_time_s": step_time, "hot_step_fraction": fraction, "hot_sample_fraction": fraction,
