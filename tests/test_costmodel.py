@@ -127,9 +127,10 @@ def test_bandwidths_come_from_the_caller_the_options_or_the_run(tmp_path: Path) 
     assert bw["all_to_all_single"] == 5.0 and bw["all_reduce"] == 5.0 and source == "x"
     bw, source = costmodel.bandwidths(open_context(tmp_path / "run", Options(intra_bw=7.0)))
     assert bw["all_to_all_single"] == 7.0 and bw["intra"] == 7.0 and "--intra-bw" in source
-    # calls under traffic.MIN_BANDWIDTH_BYTES measure latency, not bandwidth: bytes over call time instead
+    # from the run: the all-to-all's; no all-reduce of 64 KiB or more was timed, so it takes the a2a's
     bw, source = costmodel.bandwidths(ctx)
-    assert bw["all_to_all_single"] > 0 and source.startswith("comms (bytes over call time")
+    assert bw["all_to_all_single"] > 0 and bw["all_reduce"] == bw["all_to_all_single"]
+    assert source.startswith("traffic.measured_bandwidth")
 
 
 @pytest.mark.slow
