@@ -21,6 +21,8 @@ from tracekit.policy import load_policy, write_policy
 
 APPLIED = ("replication", "tiers", "schedule")
 """The sections the reference trainer applies; optimize re-runs each one alone, then together."""
+MIN_HOT_SAMPLES = 0.01
+"""An FAE schedule with fewer all-hot samples than this is not re-run."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ def _why_not(name: str, section: dict) -> str | None:
     predicted = section.get("predicted", {})
     if name == "replication" and not predicted.get("hot_rows"):
         return "no row is worth replicating at this budget"
-    if name == "schedule" and not section.get("hot_sample_fraction"):
-        return "no sample holds only hot rows"
+    if name == "schedule" and section.get("hot_sample_fraction", 0) < MIN_HOT_SAMPLES:
+        return (f"{section.get('hot_sample_fraction', 0):.2%} of samples hold only hot rows (under "
+                f"{MIN_HOT_SAMPLES:.0%}: the schedule would be the replication section)")
     if name == "tiers":
         if section.get("topology", {}).get("nodes", 1) == 1:
             return "one node: the tiers are the replication section"
