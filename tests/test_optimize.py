@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import duckdb
 import polars as pl
 import pytest
 from click.testing import CliRunner
@@ -54,6 +55,14 @@ def test_every_section_runs_and_its_bytes_are_as_predicted(optimized) -> None:
     fae = next(r for r in summary["runs"] if r["run"].endswith("schedule"))
     kinds = {s["schedule"]: s["steps"] for s in fae["schedule"]}
     assert kinds.get("hot", 0) > 0 and kinds.get("cold", 0) > 0 and sum(kinds.values()) == 24
+    # a hot step exchanges nothing: no embedding all-to-all, only the replica sync and DDP's all-reduce
+    con = duckdb.connect()
+    ops = con.execute(f"""
+        SELECT s.schedule, list(DISTINCT c.op ORDER BY c.op)
+        FROM read_parquet('{out}/schedule/steps/**/*.parquet', hive_partitioning=true) s
+        JOIN read_parquet('{out}/schedule/comms/**/*.parquet', hive_partitioning=true) c USING (rank, step)
+        WHERE c.phase = 'train' AND c.tag <> 'replica_sync' GROUP BY s.schedule""").fetchall()
+    assert "all_to_all_single" not in dict(ops)["hot"] and "all_to_all_single" in dict(ops)["cold"]
 
 
 def test_sections_not_worth_a_run_are_left_out_with_the_reason(tmp_path: Path) -> None:
