@@ -17,6 +17,7 @@ def test_sizes_rates_and_budgets() -> None:
     (parse_rate, "fast", "expected a rate such as"),
     (parse_budget, "150%", "expected a percentage in (0, 100]"),
     (parse_budget, "x%", "expected a percentage such as 5%"),
+    (parse_budget, "0.2", "expected a size of at least 1 byte"),
 ])
 def test_bad_values_name_what_was_expected(parse, text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -33,7 +33,11 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
         if not 0 < fraction <= 1:
             raise ValueError(f"expected a percentage in (0, 100], got {text!r}")
         return None, fraction
-    return parse_bytes(text), None
+    size = parse_bytes(text)
+    if size < 1:
+        raise ValueError(f"expected a size of at least 1 byte, got {text!r} (a share of the embedding bytes "
+                         f"is written as a percentage, e.g. 20%)")
+    return size, None
 
 
 def parse_rate(text: str) -> float:
