@@ -295,6 +295,54 @@ def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, as_json: bool) 
         print_compare(result.summary)
 
 
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--chrome-trace", "trace_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Write the Chrome / Perfetto trace (Trace Event Format JSON) to FILE. Required.")
+def export(run_dir: Path, trace_path: Path | None) -> None:
+    """Export a run's steps and collectives as a Chrome / Perfetto trace.
+
+    One process per rank, one track for its steps and one for its collectives (bytes, peers' splits,
+    op, tag and step as args); open FILE in ui.perfetto.dev or chrome://tracing.
+
+    \b
+    Example:
+      tracekit export runs/base --chrome-trace t.json
+    """
+    from analyses.export import chrome_trace
+    from tracekit.errors import TracekitError
+
+    if trace_path is None:
+        raise click.UsageError(f"export needs --chrome-trace FILE (the only format it writes), e.g. "
+                               f"tracekit export {shlex.quote(str(run_dir))} --chrome-trace t.json")
+    try:
+        trace = chrome_trace(run_dir)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    try:
+        _write_atomically(trace_path, json.dumps(trace))
+    except OSError as err:
+        raise InputError(f"cannot write --chrome-trace {trace_path}: {err.strerror or err}") from None
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    ranks = sum(e["name"] == "process_name" for e in trace["traceEvents"])
+    click.echo(f"wrote {trace_path}: {sum(e['cat'] == 'step' for e in x)} step and "
+               f"{sum(e['cat'] == 'comm' for e in x)} collective events of {ranks} rank(s)")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` under a temporary name, then rename it: a reader never sees half a file."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), default=Path("runs/optimize"),
               show_default=True, help="Folder of every run: base, one per policy section, combined.")
