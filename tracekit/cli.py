@@ -76,9 +76,11 @@ def _command_start(params: list[click.Parameter], args: list[str]) -> int | None
 @click.option("--gpu-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
               envvar="TRACEKIT_GPU_INTERVAL_S", help="Seconds between NVML samples of each rank's GPU.")
 @click.option("--json", "as_json", is_flag=True, help="At the end, print the run's summary as one JSON line on stdout.")
+@click.option("--watch", "live", is_flag=True,
+              help="Show `tracekit watch`'s live view of the run (on stderr) while COMMAND runs.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int, flush_interval: float,
-           gpu_interval: float, as_json: bool, command: tuple[str, ...]) -> None:
+           gpu_interval: float, as_json: bool, live: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND with the collectors injected; keep a trace of it.
 
     Every embedding lookup (exact counts per step and row) and every optimizer step of
@@ -102,8 +104,15 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
     except recording.RecordError as err:
         raise click.UsageError(str(err)) from None
     click.echo(f"tracekit: recording into {run_dir}", err=True)
+    if live:  # a thread that only reads the run's files (on stderr); record itself keeps the main thread
+        from tracekit.watch import watch_beside
+
+        view, finished = watch_beside(run_dir)
     code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
                             flush_interval_s=flush_interval, gpu_interval_s=gpu_interval)
+    if live:
+        finished.set()
+        view.join()
     summary = recording.summary(run_dir, recording.read_manifest(run_dir))
     if as_json:
         click.echo(json.dumps(summary))
@@ -412,6 +421,34 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
         click.echo(json.dumps(result.summary, default=str))
     else:
         print_compare(result.summary)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--window", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Recent steps over which step time, comm share and bytes per step are taken.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
+    """Show a run live, being recorded or finished: steps, step time, comm share, bytes, hot tables.
+
+    Reads each part file once as it lands, so it is cheap to leave open beside a run; it ends
+    when the run does (printing the final figures), and on a finished run prints them at once.
+    Comm share: the union of a rank's collective intervals within each step over the step's
+    time, over its last WINDOW steps.
+
+    \b
+    Example:
+      tracekit watch runs/base
+    """
+    from tracekit.errors import TracekitError
+    from tracekit.watch import watch as watch_run
+
+    try:
+        watch_run(run_dir, interval=interval, window=window, once=once)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
 
 
 def main() -> None:
