@@ -1,1 +1,37 @@
-"""HTML rendering of analysis results (see DESIGN.md §2)."""
+"""HTML rendering of analysis results (see DESIGN.md §2).
+
+    path = write_report(["runs/base", "runs/hybrid"], "report.html")
+
+One self-contained file: the verdict, then overview, skew, traffic, timeline, cache, policies and,
+with two or more runs, compare (analyses.compare.compare's summary).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+
+def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike) -> Path:
+    """Render the report of `runs` (the first is the base) into `output`; returns its path."""
+    from reports import sections
+    from reports.html import render
+    from reports.inputs import load
+
+    inputs = [load(r, analyse=i == 0) for i, r in enumerate(runs)]  # the others are compared only
+    summary = None
+    if len(inputs) > 1:
+        from analyses.compare import compare
+
+        summary = compare(inputs[0].path, [r.path for r in inputs[1:]]).summary
+    base = inputs[0]
+    parts = [sections.overview(inputs), sections.skew(base), sections.traffic(base), sections.timeline(base),
+             sections.cache(base), sections.policies(base)]
+    if summary is not None:
+        parts.append(sections.compare(summary))
+    title = f"tracekit report: {base.name}" + (f" and {len(inputs) - 1} more" if len(inputs) > 1 else "")
+    page = render(title, sections.verdict(inputs, summary), parts)
+    output = Path(output)
+    output.write_text(page, encoding="utf-8")
+    return output

@@ -352,6 +352,31 @@ def _write_atomically(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+@cli.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="HTML file to write (default: FIRST_RUN/report.html).")
+def report(runs: tuple[Path, ...], output: Path | None) -> None:
+    """Write one self-contained HTML report of RUN (and how the other RUNs compare with it).
+
+    The verdict first, then overview, skew, traffic, timeline, cache and policies of the first
+    run, and with two or more runs the comparison; plotly is inlined, so the file opens from disk
+    with no network. A run without RUN/analysis is analysed first.
+
+    \b
+    Example:
+      tracekit report runs/base runs/hybrid -o report.html
+    """
+    from reports import write_report
+    from tracekit.errors import TracekitError
+
+    try:
+        path = write_report(runs, output or runs[0] / "report.html")
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), default=Path("runs/optimize"),
               show_default=True, help="Folder of every run: base, one per policy section, combined.")
@@ -417,10 +442,12 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     except TracekitError as err:
         raise InputError(str(err)) from None
     result.summary["notes"] = [*notes, *result.summary.get("notes", [])]
+    result.summary["report"] = _optimize_report(base, done, out_dir / "report.html")
     if as_json:
         click.echo(json.dumps(result.summary, default=str))
     else:
         print_compare(result.summary)
+        click.echo(f"report: {result.summary['report']}")
 
 
 @cli.command()
@@ -449,6 +476,16 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
         watch_run(run_dir, interval=interval, window=window, once=once)
     except TracekitError as err:
         raise InputError(str(err)) from None
+
+
+def _optimize_report(base: Path, runs: list[Path], target: Path) -> str:
+    """optimize's last step: the report of the base and the policy runs (a failure is said, not raised)."""
+    from reports import write_report
+
+    try:
+        return str(write_report([base, *runs], target))
+    except Exception as err:  # the runs and the comparison are done; a report bug must not hide them
+        return f"not written ({type(err).__name__}: {err})"
 
 
 def main() -> None:

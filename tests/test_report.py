@@ -1,0 +1,227 @@
+"""`tracekit report` on small real runs: the page drawn by headless Chromium (every section's charts,
+no console error, a screenshot that is not blank, no network request), run strings shown as text,
+and the reports of a one-rank run, a failed run and a user script's run without lookups, with what
+is missing said on the page."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from analyses.analyze import analyze
+from analyses.context import Options
+from tests.recorded import REPO, TINY, record
+from tracekit.cli import cli
+from tracekit.optimize import reruns
+
+CHROMIUM = Path("/usr/bin/chromium")
+EVIL = "<img src=x onerror=alert(1)>"
+SECTIONS = ("overview", "skew", "traffic", "timeline", "cache", "policies", "compare")
+CHARTED = ("skew", "traffic", "timeline", "cache", "policies", "compare")
+
+
+def _trainer(tmp: Path, ranks: int = 2, *changes: str) -> Path:
+    options = dict(zip(TINY[::2], TINY[1::2])) | {"--steps": "8"} | dict(zip(changes[::2], changes[1::2]))
+    argv = [x for pair in options.items() for x in pair]
+    code, run_dir = record(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), str(REPO / "train.py"), *argv, options=("--lookup-every", "1"))
+    assert code == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """base: TINY on 2 ranks for 8 steps, analysed; replicated: the same with base's replication policy."""
+    base = _trainer(tmp_path_factory.mktemp("base"))
+    analyze(base, Options(objective="bytes"))
+    plans, notes = reruns(base / "policy.json")  # as `tracekit optimize` re-runs it
+    policy = next((p.policy for p in plans if p.name == "replication"), None)
+    assert policy is not None, notes
+    replicated = _trainer(tmp_path_factory.mktemp("replicated"), 2, "--policy", str(policy))
+    return {"base": base, "replicated": replicated}
+
+
+def report(*runs: Path, output: Path) -> str:
+    r = CliRunner().invoke(cli, ["report", *map(str, runs), "-o", str(output)])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(str(output)) and "MB)" in r.output, r.output
+    return output.read_text(encoding="utf-8")
+
+
+# the browser ------------------------------------------------------------------------------------
+
+def chromium() -> Path:
+    """/usr/bin/chromium, installed with apt once where it is missing; else the test is skipped."""
+    if not CHROMIUM.exists() and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "chromium"], capture_output=True, timeout=600)
+    if not CHROMIUM.exists():
+        pytest.skip("headless Chromium is missing: /usr/bin/chromium not found and `apt-get install -y chromium` "
+                    "did not install it (install Debian's chromium package)")
+    return CHROMIUM
+
+
+def browse(page: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp / f"profile{len(list(tmp.glob('profile*')))}"
+    argv = [str(chromium()), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *args, page.resolve().as_uri()]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Uncaught" not in done.stderr, done.stderr[-3000:]
+    return done
+
+
+def per_section(markup: str, pattern: str) -> dict[str, int]:
+    """How often `pattern` occurs inside each <section id=...> of `markup`."""
+    out = {}
+    for match in re.finditer(r'<section id="([a-z]+)"(.*?)</section>', markup, re.S):
+        out[match.group(1)] = len(re.findall(pattern, match.group(2)))
+    return out
+
+
+def png_colours(path: Path) -> int:
+    """Distinct colours in (a sample of) an 8-bit RGB/RGBA PNG, decoded with zlib alone."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        header = body if kind == b"IHDR" else header
+        idat += body if kind == b"IDAT" else b""
+        pos += 12 + length
+    width, height, depth, colour = struct.unpack(">IIBB", header[:10])
+    assert depth == 8 and colour in (2, 6), (depth, colour)
+    channels = 3 if colour == 2 else 4
+    raw, stride, prev, seen = zlib.decompress(idat), width * channels, bytearray(width * channels), set()
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            left = line[i - channels] if i >= channels else 0
+            up, corner = prev[i], prev[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 255
+            elif kind == 2:
+                line[i] = (line[i] + up) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                line[i] = (line[i] + (left if pa <= pb and pa <= pc else up if pb <= pc else corner)) & 255
+        prev = line
+        if y % 8 == 0:
+            seen.update(bytes(line[x:x + 3]) for x in range(0, stride, channels * 4))
+    return len(seen)
+
+
+def no_network(markup: str) -> None:
+    """No src/href to another host, no <link>, no <script src>: plotly's inlined source (which
+    names URLs in its strings) is left out of the check."""
+    outside = re.sub(r"<script\b[^>]*>.*?</script>", "<script></script>", markup, flags=re.S | re.I)
+    assert not re.search(r"""\b(src|href)\s*=\s*["']?\s*(https?:)?//""", outside, re.I)
+    assert not re.search(r"<link\b", outside, re.I)
+    assert not re.search(r"<script\b[^>]*\bsrc\s*=", markup, re.I)
+
+
+@pytest.mark.slow
+def test_chromium_draws_every_section_of_a_two_rank_report(runs, tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    markup = report(runs["base"], runs["replicated"], output=page)
+    no_network(markup)
+    assert markup.count("Plotly.newPlot") == markup.count('class="plotly-graph-div"')
+    declared = per_section(markup, r'class="plotly-graph-div"')
+    assert set(declared) == set(SECTIONS), declared
+    assert all(declared[s] >= 1 for s in CHARTED), declared
+    dom = browse(page, tmp_path, "--dump-dom", "--virtual-time-budget=10000").stdout
+    drawn = per_section(dom, r'class="plot-container')
+    assert drawn == declared, (drawn, declared)
+    assert per_section(dom, r'class="[^"]*js-plotly-plot') == declared
+    no_network(dom)
+    assert "Verdict" in dom and "communication is" in dom and "replication predicts" in dom
+    shot = tmp_path / "shot.png"
+    browse(page, tmp_path, f"--screenshot={shot}", "--window-size=1280,2000", "--virtual-time-budget=10000")
+    assert shot.stat().st_size > 50_000
+    assert png_colours(shot) > 20
+
+
+@pytest.mark.slow
+def test_a_table_and_tag_named_as_markup_show_as_text(runs, tmp_path: Path) -> None:
+    run = tmp_path / "evil"
+    shutil.copytree(runs["base"], run)
+    for part in (run / "analysis").glob("*.parquet"):
+        frame = pl.read_parquet(part)
+        for column in ("table_name", "tag"):
+            if column in frame.columns:
+                frame = frame.with_columns(pl.col(column).replace({"t0": EVIL, "_AllToAll.forward": EVIL}))
+        frame.write_parquet(part)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["command"] = [*manifest["command"], EVIL]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    page = tmp_path / "evil.html"
+    markup = report(run, output=page)
+    assert EVIL not in markup
+    assert "&lt;img src=x onerror=alert(1)&gt;" in markup
+    dom = browse(page, tmp_path, "--dump-dom", "--virtual-time-budget=10000").stdout
+    assert "<img" not in dom.lower()
+    assert "onerror=alert(1)" in dom  # there, as text
+
+
+# runs with parts missing ------------------------------------------------------------------------
+
+FAILS = """
+import sys, torch
+emb = torch.nn.EmbeddingBag(50, 4)
+opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+for step in range(3):
+    emb(torch.randint(0, 50, (8, 2))).sum().backward()
+    opt.step()
+sys.exit(1)
+"""
+NO_LOOKUPS = """
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+"""
+
+
+def _script(tmp: Path, text: str, code: int) -> Path:
+    script = tmp / "script.py"
+    script.write_text(text)
+    got, run_dir = record(tmp, sys.executable, str(script))
+    assert got == code
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, explained", [
+    ("one_rank", ["rank×rank matrix: no all-to-all", "one rank: every lookup is already local", "no GPU samples"]),
+    ("failed", ["partial run: status failed, exit code 1", "no comms table"]),
+    ("no_lookups", ["no embedding tables", "no accesses table", "no policy.json"]),
+])
+def test_runs_with_parts_missing_render_and_say_why(case: str, explained: list[str], tmp_path: Path) -> None:
+    if case == "one_rank":
+        run = _trainer(tmp_path, 1)
+    else:
+        run = _script(tmp_path, FAILS if case == "failed" else NO_LOOKUPS, 1 if case == "failed" else 0)
+    page = tmp_path / "report.html"
+    markup = report(run, output=page)
+    assert (run / "analysis").is_dir()  # analysed first
+    for text in explained:
+        assert text in markup, text
+    no_network(markup)
+    dom = browse(page, tmp_path, "--dump-dom", "--virtual-time-budget=10000").stdout
+    assert per_section(dom, r'class="plot-container') == per_section(markup, r'class="plotly-graph-div"')
