@@ -15,6 +15,8 @@ from reports.inputs import RunInputs
 TOP_TABLES = 6
 """Tables drawn where one trace per table would crowd a chart (the ones with the most lookups)."""
 TOP_ROWS = 20
+SKEW_ROWS = 8
+"""Tables listed in the skew section's table."""
 
 
 def _mb(value: float | None) -> str:
@@ -23,6 +25,10 @@ def _mb(value: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.0%}"
+
+
+def _signed(share: float) -> str:
+    return f"{share:+.0%}".replace("-", "\u2212")
 
 
 def _num(value: Any, digits: int = 4) -> str:
@@ -75,8 +81,8 @@ def verdict(runs: list[RunInputs], compare: dict | None) -> list[str]:
         saving = _predicted_saving(base, body)
         if saving is None:
             continue
-        text = f"{name} predicts {-saving:+.0%} embedding bytes per step"
-        text += f", measured {-measured[name]:+.0%}" if name in measured else " (not measured: no run applied it here)"
+        text = f"{name} predicts {_signed(-saving)} embedding bytes per step"
+        text += f", measured {_signed(-measured[name])}" if name in measured else " (not measured: no run applied it here)"
         lines.append(text)
     if base.manifest.get("status") != "completed":
         lines.append(f"the run is {base.manifest.get('status')} (exit code {base.manifest.get('exit_code')}): "
@@ -112,9 +118,11 @@ def overview(runs: list[RunInputs]) -> Section:
                        "</code></p>")
     s.intro.insert(0, table(["run", "status", "exit code", "ranks", "backend", "devices", "tables", "steps per rank",
                              "samples/s"], rows))
+    said: dict[str, list[str]] = {}
     for run in runs:
         for w in warnings(run):
-            s.intro.append(f'<p class="warn">{esc(run.name)}: {esc(w)}</p>')
+            said.setdefault(w, []).append(run.name)
+    s.intro.extend(f'<p class="warn">{esc(", ".join(names))}: {esc(w)}</p>' for w, names in said.items())
     return s
 
 
@@ -158,7 +166,7 @@ def skew(run: RunInputs) -> Section:
         fig.add_scatter(x=[p[0] for p in part], y=[p[1] for p in part], mode="lines", name=esc(name[0]))
     s.charts.append(Chart(fig, "A curve that rises early means few rows take most lookups: those rows are worth "
                                "replicating or caching."))
-    ordered = stats.sort("lookups", descending=True)
+    ordered = stats.sort("lookups", "num_rows", descending=True)
     fig = figure(title="Zipf exponent per table (MLE fit)", x="table", y="Zipf α (unitless)")
     fig.add_bar(x=[esc(t) for t in ordered["table_name"]], y=ordered["zipf_alpha"].to_list(), name="α")
     s.charts.append(Chart(fig, "Tables sorted by lookups; α near or above 1 means a heavy head."))
@@ -166,11 +174,15 @@ def skew(run: RunInputs) -> Section:
                           "rows for 90%"],
                          [[r["table_name"], r["num_rows"], r["rows_touched"], r["lookups"], _pct(r["top_1pct_share"]),
                            _pct(r["top_10pct_share"]), _num(r["gini"], 3), _num(r["zipf_alpha"], 3),
-                           r["rows_for_90pct"]] for r in ordered.head(30).iter_rows(named=True)]))
+                           r["rows_for_90pct"]] for r in ordered.head(SKEW_ROWS).iter_rows(named=True)]))
+    if ordered.height > SKEW_ROWS:
+        s.intro.append(f'<p class="muted">The {SKEW_ROWS} of {ordered.height} tables with most lookups (then rows); '
+                       f'every table: <code>tracekit sql {esc(run.name)} "select * from skew"</code>.</p>')
     hot = run.table("hot_rows")
     if hot is not None:
         top = hot.sort("count", descending=True).head(TOP_ROWS)
-        fig = figure(title=f"The {top.height} most-read rows", x="table:row", y="lookups (count)")
+        fig = figure(title=f"The {top.height} most-read of the rows chosen for replication", x="table:row",
+                     y="lookups (count)")
         fig.add_bar(x=[esc(f"{t}:{r}") for t, r in top.select("table_name", "row").rows()], y=top["count"].to_list())
         s.charts.append(Chart(fig, "The rows the replication policy picked, most read first."))
     stability = run.table("hot_set_stability")
