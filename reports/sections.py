@@ -261,6 +261,15 @@ def timeline(run: RunInputs) -> Section:
                               name=f"rank {r}", opacity=0.6)
         s.charts.append(Chart(fig, "Warm-up steps left out; a long right tail is stragglers or periodic work "
                                    "(evaluation, logging)."))
+        late = run.table("stragglers")
+        if late is not None and len(ranks) > 1:
+            fig = figure(title="Stragglers: the rank that ended each step last", x="rank", y="steps (count)")
+            fig.add_histogram(x=thin(late.drop_nulls("last_rank")["last_rank"].to_list()), name="last")
+            fig.add_histogram(x=thin(late.drop_nulls("blocking_rank")["blocking_rank"].to_list()),
+                              name="others waited for it")
+            fig.update_layout(xaxis_type="category")
+            s.charts.append(Chart(fig, "One rank far ahead of the others is a straggler: its data, its tables or its "
+                                       "device is slower."))
     if run.gpu is not None:
         fig = figure(title="GPU utilisation (NVML)", x="time since start (s)", y="utilisation (%)")
         t0 = run.gpu["t_ns"].min()

@@ -20,9 +20,12 @@ from click.testing import CliRunner
 
 from analyses.analyze import analyze
 from analyses.context import Options
+from reports import sections
+from reports.inputs import load
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
 from tracekit.optimize import reruns
+from tracekit.store import RunWriter
 
 CHROMIUM = Path("/usr/bin/chromium")
 EVIL = "<img src=x onerror=alert(1)>"
@@ -175,6 +178,34 @@ def test_a_table_and_tag_named_as_markup_show_as_text(runs, tmp_path: Path) -> N
     dom = browse(page, tmp_path, "--dump-dom", "--virtual-time-budget=10000").stdout
     assert "<img" not in dom.lower()
     assert "onerror=alert(1)" in dom  # there, as text
+
+
+@pytest.mark.slow
+def test_nvml_samples_are_drawn_thinned_and_dropped_rows_warned(runs, tmp_path: Path) -> None:
+    run = tmp_path / "gpu"
+    shutil.copytree(runs["base"], run)
+    n = 5000
+    for rank in (0, 1):
+        writer = RunWriter(run, rank)
+        writer.append("gpu", {"t_ns": [i * 100_000_000 for i in range(n)], "device": [rank] * n,
+                              "util_gpu": [i % 100 for i in range(n)], "util_mem": [10] * n, "mem_used": [2 ** 30] * n,
+                              "power_mw": [250_000] * n, "sm_clock_mhz": [1400] * n, "pcie_tx": [0] * n,
+                              "pcie_rx": [0] * n})
+        writer.close()
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["gpu"] = {"devices": [{"name": "H100"}], "samples": True}
+    manifest["dropped_rows"] = {"1": {"accesses": 1234}}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    section = sections.timeline(load(run))
+    gpu = section.charts[-1].figure
+    assert "GPU" in gpu.layout.title.text and len(gpu.data) == 2
+    assert all(len(trace.x) <= 2000 and trace.x[-1] == (n - 1) / 10 for trace in gpu.data)
+    assert not section.missing
+    page = tmp_path / "report.html"
+    markup = report(run, output=page)
+    assert "dropped rows: rank 1: accesses 1,234" in markup and "no GPU samples" not in markup
+    dom = browse(page, tmp_path, "--dump-dom", "--virtual-time-budget=10000").stdout
+    assert per_section(dom, r'class="plot-container') == per_section(markup, r'class="plotly-graph-div"')
 
 
 # runs with parts missing ------------------------------------------------------------------------
