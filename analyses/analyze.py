@@ -1,5 +1,6 @@
 """`tracekit analyze`: every analysis and policy of DESIGN.md §6 over one run, in order, and what
-it writes: `RUN/analysis/*.parquet`, `RUN/policy.json` and `RUN/policy/*.parquet`.
+it writes: `RUN/analysis/*.parquet`, `RUN/analysis/summary.json` (the summary it returns),
+`RUN/policy.json` and `RUN/policy/*.parquet`.
 
     report = analyze("runs/base", Options(budget_fraction=0.05), progress=print)
     report["policies"]["replication"]["predicted"]
@@ -12,6 +13,7 @@ Policies come from training rows only; evaluation traffic is reported beside the
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -97,4 +99,9 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
     else:
         report["notes"].append("policy.json: not written, the manifest lists no embedding tables")
     report["baseline"] = baseline
+    summary = Path(ctx.path) / "analysis" / "summary.json"
+    summary.parent.mkdir(exist_ok=True)
+    tmp = summary.with_name(".summary.json.tmp")
+    tmp.write_text(json.dumps(report, default=str, indent=1) + "\n")
+    os.replace(tmp, summary)  # the report reads what could not be derived, and why, from here
     return report

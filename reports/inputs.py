@@ -22,7 +22,7 @@ class RunInputs:
     manifest: dict[str, Any]
     tables: dict[str, pl.DataFrame]
     policy: dict[str, Any] | None
-    summary: dict[str, Any] | None = None  # analyze's summary, where this report ran it
+    summary: dict[str, Any] | None = None  # analyze's summary (analysis/summary.json, or this report's run)
     gpu: pl.DataFrame | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -48,6 +48,8 @@ def load(path: str | os.PathLike, *, analyse: bool = True) -> RunInputs:
 
         summary = analyze(path)
         notes.append(f"{path} had no analysis: `tracekit analyze` ran first")
+    elif (path / "analysis" / "summary.json").is_file():  # what analyze derived, and why not the rest
+        summary = json.loads((path / "analysis" / "summary.json").read_text())
     tables = {p.stem: _floats(pl.read_parquet(p)) for p in sorted((path / "analysis").glob("*.parquet"))}
     policy_path = path / "policy.json"
     policy = json.loads(policy_path.read_text()) if policy_path.is_file() else None

@@ -48,6 +48,11 @@ def test_analyze_writes_tables_and_a_valid_policy_and_prints_a_summary(trainer_r
     comms = pl.read_parquet(trainer_run / "comms" / "**" / "*.parquet", hive_partitioning=True)
     a2a = comms.filter(pl.col("phase") == "train", pl.col("op") == "all_to_all_single")["bytes_out"].sum()
     assert policy["baseline"]["a2a_bytes_per_step"] == pytest.approx(a2a / 6, rel=1e-12)
+    # and the report beside it, and the summary the report reads what was not derived from
+    assert f"report: {trainer_run / 'report.html'}" in r.output
+    assert "<html" in (trainer_run / "report.html").read_text()[:2000].lower()
+    summary = json.loads((trainer_run / "analysis" / "summary.json").read_text())
+    assert set(summary["policies"]) <= {"replication", "tiers", "schedule", "compression", "lag"}
 
 
 @pytest.mark.slow

@@ -108,11 +108,12 @@ def test_cli_prints_the_runs_side_by_side_and_json_parses(runs) -> None:
     for text in ("runs (RUN figures with their ratio to BASE)", "step time, median", "×1.00", "embedding all-to-all",
                  "bytes_out per training step by op and tag", "_AllToAll.forward", "nothing predicted to compare"):
         assert text in r.output, text
-    r = invoke(runs["base"], runs["base"], "--json")
+    assert f"report: {runs['base'] / 'compare.html'}" in r.output and (runs["base"] / "compare.html").is_file()
+    r = invoke(runs["base"], runs["base"], "--json", "--no-report")
     assert r.exit_code == 0, r.output
     document = json.loads(r.stdout)
     assert {"runs", "rows", "warnings"} <= set(document) and len(document["runs"]) == 2
-    assert document["skip_steps"] == 5
+    assert document["skip_steps"] == 5 and "report" not in document
 
 
 @pytest.mark.slow

@@ -198,13 +198,15 @@ def _options(budget: str | None, topology: str | None, intra_bw: str | None, int
 @click.option("--objective", type=click.Choice(["time", "bytes"]), default="time", show_default=True,
               help="What the replica budget minimises: predicted step time (measured bandwidths and latency), "
                    "or the bytes that cross the network (what a slower cluster pays for).")
+@click.option("--report/--no-report", "with_report", default=True, show_default=True,
+              help="Write the HTML report, RUN/report.html.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the summary.")
 def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-            policies: str | None, objective: str, as_json: bool) -> None:
+            policies: str | None, objective: str, with_report: bool, as_json: bool) -> None:
     """Derive skew, traffic, timeline, cache and cost figures and the policies of a recorded run.
 
-    Writes RUN/analysis/*.parquet, RUN/policy.json and RUN/policy/*.parquet; prints what a
-    person reads in a minute (or one JSON object with --json).
+    Writes RUN/analysis/*.parquet, RUN/policy.json, RUN/policy/*.parquet and RUN/report.html;
+    prints what a person reads in a minute (or one JSON object with --json).
 
     \b
     Example:
@@ -218,12 +220,17 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
     try:
         with analysis_progress(enabled=not as_json) as progress:
             report = run_analysis(run_dir, options, progress=progress)
+            if with_report:
+                progress("report")
+                report["report"] = str(_write_report([run_dir], run_dir / "report.html"))
     except TracekitError as err:
         raise InputError(str(err)) from None
     if as_json:
         click.echo(json.dumps(report, default=str))
     else:
         print_analysis(report)
+        if with_report:
+            click.echo(f"report: {report['report']}")
 
 
 @cli.command()
@@ -276,9 +283,13 @@ def sql(run_dir: Path, query: str, fmt: str, output: Path | None) -> None:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--skip-steps", type=click.IntRange(min=0), default=5, show_default=True,
               help="Leave the first N training steps (warm-up) out of step times and samples/s; bytes use every step.")
+@click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
+              help="Where to write the HTML report of the comparison (default: BASE/compare.html).")
+@click.option("--no-report", is_flag=True, help="Write no HTML report.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document (runs, rows, warnings) instead of tables.")
-def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, as_json: bool) -> None:
+def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, report_path: Path | None, no_report: bool,
+            as_json: bool) -> None:
     """Compare runs with BASE: measured figures side by side, and each policy's predicted against measured.
 
     Per run (training rows only): step time, samples/s, bytes per step by op and tag, the
@@ -296,12 +307,22 @@ def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, as_json: bool) 
 
     try:
         result = compare_runs(base, list(runs), skip_steps=skip_steps)
+        if not no_report:
+            result.summary["report"] = str(_write_report([base, *runs], report_path or base / "compare.html"))
     except TracekitError as err:
         raise InputError(str(err)) from None
     if as_json:
         click.echo(json.dumps(result.summary, default=str))
     else:
         print_compare(result.summary)
+        if not no_report:
+            click.echo(f"report: {result.summary['report']}")
+
+
+def _write_report(runs: list[Path], output: Path) -> Path:
+    from reports import write_report
+
+    return write_report(runs, output)
 
 
 @cli.command()
@@ -367,11 +388,10 @@ def report(runs: tuple[Path, ...], output: Path | None) -> None:
     Example:
       tracekit report runs/base runs/hybrid -o report.html
     """
-    from reports import write_report
     from tracekit.errors import TracekitError
 
     try:
-        path = write_report(runs, output or runs[0] / "report.html")
+        path = _write_report(list(runs), output or runs[0] / "report.html")
     except TracekitError as err:
         raise InputError(str(err)) from None
     click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
@@ -480,10 +500,8 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
 
 def _optimize_report(base: Path, runs: list[Path], target: Path) -> str:
     """optimize's last step: the report of the base and the policy runs (a failure is said, not raised)."""
-    from reports import write_report
-
     try:
-        return str(write_report([base, *runs], target))
+        return str(_write_report([base, *runs], target))
     except Exception as err:  # the runs and the comparison are done; a report bug must not hide them
         return f"not written ({type(err).__name__}: {err})"
 
