@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Sequence
 
 
-def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike) -> Path:
-    """Render the report of `runs` (the first is the base) into `output`; returns its path."""
+def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, plotly_js: str = "inline") -> Path:
+    """Render the report of `runs` (the first is the base) into `output`; returns its path. With
+    `plotly_js="beside"` plotly.js is written once beside it (plotly.min.js) instead of inlined."""
     from reports import sections
     from reports.html import render
     from reports.inputs import load
@@ -31,7 +32,13 @@ def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike) -
     if summary is not None:
         parts.append(sections.compare(summary))
     title = f"tracekit report: {base.name}" + (f" and {len(inputs) - 1} more" if len(inputs) > 1 else "")
-    page = render(title, sections.verdict(inputs, summary), parts)
+    page = render(title, sections.verdict(inputs, summary), parts, plotly_js)
     output = Path(output)
+    if plotly_js == "beside":
+        from plotly.offline import get_plotlyjs
+
+        from reports.html import PLOTLY_FILE
+
+        (output.parent / PLOTLY_FILE).write_text(get_plotlyjs(), encoding="utf-8")
     output.write_text(page, encoding="utf-8")
     return output

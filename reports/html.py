@@ -83,14 +83,21 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) -
     return f"<table><tr>{cells('th', header)}</tr>{body}</table>"
 
 
-def render(title: str, verdict: list[str], sections: list[Section]) -> str:
-    """The whole page: plotly.js once in <head>, then the verdict (escaped here) and each section."""
+PLOTLY_FILE = "plotly.min.js"
+"""plotly.js's file name beside a report written with `plotly_js="beside"`."""
+
+
+def render(title: str, verdict: list[str], sections: list[Section], plotly_js: str = "inline") -> str:
+    """The whole page: plotly.js once in <head> ("inline"), or a <script src> of PLOTLY_FILE beside
+    the page ("beside": the caller writes it there), then the verdict (escaped here) and each section."""
     import plotly.io as pio
     from plotly.offline import get_plotlyjs
 
     config = {"displaylogo": False, "responsive": True}
+    script = (f'<script type="text/javascript">{get_plotlyjs()}</script>' if plotly_js == "inline"
+              else f'<script type="text/javascript" src="{PLOTLY_FILE}"></script>')
     parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{esc(title)}</title>",
-             f"<style>{CSS}</style><script type=\"text/javascript\">{get_plotlyjs()}</script></head><body>",
+             f"<style>{CSS}</style>{script}</head><body>",
              f"<h1>{esc(title)}</h1>", "<nav>" + "".join(f'<a href="#{s.id}">{esc(s.title)}</a>' for s in sections)
              + "</nav>", '<div class="verdict"><strong>Verdict</strong><ul>'
              + "".join(f"<li>{esc(v)}</li>" for v in verdict) + "</ul></div>"]

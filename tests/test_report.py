@@ -159,6 +159,19 @@ def test_chromium_draws_every_section_of_a_two_rank_report(runs, tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_plotly_beside_the_page_is_loaded_from_disk(runs, tmp_path: Path) -> None:
+    page = tmp_path / "beside" / "report.html"
+    page.parent.mkdir()
+    r = CliRunner().invoke(cli, ["report", str(runs["base"]), "-o", str(page), "--plotly-js", "beside"])
+    assert r.exit_code == 0, r.output
+    markup = page.read_text(encoding="utf-8")
+    assert '<script type="text/javascript" src="plotly.min.js"></script>' in markup
+    assert (page.parent / "plotly.min.js").stat().st_size > 1_000_000 and len(markup) < 2_000_000
+    dom = browse(page, tmp_path, "--dump-dom", "--virtual-time-budget=10000").stdout
+    assert per_section(dom, r'class="plot-container') == per_section(markup, r'class="plotly-graph-div"')
+
+
+@pytest.mark.slow
 def test_a_table_and_tag_named_as_markup_show_as_text(runs, tmp_path: Path) -> None:
     run = tmp_path / "evil"
     shutil.copytree(runs["base"], run)

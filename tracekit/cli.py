@@ -319,10 +319,10 @@ def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, report_path: Pa
             click.echo(f"report: {result.summary['report']}")
 
 
-def _write_report(runs: list[Path], output: Path) -> Path:
+def _write_report(runs: list[Path], output: Path, plotly_js: str = "inline") -> Path:
     from reports import write_report
 
-    return write_report(runs, output)
+    return write_report(runs, output, plotly_js)
 
 
 @cli.command()
@@ -377,7 +377,10 @@ def _write_atomically(path: Path, text: str) -> None:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="HTML file to write (default: FIRST_RUN/report.html).")
-def report(runs: tuple[Path, ...], output: Path | None) -> None:
+@click.option("--plotly-js", type=click.Choice(["inline", "beside"]), default="inline", show_default=True,
+              help="plotly.js inlined in the page, or written once beside it as plotly.min.js (smaller pages "
+                   "when many reports share a folder); either way nothing is fetched from the network.")
+def report(runs: tuple[Path, ...], output: Path | None, plotly_js: str) -> None:
     """Write one self-contained HTML report of RUN (and how the other RUNs compare with it).
 
     The verdict first, then overview, skew, traffic, timeline, cache and policies of the first
@@ -391,7 +394,7 @@ def report(runs: tuple[Path, ...], output: Path | None) -> None:
     from tracekit.errors import TracekitError
 
     try:
-        path = _write_report(list(runs), output or runs[0] / "report.html")
+        path = _write_report(list(runs), output or runs[0] / "report.html", plotly_js)
     except TracekitError as err:
         raise InputError(str(err)) from None
     click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
