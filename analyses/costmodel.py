@@ -357,8 +357,12 @@ def predicted_step_time(s: Setup, remote_a2a: float, sync: float, bw: dict[str, 
 
 def expected_distinct(p: np.ndarray, b: float) -> float:
     """SCARS E[U] = Σ_i 1 − (1 − p_i)^b: distinct rows a batch of b i.i.d. samples holds."""
-    p = np.clip(np.asarray(p, dtype=np.float64), 0.0, 1.0)
-    return float(np.sum(-np.expm1(b * np.log1p(-np.minimum(p, 1 - 1e-300)))) if len(p) else 0.0)
+    p = np.asarray(p, dtype=np.float64)
+    if not len(p) or b <= 0:
+        return 0.0
+    certain = p >= 1.0  # in every sample: log1p(-1) is -inf, the row is simply there
+    rest = np.clip(p[~certain], 0.0, 1.0)
+    return float(np.count_nonzero(certain) + np.sum(-np.expm1(b * np.log1p(-rest))))
 
 
 def sync_bytes(world: int, id_bytes: int, rb: np.ndarray, steps_touched: np.ndarray,
