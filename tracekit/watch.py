@@ -365,8 +365,9 @@ def watch_beside(run_dir: str | os.PathLike, *, interval: float = 1.0,
     def run() -> None:
         try:
             while not (run_dir / MANIFEST).is_file():
-                if stop.wait(0.05):
+                if stop.wait(0.05) and not (run_dir / MANIFEST).is_file():
                     return
+            # a run finalised before the view started (a command that fails at once) still gets its figures
             watch(run_dir, interval=interval, console=console, stop=stop)
         except Exception as err:  # the view must never take the recording down
             console.print(f"tracekit watch: stopped ({type(err).__name__}: {err})")
