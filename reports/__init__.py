@@ -2,8 +2,8 @@
 
     path = write_report(["runs/base", "runs/hybrid"], "report.html")
 
-One self-contained file: the verdict, then overview, skew, traffic, timeline, cache, policies and,
-with two or more runs, compare (analyses.compare.compare's summary).
+One self-contained file: the verdict, then overview, skew, traffic, timeline, cache, policies, the
+projection of `tracekit simulate` where one was made and, with two or more runs, compare (analyses.compare.compare's summary).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, p
     base = inputs[0]
     parts = [sections.overview(inputs), sections.skew(base), sections.traffic(base), sections.timeline(base),
              sections.cache(base), sections.policies(base)]
+    projection = sections.simulate(base)
+    if projection is not None:
+        parts.append(projection)
     if summary is not None:
         parts.append(sections.compare(summary))
     title = f"tracekit report: {base.name}" + (f" and {len(inputs) - 1} more" if len(inputs) > 1 else "")

@@ -420,3 +420,47 @@ def compare(summary: dict) -> Section:
     s.intro.extend(f'<p class="warn">{esc(w)}</p>' for w in summary.get("warnings", []))
     s.intro.extend(f'<p class="muted">{esc(n)}</p>' for n in summary.get("notes", []))
     return s
+
+
+# simulate ---------------------------------------------------------------------------------------
+
+def simulate(run: RunInputs) -> Section | None:
+    """`tracekit simulate`'s projection of the run, where one was made: the table and step time and
+    speedup against the inter-node link rate."""
+    rows, sweep = run.table("simulate"), run.table("simulate_sweep")
+    if rows is None:
+        return None
+    first = rows.row(0, named=True)
+    s = Section("simulate", f"What-if: this run on {first['topology']} ({first['world']} ranks)")
+    s.intro.append(f"<p>Projected from the run's traffic, its compute time and the cost model (bytes "
+                   f"{'as recorded and replayed' if first['method'] == 'replay' else 'scaled per sample'}); "
+                   f"{esc(_rate(first['inter_bw']))} between nodes, {esc(_rate(first['intra_bw']))} within, "
+                   f"batch {first['batch_per_device']:g} per rank.</p>")
+    s.intro.append(table(["policy", "bytes / step", "between nodes / step", "compute", "communication", "step time",
+                          "comm share", "speedup"],
+                         [[r["policy"], _mb(r["bytes_per_step"]), _mb(r["inter_node_bytes_per_step"]),
+                           _ms(r["compute_s"]), _ms(r["comm_s"]), _ms(r["step_time_s"]), _pct(r["comm_share"]),
+                           _num(r["speedup"], 3)] for r in rows.iter_rows(named=True)]))
+    if sweep is not None:
+        fig = figure(title="Speedup over the baseline against the link between nodes", x="link rate (bit/s, log "
+                     "scale)", y="step-time speedup", xaxis_type="log")
+        for (name,), part in sweep.sort("inter_bw").group_by("policy", maintain_order=True):
+            fig.add_scatter(x=(part["inter_bw"] * 8).to_list(), y=part["speedup"].to_list(), mode="lines+markers",
+                            name=esc(name))
+        topology = run.manifest.get("topology") or {}
+        if topology.get("link_bytes_per_s"):
+            fig.add_vline(x=topology["link_bytes_per_s"] * 8, line_dash="dot",
+                          annotation_text=esc(f"recorded on {topology.get('link')}"))
+        s.charts.append(Chart(fig, "The slower the network, the more of the step is communication and the more "
+                                   "a policy that moves fewer bytes saves."))
+    return s
+
+
+def _rate(bytes_per_s: float | None) -> str:
+    from tracekit.units import format_rate
+
+    return "?" if bytes_per_s is None else format_rate(bytes_per_s)
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1e3:,.1f} ms"

@@ -56,3 +56,20 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} B"
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from `50us`, `0.5ms`, `2s`, `0` (a bare number is seconds)."""
+    match = re.fullmatch(_NUMBER + r"(us|µs|ms|s|)\s*", text.strip().lower())
+    if not match:
+        raise ValueError(f"expected a duration such as 50us, 0.5ms or 0, got {text!r}")
+    return float(match.group(1)) * {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}[match.group(2)]
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """`200 Mbit/s` from bytes per second."""
+    bits = bytes_per_s * 8
+    for unit, size in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= size:
+            return f"{bits / size:,.4g} {unit}"
+    return f"{bits:,.0f} bit/s"

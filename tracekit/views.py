@@ -318,3 +318,30 @@ def _policy_diff(row: dict) -> str:
     if row["unit"] == "fraction":
         return "n/a" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
     return "n/a" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"
+
+
+def print_simulate(summary: dict) -> None:
+    """`tracekit simulate`: the target, then one row per policy with its bytes and time per step."""
+    from tracekit.units import format_rate
+
+    target, source = summary["target"], summary["source"]
+    console.print(f"projected onto {target['topology']} ({target['world']} ranks, batch "
+                  f"{target['batch_per_device']:g} per rank): {format_rate(target['inter_bw'])} between nodes, "
+                  f"{format_rate(target['intra_bw'])} within; latency {target['latency_s'] * 1e6:,.0f} µs per "
+                  f"collective; from {summary['run']} ({source['world']} ranks, compute "
+                  f"{_seconds(source['compute_s'])} per step of {_seconds(source['step_time_s'])} measured)")
+    table = Table("policy", "bytes / step", "between nodes / step", "compute", "communication", "step time",
+                  "comm share", "speedup", title=f"simulate ({summary['method']}: bytes "
+                  f"{'as recorded and replayed' if summary['method'] == 'replay' else 'scaled per sample'})",
+                  title_justify="left")
+    for row in summary["rows"]:
+        table.add_row(row["policy"], format_bytes(row["bytes_per_step"]), format_bytes(row["inter_node_bytes_per_step"]),
+                      _seconds(row["compute_s"]), _seconds(row["comm_s"]), _seconds(row["step_time_s"]),
+                      "" if row["comm_share"] is None else f"{row['comm_share']:.0%}", _ratio(row["speedup"]))
+    console.print(table)
+    for note in summary.get("notes", []):
+        console.print(f"note: {note}")
+
+
+def _seconds(value: float | None) -> str:
+    return "?" if value is None else f"{value * 1e3:,.1f} ms"

@@ -1,0 +1,354 @@
+"""What-if: a recorded run's training step projected onto another cluster (`tracekit simulate`).
+
+From the run, each training step's communication by class of collective (training rows, averaged
+over the N training steps, analyses.traffic.training_steps):
+
+    exchange  the all-to-alls: bytes from rank to rank (Σ splits_out), calls per step
+    ring      the all-reduces: bytes per rank S (DDP's buckets and the rest), calls per step
+    gather    the all-gathers: bytes per rank g, calls per step
+    other     every other collective: calls per step (latency only)
+
+and its compute time: per step the slowest rank's step less the union of its collective intervals
+(analyses.timeline's compute_s), the median over the steps after warm-up.
+
+On a target of N nodes × R ranks (global rank r on node r // R; each node's link runs at `inter_bw`
+each way, ranks within a node talk at `intra_bw`), per class and step:
+
+    exchange  max( max_n max(out_n, in_n) / inter_bw,  max_r intra_r / intra_bw )
+              out_n, in_n: bytes node n sends to and receives from other nodes; intra_r: bytes rank r
+              sends to the other ranks of its node; both directions of a link, and every link, at once
+    ring      a ring all-reduce: wire = 2(W−1)/W · S per rank to the next rank, one ring edge leaving
+              each node: max(wire / inter_bw if N > 1, wire / intra_bw if R > 1)
+    gather    an exchange of g from every rank to every other
+
+    step time = compute · b'/b + Σ class times + α · collectives per step
+
+with α the latency of one collective (`latency_s`, else the run's: analyses.traffic.latency) and no
+overlap of communication with compute (SCARS's t_iter = t_compute + t_comm). Between nodes the
+link carries TCP over IPv4 on Ethernet at MTU 1500: 1448 payload bytes per 1514 bytes sent
+(WIRE_EFFICIENCY), which is what a rate-limited link such as `tracekit cluster`'s delivers.
+
+Bytes. At the run's own world size and batch they are exact: the baseline's are the recorded ones
+and a policy's are its replayed `predicted` figures (analyses.costmodel), and the network does not
+change what is sent (method `replay`). At another world size W' or per-device batch b' each
+collective keeps its bytes per sample, spread evenly over the W'·W' rank pairs (balanced sharding
+assumed), all-reduces keep their size (the model's), a policy keeps its share of the remote
+exchange, and its sync is the dense one, a ring of its replicas (method `scaled`).
+
+Policies: the sections of a policy file that predict the exchange (replication, tiers, schedule).
+The exchange scales by the policy's predicted remote bytes over the recorded ones (self splits by
+the bytes_out ratio); the sync adds a ring of Σ rb (dense) or its predicted wire bytes over three
+collectives (sparse: count all-gather, ids all-to-all, all-reduce over the union).
+
+    result = simulate(ctx, Target(nodes=2, ranks_per_node=1, inter_bw=25e6), policy)
+    result.tables["simulate"]         # policy | method | bytes and time per step | speedup
+    result.tables["simulate_sweep"]   # policy | inter_bw | step_time_s | speedup
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import polars as pl
+
+from analyses import traffic
+from analyses.context import Context, Result
+from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
+
+WIRE_EFFICIENCY = 1448 / 1514
+"""TCP payload per byte on an Ethernet link at MTU 1500 (with TCP timestamps)."""
+SIMULATED = ("replication", "tiers", "schedule")
+"""policy.json sections whose predictions say what the exchange becomes."""
+SYNC_TAGS = ("replica_sync", "tier2_sync")
+SWEEP_RATES = (10e6, 25e6, 50e6, 100e6, 200e6, 500e6, 1e9, 2.5e9, 10e9, 25e9, 100e9)
+"""Inter-node link rates of the sweep, bits per second."""
+SPARSE_SYNC_CALLS = 3
+
+
+@dataclass(frozen=True)
+class Target:
+    """The cluster projected onto. Rates in bytes/s; None: taken from the run."""
+
+    nodes: int
+    ranks_per_node: int
+    inter_bw: float
+    intra_bw: float | None = None
+    batch: int | None = None  # per device
+    latency_s: float | None = None
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def name(self) -> str:
+        return f"{self.nodes}x{self.ranks_per_node}"
+
+
+@dataclass
+class Traffic:
+    """One training step's communication on `world` ranks (module docstring)."""
+
+    world: int
+    exchange: np.ndarray  # world × world bytes per step, rank to rank
+    exchange_calls: float
+    ring: float  # bytes per rank per step through all-reduces
+    ring_calls: float
+    gather: float
+    gather_calls: float
+    other_calls: float
+    sync_wire: float = 0.0  # a policy's replica sync: wire bytes per step, all ranks
+    sync_calls: float = 0.0
+    sync_ring: float = 0.0  # ... when it is one dense all-reduce: its bytes per rank
+    replica_bytes: float = 0.0  # a policy's replicas per rank (Σ rb), the dense sync's size
+
+    @property
+    def calls(self) -> float:
+        return self.exchange_calls + self.ring_calls + self.gather_calls + self.other_calls + self.sync_calls
+
+    def figures(self) -> dict[str, float]:
+        """Bytes per step in `comms`' convention (Σ ranks' bytes_out), and the sync's wire bytes."""
+        w = self.world
+        return {"a2a_bytes_per_step": float(self.exchange.sum()),
+                "a2a_remote_bytes_per_step": float(self.exchange.sum() - np.trace(self.exchange)),
+                "allreduce_bytes_per_step": self.ring * w, "sync_bytes_per_step": self.sync_wire,
+                "bytes_per_step": float(self.exchange.sum()) + self.ring * w + self.gather * w
+                                  + (self.sync_ring * w if self.sync_ring else self.sync_wire)}
+
+
+# what the run moved and computed ---------------------------------------------------------------
+
+def recorded(ctx: Context) -> tuple[Traffic, dict]:
+    """The run's training step: its Traffic (sync calls of a policy run left in as they are) and
+    {steps, batch (mean samples per device), compute_s, step_time_s, latency_s}."""
+    steps = max(traffic.training_steps(ctx), 1)
+    w = ctx.model.world_size
+    matrix = np.zeros((w, w))
+    for src, dst, b in ctx.sql(f"""
+            SELECT rank, i - 1, sum(splits_out[i])::DOUBLE
+            FROM (SELECT rank, splits_out, generate_subscripts(splits_out, 1) AS i FROM train_comms
+                  WHERE op IN ({sql_list(A2A_OPS)}) AND group_size = {w})
+            GROUP BY ALL""").fetchall():
+        if 0 <= src < w and 0 <= dst < w:
+            matrix[src, dst] = b / steps
+    per_op = {op: (calls / steps / w, per_rank / steps) for op, calls, per_rank in ctx.sql(f"""
+        SELECT CASE WHEN op IN ({sql_list(A2A_OPS)}) THEN 'a2a' WHEN op = 'all_reduce' THEN 'ring'
+                    WHEN op IN ({sql_list(GATHER_OPS)}) THEN 'gather' ELSE 'other' END AS kind,
+               count(*)::DOUBLE, max(per_rank)
+        FROM (SELECT op, rank, sum(bytes_out) OVER (PARTITION BY op, rank)::DOUBLE AS per_rank FROM train_comms)
+        GROUP BY kind""").fetchall()}
+    none = (0.0, 0.0)
+    run = Traffic(w, matrix, per_op.get("a2a", none)[0], per_op.get("ring", none)[1], per_op.get("ring", none)[0],
+                  per_op.get("gather", none)[1], per_op.get("gather", none)[0], per_op.get("other", none)[0])
+    return run, {"steps": steps, **_times(ctx, steps, w)}
+
+
+def _times(ctx: Context, steps: int, world: int) -> dict:
+    from analyses import timeline
+
+    frame = timeline.compute(ctx).tables.get("timeline")
+    samples = ctx.sql("SELECT sum(samples)::DOUBLE FROM steps").fetchall()[0][0] if ctx.has("steps") else None
+    if not samples:
+        from analyses import sources
+
+        samples = float(sources.batches(ctx)["b"].sum()) if ctx.has("comms") else 0.0
+    out = {"batch": samples / steps / world if samples else None, "compute_s": None, "step_time_s": None,
+           "latency_s": traffic.latency(ctx) or 0.0}
+    if frame is None or frame.is_empty():
+        return out
+    skip = min(5, frame["step"].n_unique() // 4)
+    first = frame["step"].min() + skip
+    per_step = (frame.filter(pl.col("step") >= first).group_by("step")
+                .agg(pl.col("compute_s").max(), pl.col("step_s").max()))
+    out["compute_s"] = float(per_step["compute_s"].median())
+    out["step_time_s"] = float(per_step["step_s"].median())
+    return out
+
+
+# a policy's step -------------------------------------------------------------------------------
+
+def with_policy(base: Traffic, section: dict) -> Traffic:
+    """`base` (the recorded world and batch) under a policy section's predicted exchange and sync."""
+    predicted = section.get("predicted") or {}
+    remote = base.exchange.sum() - np.trace(base.exchange)
+    diagonal = np.diag(np.diag(base.exchange))
+    rem_ratio = predicted.get("a2a_remote_bytes_per_step", remote) / remote if remote else 1.0
+    self_bytes = np.trace(base.exchange)
+    self_target = predicted.get("a2a_bytes_per_step", base.exchange.sum()) - predicted.get(
+        "a2a_remote_bytes_per_step", remote)
+    self_ratio = self_target / self_bytes if self_bytes else 1.0
+    exchange = (base.exchange - diagonal) * rem_ratio + diagonal * self_ratio
+    sync = float(predicted.get("sync_bytes_per_step") or 0.0)
+    replicas = float(predicted.get("replica_bytes_per_rank") or 0.0)
+    return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync,
+                      section.get("sync", "sparse_allreduce"))
+
+
+def _with_sync(t: Traffic, sync_wire: float, kind: str) -> Traffic:
+    if not sync_wire or t.world < 2:
+        return replace(t, sync_wire=0.0, sync_calls=0.0, sync_ring=0.0)
+    if kind == "dense_allreduce":  # 2(W−1)·S wire over the ranks for S per rank
+        return replace(t, sync_wire=sync_wire, sync_calls=1.0, sync_ring=sync_wire / (2 * (t.world - 1)))
+    return replace(t, sync_wire=sync_wire, sync_calls=float(SPARSE_SYNC_CALLS), sync_ring=0.0)
+
+
+def scaled(t: Traffic, batch: float, target: Target, new_batch: float) -> Traffic:
+    """`t` (recorded on t.world ranks at `batch` per device) on target.world ranks at `new_batch`:
+    exchange bytes per sample kept, spread evenly over the pairs; all-reduces keep their size; a
+    sparse sync becomes the dense ring of the same replicas."""
+    w2 = target.world
+    per_sample = t.exchange.sum() / max(batch * t.world, 1e-12)
+    exchange = np.full((w2, w2), per_sample * new_batch / w2)
+    sync_ring = (t.sync_ring or t.replica_bytes) if t.sync_wire else 0.0
+    out = Traffic(w2, exchange, t.exchange_calls, t.ring, t.ring_calls, t.gather, t.gather_calls, t.other_calls,
+                  replica_bytes=t.replica_bytes)
+    return _with_sync(out, 2 * (w2 - 1) * sync_ring, "dense_allreduce")
+
+
+# time on the target ----------------------------------------------------------------------------
+
+def exchange_time(m: np.ndarray, nodes: int, per_node: int, inter: float, intra: float) -> float:
+    """Seconds of an exchange of m[src, dst] bytes on nodes × per_node ranks (module docstring)."""
+    node = np.arange(m.shape[0]) // per_node
+    cross = node[:, None] != node[None, :]
+    same = ~cross & ~np.eye(len(node), dtype=bool)
+    out_n = np.bincount(node, weights=(m * cross).sum(axis=1), minlength=nodes)
+    in_n = np.bincount(node, weights=(m * cross).sum(axis=0), minlength=nodes)
+    intra_r = np.maximum((m * same).sum(axis=1), (m * same).sum(axis=0))
+    t_inter = float(np.maximum(out_n, in_n).max()) / inter if nodes > 1 else 0.0
+    t_intra = float(intra_r.max()) / intra if per_node > 1 else 0.0
+    return max(t_inter, t_intra)
+
+
+def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: float) -> float:
+    world = nodes * per_node
+    if world < 2 or not per_rank:
+        return 0.0
+    wire = 2 * (world - 1) / world * per_rank
+    return max(wire / inter if nodes > 1 else 0.0, wire / intra if per_node > 1 else 0.0)
+
+
+def comm_time(t: Traffic, target: Target, intra: float, latency: float) -> float:
+    n, r = target.nodes, target.ranks_per_node
+    inter = target.inter_bw * WIRE_EFFICIENCY
+    gather = np.full((t.world, t.world), t.gather) - np.diag(np.full(t.world, t.gather))
+    seconds = (exchange_time(t.exchange, n, r, inter, intra) + ring_time(t.ring, n, r, inter, intra)
+               + exchange_time(gather, n, r, inter, intra))
+    if t.sync_ring:
+        seconds += ring_time(t.sync_ring, n, r, inter, intra)
+    elif t.sync_wire:  # sparse: its wire bytes, evenly from every rank to every other
+        per_pair = t.sync_wire / (t.world * (t.world - 1))
+        sync = np.full((t.world, t.world), per_pair) - np.diag(np.full(t.world, per_pair))
+        seconds += exchange_time(sync, n, r, inter, intra)
+    return seconds + latency * t.calls
+
+
+# the projection --------------------------------------------------------------------------------
+
+def simulate(ctx: Context, target: Target, policy: dict | None = None) -> Result:
+    """Tables `simulate` (baseline and each policy section on `target`) and `simulate_sweep` (the
+    same over SWEEP_RATES), and a summary; notes on what was scaled or left out."""
+    result = Result()
+    if target.world < 1:
+        raise ValueError("the target needs at least one rank")
+    if not ctx.has("comms"):
+        result.notes.append("the run has no comms table: nothing to project")
+        return result
+    base, run = recorded(ctx)
+    if run["compute_s"] is None:
+        result.notes.append("the run has no steps table: compute time unknown, step times not projected")
+    batch = run["batch"] or 0.0
+    new_batch = float(target.batch or batch)
+    same = target.world == ctx.model.world_size and abs(new_batch - batch) < 1e-9
+    intra = target.intra_bw or _intra_bw(ctx)
+    latency = run["latency_s"] if target.latency_s is None else target.latency_s
+    compute = None if run["compute_s"] is None else run["compute_s"] * (new_batch / batch if batch else 1.0)
+
+    cases = [("baseline", base)]
+    for name in SIMULATED:
+        if policy and name in policy:
+            cases.append((name, with_policy(base, policy[name])))
+    for name in (policy or {}):
+        if name in ("compression", "lag"):
+            result.notes.append(f"{name}: not projected (its effect on the exchange is not modelled here)")
+    if not same:
+        cases = [(name, scaled(t, batch, target, new_batch)) for name, t in cases]
+        result.notes.append(f"world {ctx.model.world_size} → {target.world}, batch {batch:g} → {new_batch:g} per "
+                            "device: bytes scaled per sample, spread evenly over the rank pairs; syncs dense")
+    rows, sweep = [], []
+    base_time = None
+    for name, t in cases:
+        comm = comm_time(t, target, intra, latency)
+        step = None if compute is None else compute + comm
+        base_time = step if name == "baseline" else base_time
+        rows.append({"policy": name, "method": "replay" if same else "scaled", "topology": target.name,
+                     "world": target.world, "batch_per_device": new_batch, "inter_bw": target.inter_bw,
+                     "intra_bw": intra, **t.figures(), "inter_node_bytes_per_step": _inter_bytes(t, target),
+                     "collectives_per_step": t.calls, "compute_s": compute, "comm_s": comm, "step_time_s": step,
+                     "comm_share": None if not step else comm / step,
+                     "speedup": None if not step or not base_time else base_time / step})
+        for rate in SWEEP_RATES:
+            c = comm_time(t, replace(target, inter_bw=rate / 8), intra, latency)
+            sweep.append({"policy": name, "inter_bw": rate / 8, "comm_s": c,
+                          "step_time_s": None if compute is None else compute + c})
+    table = pl.DataFrame(rows)
+    sweep_frame = pl.DataFrame(sweep)
+    base_sweep = sweep_frame.filter(pl.col("policy") == "baseline").select("inter_bw", base="step_time_s")
+    sweep_frame = sweep_frame.join(base_sweep, on="inter_bw").with_columns(
+        (pl.col("base") / pl.col("step_time_s")).alias("speedup")).drop("base")
+    result.tables = {"simulate": table, "simulate_sweep": sweep_frame}
+    result.summary = {"target": {"topology": target.name, "world": target.world, "inter_bw": target.inter_bw,
+                                 "intra_bw": intra, "batch_per_device": new_batch, "latency_s": latency,
+                                 "wire_efficiency": WIRE_EFFICIENCY},
+                      "source": {"world": ctx.model.world_size, "batch_per_device": batch, **run},
+                      "method": "replay" if same else "scaled", "rows": rows}
+    return result
+
+
+def _intra_bw(ctx: Context) -> float:
+    """Within a node: the run's measured all-to-all bus bandwidth (its ranks shared one host)."""
+    measured = traffic.measured_bandwidth(ctx)
+    return float(measured.get("all_to_all_single") or measured.get("all_reduce") or 10e9)
+
+
+def _inter_bytes(t: Traffic, target: Target) -> float:
+    """Bytes per step that cross node boundaries (exchange, gathers, rings, sync), all nodes."""
+    if target.nodes < 2:
+        return 0.0
+    node = np.arange(t.world) // target.ranks_per_node
+    cross = node[:, None] != node[None, :]
+    w = t.world
+    ring_wire = 2 * (w - 1) / w * (t.ring + t.sync_ring)
+    gather = t.gather * float(cross.sum())
+    sparse = t.sync_wire / (w * (w - 1)) * float(cross.sum()) if t.sync_wire and not t.sync_ring else 0.0
+    return float((t.exchange * cross).sum()) + ring_wire * target.nodes + gather + sparse
+
+
+def project(path, target: Target, policy_path=None) -> dict:
+    """`tracekit simulate`: open the run at `path`, project it onto `target` with the policy file at
+    `policy_path` (None: the baseline only), write RUN/analysis/simulate.parquet,
+    simulate_sweep.parquet and simulate.json, and return the summary with the notes."""
+    import json
+    import os
+    from pathlib import Path
+
+    from analyses.context import open_context
+    from tracekit.policy import check_model, load_policy
+
+    ctx = open_context(path)
+    policy = None
+    if policy_path is not None:
+        policy = load_policy(policy_path)
+        check_model(policy, tables=ctx.model.policy_model()["tables"], world_size=ctx.model.world_size,
+                    path=policy_path)
+    result = simulate(ctx, target, policy)
+    summary = {"run": str(ctx.path), "policy": None if policy_path is None else str(policy_path),
+               **result.summary, "notes": result.notes, "written": []}
+    for name, frame in result.tables.items():
+        summary["written"].append(str(ctx.write(name, frame)))
+    target_file = Path(ctx.path) / "analysis" / "simulate.json"
+    tmp = target_file.with_name(".simulate.json.tmp")
+    tmp.write_text(json.dumps(summary, default=str, indent=1) + "\n")
+    os.replace(tmp, target_file)
+    return summary

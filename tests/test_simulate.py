@@ -1,0 +1,137 @@
+"""`tracekit simulate`: the link model on hand-computed cases, and projections of a recorded trainer
+run checked against the run's own bytes (comms) and its policy's replayed predictions; scaling to
+another world size; the command line. The projection against runs measured on an emulated cluster
+is in tests/test_cluster_simulate.py (it needs root)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from analyses.analyze import analyze
+from analyses.context import Options, open_context
+from analyses.simulate import WIRE_EFFICIENCY, Target, exchange_time, ring_time, simulate
+from tests.recorded import REPO, TINY, record
+from tracekit.cli import cli
+from tracekit.policy import load_policy
+
+STEPS = 8
+
+
+def test_exchange_time_takes_the_busiest_link() -> None:
+    m = np.array([[0, 10, 30, 0],
+                  [10, 0, 0, 50],
+                  [20, 0, 0, 10],
+                  [0, 0, 10, 0]], dtype=float)
+    # node 0 = ranks 0, 1; node 1 = ranks 2, 3: node 0 sends 30 + 50 = 80 and receives 20 across
+    assert exchange_time(m, 2, 2, inter=10.0, intra=1000.0) == pytest.approx(8.0)
+    # within node 0, rank 0 and rank 1 each send 10: 10 / intra
+    assert exchange_time(m, 2, 2, inter=1e9, intra=1.0) == pytest.approx(10.0)
+    # one node: only the loopback counts; 4 nodes: rank 1 sends 60 (10 + 50)
+    assert exchange_time(m, 1, 4, inter=1.0, intra=10.0) == pytest.approx(6.0)
+    assert exchange_time(m, 4, 1, inter=10.0, intra=1.0) == pytest.approx(6.0)
+
+
+def test_ring_time_is_the_slowest_ring_edge() -> None:
+    # 4 ranks: 2(W-1)/W = 1.5 × S per rank over each edge
+    assert ring_time(100.0, 2, 2, inter=10.0, intra=100.0) == pytest.approx(15.0)
+    assert ring_time(100.0, 1, 4, inter=1.0, intra=100.0) == pytest.approx(1.5)
+    assert ring_time(100.0, 1, 1, inter=1.0, intra=1.0) == 0.0
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """TINY on 2 ranks, lookups on every step, analysed (replication derived at a 20% budget)."""
+    tmp = tmp_path_factory.mktemp("sim")
+    options = dict(zip(TINY[::2], TINY[1::2])) | {"--steps": str(STEPS)}
+    code, run_dir = record(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", str(REPO / "train.py"), *[x for kv in options.items() for x in kv],
+                           options=("--lookup-every", "1"))
+    assert code == 0
+    analyze(run_dir, Options(budget_fraction=0.2, objective="bytes", policies=("replication",)))
+    return run_dir
+
+
+def _comms_per_step(run_dir: Path) -> dict[str, float]:
+    ctx = open_context(run_dir)
+    rows = ctx.sql("""SELECT op, sum(bytes_out)::DOUBLE / (SELECT count(DISTINCT step) FROM steps)
+                      FROM train_comms GROUP BY op""").fetchall()
+    return dict(rows)
+
+
+def test_same_world_bytes_are_the_recorded_ones_and_the_policys_prediction(run: Path) -> None:
+    policy = load_policy(run / "policy.json")
+    measured = _comms_per_step(run)
+    for topology in ((2, 1), (1, 2)):
+        result = simulate(open_context(run), Target(*topology, inter_bw=12.5e6), policy)
+        rows = {r["policy"]: r for r in result.tables["simulate"].iter_rows(named=True)}
+        base = rows["baseline"]
+        assert base["method"] == "replay"
+        assert base["a2a_bytes_per_step"] == pytest.approx(measured["all_to_all_single"], rel=1e-12)
+        assert base["allreduce_bytes_per_step"] == pytest.approx(measured["all_reduce"], rel=1e-12)
+        predicted = policy["replication"]["predicted"]
+        assert rows["replication"]["a2a_bytes_per_step"] == pytest.approx(predicted["a2a_bytes_per_step"], rel=1e-9)
+        assert rows["replication"]["a2a_remote_bytes_per_step"] == pytest.approx(
+            predicted["a2a_remote_bytes_per_step"], rel=1e-9)
+        assert rows["replication"]["sync_bytes_per_step"] == predicted["sync_bytes_per_step"]
+    # across two nodes every remote byte and the whole DDP ring cross the link
+    two_nodes = simulate(open_context(run), Target(2, 1, inter_bw=12.5e6), policy).tables["simulate"].row(0, named=True)
+    assert two_nodes["inter_node_bytes_per_step"] == pytest.approx(
+        two_nodes["a2a_remote_bytes_per_step"] + two_nodes["allreduce_bytes_per_step"], rel=1e-12)
+
+
+def test_step_time_is_compute_plus_the_link_time(run: Path) -> None:
+    ctx = open_context(run)
+    slow = simulate(ctx, Target(2, 1, inter_bw=1.25e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
+    fast = simulate(ctx, Target(2, 1, inter_bw=125e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
+    assert slow["compute_s"] == fast["compute_s"] > 0
+    # at 2 ranks on 2 nodes each rank sends its remote exchange and one ring share (S) over its own link
+    per_rank = (slow["a2a_remote_bytes_per_step"] + slow["allreduce_bytes_per_step"]) / 2
+    assert slow["comm_s"] == pytest.approx(per_rank / (1.25e6 * WIRE_EFFICIENCY), rel=0.05)
+    assert slow["step_time_s"] == pytest.approx(slow["compute_s"] + slow["comm_s"])
+    assert slow["comm_share"] > fast["comm_share"]
+
+
+def test_another_world_keeps_bytes_per_sample(run: Path) -> None:
+    ctx = open_context(run)
+    policy = load_policy(run / "policy.json")
+    base = simulate(ctx, Target(1, 2, inter_bw=1e9), policy).tables["simulate"]
+    big = simulate(ctx, Target(4, 2, inter_bw=1e9, batch=64), policy)
+    assert any("scaled" in n for n in big.notes)
+    rows = {r["policy"]: r for r in big.tables["simulate"].iter_rows(named=True)}
+    b0 = base.row(0, named=True)
+    assert rows["baseline"]["method"] == "scaled"
+    per_sample = b0["a2a_bytes_per_step"] / (2 * b0["batch_per_device"])
+    assert rows["baseline"]["a2a_bytes_per_step"] / (8 * 64) == pytest.approx(per_sample)
+    assert rows["baseline"]["a2a_remote_bytes_per_step"] == pytest.approx(rows["baseline"]["a2a_bytes_per_step"] * 7 / 8)
+    assert rows["baseline"]["allreduce_bytes_per_step"] / 8 == pytest.approx(b0["allreduce_bytes_per_step"] / 2)
+    assert rows["baseline"]["compute_s"] == pytest.approx(b0["compute_s"] * 64 / b0["batch_per_device"])
+    replicas = policy["replication"]["predicted"]["replica_bytes_per_rank"]
+    assert rows["replication"]["sync_bytes_per_step"] == pytest.approx(2 * 7 * replicas)  # dense ring of the replicas
+
+
+def test_cli_prints_writes_and_reports(run: Path) -> None:
+    r = CliRunner().invoke(cli, ["simulate", str(run), "--topology", "2x1", "--inter-bw", "200mbit", "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output)
+    assert [row["policy"] for row in summary["rows"]] == ["baseline", "replication"]
+    assert (run / "analysis" / "simulate.parquet").is_file() and (run / "analysis" / "simulate.json").is_file()
+    assert "What-if: this run on 2x1" in (run / "report.html").read_text()
+    r = CliRunner().invoke(cli, ["simulate", str(run), "--topology", "2x1", "--inter-bw", "200mbit", "--no-report"])
+    assert r.exit_code == 0 and "speedup" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--topology", "2by1", "--inter-bw", "1gbit"], "--topology"),
+    (["--topology", "2x1", "--inter-bw", "fast"], "--inter-bw"),
+    (["--topology", "2x1", "--inter-bw", "1gbit", "--latency", "soon"], "--latency"),
+    (["--topology", "2x1", "--inter-bw", "1gbit", "--policy", "nowhere.json"], "nowhere.json"),
+])
+def test_cli_refuses_bad_options_naming_them(run: Path, args: list[str], message: str) -> None:
+    r = CliRunner().invoke(cli, ["simulate", str(run), *args])
+    assert r.exit_code == 2 and message in r.output
