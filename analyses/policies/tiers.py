@@ -1,6 +1,7 @@
 """FlexShard-like tiers for a topology of H nodes × G ranks per node (papers.md §5, B.6):
 tier 1 rows are replicated on every rank, tier 2 rows once per node (sharded over its ranks), the
-rest (tier 3) stay sharded as recorded. Without --topology the run's ranks are one node: tier 2
+rest (tier 3) stay sharded as recorded. Without --topology, the topology the run was recorded on
+(`tracekit cluster`), else one node of the run's ranks: tier 2
 is then the recorded sharding itself and the tiers reduce to replication (tier 1).
 
 Rows are ranked as for replication (benefit per replica byte, analyses.policies.replication), so
@@ -55,8 +56,14 @@ _cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
 
 
 def topology(ctx: Context) -> tuple[int, int]:
-    """(nodes, ranks per node): Options.topology, else one node of the run's ranks."""
-    return tuple(ctx.options.topology) if ctx.options.topology else (1, ctx.model.world_size)
+    """(nodes, ranks per node): Options.topology, else the cluster the run was recorded on (manifest
+    `topology`, written by `tracekit cluster`), else one node of the run's ranks."""
+    if ctx.options.topology:
+        return tuple(ctx.options.topology)
+    recorded = ctx.manifest.get("topology") or {}
+    if recorded.get("nodes") and recorded.get("ranks_per_node"):
+        return int(recorded["nodes"]), int(recorded["ranks_per_node"])
+    return 1, ctx.model.world_size
 
 
 def classes(ctx: Context, s: Setup, order: str, per_node: int) -> pl.DataFrame:
