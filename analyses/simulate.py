@@ -3,7 +3,7 @@
 From the run, each training step's communication by class of collective (training rows, averaged
 over the N training steps, analyses.traffic.training_steps):
 
-    exchange  the all-to-alls: bytes from rank to rank (Σ splits_out), calls per step
+    exchange  the all-to-alls, per tag: bytes from rank to rank (Σ splits_out), calls per step
     ring      the all-reduces: bytes per rank S (DDP's buckets and the rest), calls per step
     gather    the all-gathers: bytes per rank g, calls per step
     other     every other collective: calls per step (latency only)
@@ -14,9 +14,11 @@ and its compute time: per step the slowest rank's step less the union of its col
 On a target of N nodes × R ranks (global rank r on node r // R; each node's link runs at `inter_bw`
 each way, ranks within a node talk at `intra_bw`), per class and step:
 
-    exchange  max( max_n max(out_n, in_n) / inter_bw,  max_r intra_r / intra_bw )
+    exchange  per tag, max( max_n max(out_n, in_n) / inter_bw,  max_r intra_r / intra_bw )
               out_n, in_n: bytes node n sends to and receives from other nodes; intra_r: bytes rank r
               sends to the other ranks of its node; both directions of a link, and every link, at once
+              (tags apart: the output all-to-all of a table-wise layout is lopsided one way, its
+              backward both ways)
     ring      a ring all-reduce: wire = 2(W−1)/W · S per rank to the next rank, one ring edge leaving
               each node: max(wire / inter_bw if N > 1, wire / intra_bw if R > 1)
     gather    an exchange of g from every rank to every other
@@ -36,8 +38,8 @@ assumed), all-reduces keep their size (the model's), a policy keeps its share of
 exchange, and its sync is the dense one, a ring of its replicas (method `scaled`).
 
 Policies: the sections of a policy file that predict the exchange (replication, tiers, schedule).
-The exchange scales by the policy's predicted remote bytes over the recorded ones (self splits by
-the bytes_out ratio); the sync adds a ring of Σ rb (dense) or its predicted wire bytes over three
+The embedding exchange (every all-to-all but the sync's) scales by the policy's predicted remote
+bytes over the recorded ones (self splits by the bytes_out ratio), every tag alike; the sync adds a ring of Σ rb (dense) or its predicted wire bytes over three
 collectives (sparse: count all-gather, ids all-to-all, all-reduce over the union).
 
     result = simulate(ctx, Target(nodes=2, ranks_per_node=1, inter_bw=25e6), policy)
@@ -91,7 +93,7 @@ class Traffic:
     """One training step's communication on `world` ranks (module docstring)."""
 
     world: int
-    exchange: np.ndarray  # world × world bytes per step, rank to rank
+    exchange: dict[str, np.ndarray]  # tag -> world × world bytes per step, rank to rank
     exchange_calls: float
     ring: float  # bytes per rank per step through all-reduces
     ring_calls: float
@@ -109,12 +111,16 @@ class Traffic:
 
     def figures(self) -> dict[str, float]:
         """Bytes per step in `comms`' convention (Σ ranks' bytes_out), and the sync's wire bytes."""
-        w = self.world
-        return {"a2a_bytes_per_step": float(self.exchange.sum()),
-                "a2a_remote_bytes_per_step": float(self.exchange.sum() - np.trace(self.exchange)),
+        w, total = self.world, self.total_exchange
+        return {"a2a_bytes_per_step": float(total.sum()),
+                "a2a_remote_bytes_per_step": float(total.sum() - np.trace(total)),
                 "allreduce_bytes_per_step": self.ring * w, "sync_bytes_per_step": self.sync_wire,
-                "bytes_per_step": float(self.exchange.sum()) + self.ring * w + self.gather * w
+                "bytes_per_step": float(total.sum()) + self.ring * w + self.gather * w
                                   + (self.sync_ring * w if self.sync_ring else self.sync_wire)}
+
+    @property
+    def total_exchange(self) -> np.ndarray:
+        return sum(self.exchange.values(), np.zeros((self.world, self.world)))
 
 
 # what the run moved and computed ---------------------------------------------------------------
@@ -124,14 +130,14 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
     {steps, batch (mean samples per device), compute_s, step_time_s, latency_s}."""
     steps = max(traffic.training_steps(ctx), 1)
     w = ctx.model.world_size
-    matrix = np.zeros((w, w))
-    for src, dst, b in ctx.sql(f"""
-            SELECT rank, i - 1, sum(splits_out[i])::DOUBLE
-            FROM (SELECT rank, splits_out, generate_subscripts(splits_out, 1) AS i FROM train_comms
+    exchange: dict[str, np.ndarray] = {}
+    for tag, src, dst, b in ctx.sql(f"""
+            SELECT coalesce(tag, ''), rank, i - 1, sum(splits_out[i])::DOUBLE
+            FROM (SELECT tag, rank, splits_out, generate_subscripts(splits_out, 1) AS i FROM train_comms
                   WHERE op IN ({sql_list(A2A_OPS)}) AND group_size = {w})
             GROUP BY ALL""").fetchall():
         if 0 <= src < w and 0 <= dst < w:
-            matrix[src, dst] = b / steps
+            exchange.setdefault(tag, np.zeros((w, w)))[src, dst] = b / steps
     per_op = {op: (calls / steps / w, per_rank / steps) for op, calls, per_rank in ctx.sql(f"""
         SELECT CASE WHEN op IN ({sql_list(A2A_OPS)}) THEN 'a2a' WHEN op = 'all_reduce' THEN 'ring'
                     WHEN op IN ({sql_list(GATHER_OPS)}) THEN 'gather' ELSE 'other' END AS kind,
@@ -139,7 +145,7 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
         FROM (SELECT op, rank, sum(bytes_out) OVER (PARTITION BY op, rank)::DOUBLE AS per_rank FROM train_comms)
         GROUP BY kind""").fetchall()}
     none = (0.0, 0.0)
-    run = Traffic(w, matrix, per_op.get("a2a", none)[0], per_op.get("ring", none)[1], per_op.get("ring", none)[0],
+    run = Traffic(w, exchange, per_op.get("a2a", none)[0], per_op.get("ring", none)[1], per_op.get("ring", none)[0],
                   per_op.get("gather", none)[1], per_op.get("gather", none)[0], per_op.get("other", none)[0])
     return run, {"steps": steps, **_times(ctx, steps, w)}
 
@@ -171,14 +177,17 @@ def _times(ctx: Context, steps: int, world: int) -> dict:
 def with_policy(base: Traffic, section: dict) -> Traffic:
     """`base` (the recorded world and batch) under a policy section's predicted exchange and sync."""
     predicted = section.get("predicted") or {}
-    remote = base.exchange.sum() - np.trace(base.exchange)
-    diagonal = np.diag(np.diag(base.exchange))
+    embedding = {tag: m for tag, m in base.exchange.items() if not tag.startswith(SYNC_TAGS)}
+    total = sum(embedding.values(), np.zeros((base.world, base.world)))
+    remote, self_bytes = total.sum() - np.trace(total), np.trace(total)
     rem_ratio = predicted.get("a2a_remote_bytes_per_step", remote) / remote if remote else 1.0
-    self_bytes = np.trace(base.exchange)
-    self_target = predicted.get("a2a_bytes_per_step", base.exchange.sum()) - predicted.get(
+    self_target = predicted.get("a2a_bytes_per_step", total.sum()) - predicted.get(
         "a2a_remote_bytes_per_step", remote)
     self_ratio = self_target / self_bytes if self_bytes else 1.0
-    exchange = (base.exchange - diagonal) * rem_ratio + diagonal * self_ratio
+    exchange = dict(base.exchange)
+    for tag, m in embedding.items():
+        diagonal = np.diag(np.diag(m))
+        exchange[tag] = (m - diagonal) * rem_ratio + diagonal * self_ratio
     sync = float(predicted.get("sync_bytes_per_step") or 0.0)
     replicas = float(predicted.get("replica_bytes_per_rank") or 0.0)
     return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync,
@@ -198,8 +207,8 @@ def scaled(t: Traffic, batch: float, target: Target, new_batch: float) -> Traffi
     exchange bytes per sample kept, spread evenly over the pairs; all-reduces keep their size; a
     sparse sync becomes the dense ring of the same replicas."""
     w2 = target.world
-    per_sample = t.exchange.sum() / max(batch * t.world, 1e-12)
-    exchange = np.full((w2, w2), per_sample * new_batch / w2)
+    exchange = {tag: np.full((w2, w2), m.sum() / max(batch * t.world, 1e-12) * new_batch / w2)
+                for tag, m in t.exchange.items()}
     sync_ring = (t.sync_ring or t.replica_bytes) if t.sync_wire else 0.0
     out = Traffic(w2, exchange, t.exchange_calls, t.ring, t.ring_calls, t.gather, t.gather_calls, t.other_calls,
                   replica_bytes=t.replica_bytes)
@@ -233,7 +242,8 @@ def comm_time(t: Traffic, target: Target, intra: float, latency: float) -> float
     n, r = target.nodes, target.ranks_per_node
     inter = target.inter_bw * WIRE_EFFICIENCY
     gather = np.full((t.world, t.world), t.gather) - np.diag(np.full(t.world, t.gather))
-    seconds = (exchange_time(t.exchange, n, r, inter, intra) + ring_time(t.ring, n, r, inter, intra)
+    seconds = (sum(exchange_time(m, n, r, inter, intra) for m in t.exchange.values())
+               + ring_time(t.ring, n, r, inter, intra)
                + exchange_time(gather, n, r, inter, intra))
     if t.sync_ring:
         seconds += ring_time(t.sync_ring, n, r, inter, intra)
@@ -322,7 +332,7 @@ def _inter_bytes(t: Traffic, target: Target) -> float:
     ring_wire = 2 * (w - 1) / w * (t.ring + t.sync_ring)
     gather = t.gather * float(cross.sum())
     sparse = t.sync_wire / (w * (w - 1)) * float(cross.sum()) if t.sync_wire and not t.sync_ring else 0.0
-    return float((t.exchange * cross).sum()) + ring_wire * target.nodes + gather + sparse
+    return float((t.total_exchange * cross).sum()) + ring_wire * target.nodes + gather + sparse
 
 
 def project(path, target: Target, policy_path=None) -> dict:

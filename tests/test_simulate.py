@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from analyses.analyze import analyze
 from analyses.context import Options, open_context
-from analyses.simulate import WIRE_EFFICIENCY, Target, exchange_time, ring_time, simulate
+from analyses.simulate import WIRE_EFFICIENCY, Target, Traffic, comm_time, exchange_time, ring_time, simulate
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
 from tracekit.policy import load_policy
@@ -35,6 +35,15 @@ def test_exchange_time_takes_the_busiest_link() -> None:
     # one node: only the loopback counts; 4 nodes: rank 1 sends 60 (10 + 50)
     assert exchange_time(m, 1, 4, inter=1.0, intra=10.0) == pytest.approx(6.0)
     assert exchange_time(m, 4, 1, inter=10.0, intra=1.0) == pytest.approx(6.0)
+
+
+def test_collectives_of_different_tags_are_timed_one_after_the_other() -> None:
+    # the forward sends 0 -> 1 and the backward 1 -> 0: summed, each direction would carry 100 at once
+    forward, backward = np.array([[0, 100], [0, 0]], float), np.array([[0, 0], [100, 0]], float)
+    t = Traffic(2, {"fwd": forward, "bwd": backward}, 2, 0.0, 0, 0.0, 0, 0)
+    link = 10 / WIRE_EFFICIENCY
+    assert comm_time(t, Target(2, 1, inter_bw=link), intra=1e9, latency=0.0) == pytest.approx(20.0)
+    assert comm_time(t, Target(2, 1, inter_bw=link), intra=1e9, latency=0.5) == pytest.approx(21.0)
 
 
 def test_ring_time_is_the_slowest_ring_edge() -> None:
