@@ -412,18 +412,27 @@ def report(runs: tuple[Path, ...], output: Path | None, plotly_js: str) -> None:
 @click.option("--policies", default=None, help="As for analyze: comma-separated policies to derive.")
 @click.option("--objective", type=click.Choice(["time", "bytes"]), default="time", show_default=True,
               help="As for analyze: what the replica budget minimises.")
+@click.option("--cluster", "cluster_shape", default=None, metavar="NODESxRANKS",
+              help="Run every run on an emulated cluster (tracekit cluster), e.g. 2x2; needs --link.")
+@click.option("--link", default=None, help="With --cluster: each node's link rate, e.g. 200mbit.")
 @click.option("--json", "as_json", is_flag=True, help="Print compare's JSON document at the end instead of tables.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str | None, intra_bw: str | None,
-             inter_bw: str | None, policies: str | None, objective: str, as_json: bool, command: tuple[str, ...]) -> None:
+             inter_bw: str | None, policies: str | None, objective: str, cluster_shape: str | None, link: str | None,
+             as_json: bool, command: tuple[str, ...]) -> None:
     """Record COMMAND, analyse it, re-run it with each policy and their combination, and compare.
 
     COMMAND must accept `--policy PATH` at its end (the reference trainer's train.py does). Every run
     lands in OUT (base, replication, schedule, ..., combined) with its log beside it (OUT/<name>.log).
 
     \b
-    Example:
+    With --cluster NODESxRANKS --link RATE every run goes through `tracekit cluster --record`, and
+    COMMAND is the plain `python train.py ...` that each rank runs.
+
+    \b
+    Examples:
       tracekit optimize -o runs/opt -- torchrun --standalone --nproc-per-node 2 train.py --steps 300
+      tracekit optimize --cluster 2x2 --link 200mbit -o runs/opt -- python train.py --steps 300
     """
     from analyses.analyze import analyze as run_analysis
     from analyses.compare import compare as compare_runs
@@ -435,11 +444,12 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     if command and command[0] == "--":
         command = command[1:]
     options = _options(budget, topology, intra_bw, inter_bw, policies, objective)
+    on_cluster = _cluster_of(cluster_shape, link)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = out_dir / "base"
     with run_progress(enabled=not as_json) as progress:
         progress(f"recording the baseline into {base} (log {out_dir / 'base.log'})")
-        code = plan.record(base, command, out_dir / "base.log", lookup_every=lookup_every)
+        code = plan.record(base, command, out_dir / "base.log", lookup_every=lookup_every, cluster=on_cluster)
     if code != 0:
         raise click.ClickException(f"the baseline run failed (exit code {code}); its output is in {out_dir / 'base.log'}")
     try:
@@ -453,7 +463,8 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
         for i, rerun in enumerate(reruns, 1):
             progress(f"re-running with {rerun.name} ({i}/{len(reruns)}; log {out_dir / (rerun.name + '.log')})")
             code = plan.record(out_dir / rerun.name, [*command, "--policy", str(rerun.policy)],
-                               out_dir / f"{rerun.name}.log", lookup_every=lookup_every)  # same tracing: times compare
+                               out_dir / f"{rerun.name}.log", lookup_every=lookup_every,  # same tracing: times compare
+                               cluster=on_cluster)
             if code == 0:
                 done.append(out_dir / rerun.name)
             else:
@@ -471,6 +482,98 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     else:
         print_compare(result.summary)
         click.echo(f"report: {result.summary['report']}")
+
+
+def _cluster_of(shape: str | None, link: str | None):
+    """optimize's --cluster/--link as a tracekit.cluster.Topology (None without --cluster)."""
+    from tracekit.cluster import Topology, parse_topology
+
+    if shape is None and link is None:
+        return None
+    if shape is None or link is None:
+        raise click.UsageError("--cluster NODESxRANKS and --link RATE go together, e.g. --cluster 2x2 --link 200mbit")
+    try:
+        nodes, ranks = parse_topology(shape)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--cluster") from None
+    _check_rate(link)
+    return Topology(nodes, ranks, link)
+
+
+def _check_rate(link: str) -> None:
+    from tracekit.units import parse_rate
+
+    try:
+        parse_rate(link)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--link") from None
+
+
+@cli.command()
+@click.option("--nodes", type=click.IntRange(min=1), required=True, help="Nodes (network namespaces).")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ranks (torchrun workers) per node; they talk over the node's loopback, unshaped.")
+@click.option("--link", required=True, help="Each node's link rate, each way, e.g. 1gbit, 200mbit.")
+@click.option("--latency", type=click.FloatRange(min=0), default=None,
+              help="One-way latency of each link in ms (needs the netem qdisc).")
+@click.option("--record", "run_dir", type=click.Path(path_type=Path), default=None,
+              help="Record the run into DIR, as `tracekit record -o DIR` does.")
+@click.option("--force", is_flag=True, help="With --record: replace a non-empty run directory.")
+@click.option("--lookup-every", type=click.IntRange(min=0), default=10, show_default=True,
+              envvar="TRACEKIT_LOOKUP_EVERY", help="With --record: as for record.")
+@click.option("--grad-every", type=click.IntRange(min=0), default=100, show_default=True,
+              envvar="TRACEKIT_GRAD_EVERY", help="With --record: as for record.")
+@click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="With --record: as for record.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, run_dir: Path | None, force: bool,
+            lookup_every: int, grad_every: int, flush_interval: float, command: tuple[str, ...]) -> None:
+    """Run COMMAND on an emulated cluster: NODES network namespaces whose links run at LINK.
+
+    Each node is a network namespace joined to a bridge by a link shaped to LINK each way; one
+    torchrun per node runs COMMAND (`python train.py ...` as it is, no torchrun) on its ranks, so
+    traffic between nodes crosses the slow link and traffic within a node does not. Everything it
+    creates is removed when COMMAND ends. Needs root and iproute2. Exits with COMMAND's exit code
+    (the first node's that failed; 130 after Ctrl-C).
+
+    \b
+    Example:
+      tracekit cluster --nodes 2 --ranks-per-node 2 --link 200mbit --record runs/c -- python train.py --steps 300
+    """
+    from tracekit import cluster as emulated
+    from tracekit import recording
+
+    _check_rate(link)
+    topology = emulated.Topology(nodes, ranks_per_node, link, latency)
+    command = list(command)
+    try:
+        emulated.check_prerequisites(topology)
+        recording.check_command(command)
+        if run_dir is not None:
+            recording.prepare_run_dir(run_dir, force=force)
+    except emulated.ClusterError as err:
+        raise InputError(str(err)) from None
+    except recording.RecordError as err:
+        raise click.UsageError(str(err)) from None
+
+    def say(line: str) -> None:
+        click.echo(f"tracekit cluster: {line}", err=True)
+
+    def run(env: dict[str, str] | None = None) -> tuple[int, bool]:
+        try:
+            return emulated.run(command, topology, env=env, say=say)
+        except emulated.ClusterError as err:
+            say(f"failed: {err}")
+            return 2, False
+
+    if run_dir is None:
+        sys.exit(run()[0])
+    say(f"recording into {run_dir}")
+    code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
+                            flush_interval_s=flush_interval, gpu_interval_s=0.1,
+                            manifest_extra={"topology": topology.manifest()}, run=run)
+    click.echo(_describe(recording.summary(run_dir, recording.read_manifest(run_dir))), err=True)
+    sys.exit(code)
 
 
 @cli.command()
@@ -499,6 +602,68 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
         watch_run(run_dir, interval=interval, window=window, once=once)
     except TracekitError as err:
         raise InputError(str(err)) from None
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--topology", required=True, help="The cluster projected onto: NODESxRANKS, e.g. 8x8.")
+@click.option("--inter-bw", required=True, help="Each node's link to the others, each way, e.g. 200mbit, 100gbit.")
+@click.option("--intra-bw", default=None, help="Between ranks of one node (default: measured in the run).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples per rank on the target (default: the run's).")
+@click.option("--latency", default=None, help="Time one collective costs beyond its bytes, e.g. 50us "
+              "(default: measured in the run).")
+@click.option("--policy", "policy_arg", default="all", show_default=True,
+              help="A policy file to project, `all` (RUN/policy.json, where analyze wrote one) or `none`.")
+@click.option("--report/--no-report", "with_report", default=True, show_default=True,
+              help="Rewrite RUN/report.html with the projection in it.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def simulate(run_dir: Path, topology: str, inter_bw: str, intra_bw: str | None, batch_size: int | None,
+             latency: str | None, policy_arg: str, with_report: bool, as_json: bool) -> None:
+    """Project a recorded run onto another cluster: bytes and time per step of the baseline and of
+    each policy, from the run's traffic, its compute time and the cost model.
+
+    Writes RUN/analysis/simulate.parquet (and simulate_sweep.parquet: step time against the link rate)
+    and RUN/analysis/simulate.json.
+
+    \b
+    Example:
+      tracekit simulate runs/base --topology 2x1 --inter-bw 200mbit
+    """
+    from analyses.simulate import Target, project
+    from tracekit.cluster import parse_topology
+    from tracekit.errors import TracekitError
+    from tracekit.units import parse_duration, parse_rate
+    from tracekit.views import print_simulate
+
+    def parsed(parse, text: str | None, hint: str):
+        try:
+            return None if text is None else parse(text)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint=hint) from None
+
+    nodes, per_node = parsed(parse_topology, topology, "--topology")
+    target = Target(nodes, per_node, parsed(parse_rate, inter_bw, "--inter-bw"), parsed(parse_rate, intra_bw, "--intra-bw"),
+                    batch_size, parsed(parse_duration, latency, "--latency"))
+    policy_path = None if policy_arg == "none" else run_dir / "policy.json" if policy_arg == "all" else Path(policy_arg)
+    if policy_arg == "all" and not policy_path.is_file():
+        policy_path = None
+    elif policy_path is not None and not policy_path.is_file():
+        raise click.BadParameter(f"{policy_path}: no such file", param_hint="--policy")
+    try:
+        summary = project(run_dir, target, policy_path)
+        if policy_arg == "all" and policy_path is None:
+            summary["notes"].append(f"no {run_dir / 'policy.json'}: the baseline only (tracekit analyze writes it)")
+        if with_report:
+            summary["report"] = str(_write_report([run_dir], run_dir / "report.html"))
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(summary, default=str))
+    else:
+        print_simulate(summary)
+        if with_report:
+            click.echo(f"report: {summary['report']}")
 
 
 def _optimize_report(base: Path, runs: list[Path], target: Path) -> str:

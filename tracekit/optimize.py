@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tracekit.cluster import Topology
 from tracekit.policy import load_policy, write_policy
 
 APPLIED = ("replication", "tiers", "schedule")
@@ -65,6 +66,8 @@ def _why_not(name: str, section: dict) -> str | None:
             return "one node: the tiers are the replication section"
         if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
             return "no row in tier 1 or 2"
+        if predicted.get("tier2_rows"):
+            return "the reference trainer does not apply tier 2 across nodes yet (tier 1 is the replication section)"
     return None
 
 
@@ -75,9 +78,17 @@ def _write_sections(policy_path: Path, policy: dict, names: list[str], label: st
     return target
 
 
-def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int) -> int:
-    """`tracekit record` of `command` into `run_dir`, its output into `log`; the exit code."""
-    argv = [sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force",
-            "--lookup-every", str(lookup_every), "--", *command]
+def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int, cluster: Topology | None = None) -> int:
+    """`tracekit record` of `command` into `run_dir`, its output into `log`; the exit code. With
+    `cluster`, `tracekit cluster --record` instead: `command` (plain `python train.py ...`) runs on
+    every rank of that emulated cluster."""
+    if cluster is None:
+        launcher = ["record", "-o", str(run_dir)]
+    else:
+        launcher = ["cluster", "--nodes", str(cluster.nodes), "--ranks-per-node", str(cluster.ranks_per_node),
+                    "--link", cluster.link, "--record", str(run_dir)]
+        if cluster.latency_ms is not None:
+            launcher += ["--latency", str(cluster.latency_ms)]
+    argv = [sys.executable, "-m", "tracekit", *launcher, "--force", "--lookup-every", str(lookup_every), "--", *command]
     with open(log, "w") as out:
         return subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT)

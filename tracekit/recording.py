@@ -26,6 +26,7 @@ import subprocess
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import collectors
 from tracekit import __version__
@@ -84,9 +85,14 @@ def _interpreter(script: Path) -> str:
 
 
 def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: int, flush_interval_s: float,
-           gpu_interval_s: float) -> int:
+           gpu_interval_s: float, manifest_extra: dict | None = None,
+           run: Callable[[dict[str, str]], tuple[int, bool]] | None = None) -> int:
     """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
-    130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start."""
+    130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start.
+
+    `manifest_extra` adds fields to the manifest (a cluster's `topology`). `run`, where given, runs
+    the command itself in the tracing environment it is passed and returns (exit code, interrupted):
+    `tracekit cluster` runs it on every node."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
                 "gpu_interval_s": gpu_interval_s}
@@ -98,11 +104,14 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: 
         "torch_version": _version("torch"), "collector_settings": settings, "gpu": gpu_status(),
         "environment": {k: v for k, v in os.environ.items() if k in ENV_ALLOW or k.startswith("TRACEKIT_")},
     }
-    write_manifest(run_dir, manifest)
+    write_manifest(run_dir, {**manifest, **(manifest_extra or {})})
     env = {**os.environ, "TRACEKIT_RUN_DIR": str(run_dir.resolve()), "TRACEKIT_LOOKUP_EVERY": str(lookup_every),
            "TRACEKIT_GRAD_EVERY": str(grad_every),
            "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
            "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if run is not None:
+        code, interrupted = run(env)
+        return finalise(run_dir, code, interrupted)["record_exit_code"]
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as err:  # found and executable, yet the system cannot run it

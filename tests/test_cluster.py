@@ -1,0 +1,244 @@
+"""`tracekit cluster` on real network namespaces with real gloo ranks: the links are shaped and the
+loopback is not, every rank lands on its node, a recorded run has every rank and the topology, and
+nothing of a run is left behind however it ends. Skipped (with the reason) without root, iproute2
+or the tbf qdisc."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.recorded import REPO
+from tracekit import cluster
+
+TINY_TRAINER = ["--tables", "4", "--rows", "1000", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
+                "--batch-size", "64", "--samples", "8192"]
+
+
+def _missing() -> str | None:
+    try:
+        cluster.check_prerequisites(cluster.Topology(1, 1, "1gbit"))
+    except cluster.ClusterError as err:
+        return str(err)
+    return None
+
+
+needs_cluster = pytest.mark.skipif(_missing() is not None, reason=f"no emulated cluster here: {_missing()}")
+
+
+def tracekit_cluster(*args: str, timeout: int = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tracekit", "cluster", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def run_id_of(stderr: str) -> str:
+    match = re.search(r"bridge tk([0-9a-f]{6})br for (\S+)", stderr)
+    assert match, stderr
+    return match.group(1)
+
+
+def assert_gone(stderr: str, marker: str) -> None:
+    """No namespace, link, address or process of the run named in `stderr` remains (processes:
+    any whose command line holds `marker`)."""
+    run_id = run_id_of(stderr)
+    subnet = re.search(r"bridge tk[0-9a-f]{6}br for (\d+\.\d+\.\d+)\.", stderr).group(1)
+    assert run_id not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"tk{run_id}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f"{subnet}." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    assert not [line for line in ps.splitlines() if marker in line], ps
+    assert "tracekit cluster: removed the cluster\n" in stderr, stderr
+
+
+# --- what each test runs on every rank ---------------------------------------------------------
+
+EXCHANGE = """
+import json, os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+pairs = [[0, 2], [1, 3]] if world == 4 else [[0, 1]]
+intra = [dist.new_group(g) for g in ([0, 1], [2, 3])] if world == 4 else []
+inter = [dist.new_group(g) for g in pairs]
+
+def exchange(group, members):
+    x, y = torch.ones(int(sys.argv[1]) // 4), torch.empty(int(sys.argv[1]) // 4)
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        if rank in members:
+            start = time.perf_counter()
+            dist.all_to_all_single(y, x, group=group)
+            times.append(time.perf_counter() - start)
+    return min(times) if times else None
+
+result = {"iface": os.environ["GLOO_SOCKET_IFNAME"], "inter": exchange(inter[0], pairs[0])}
+if intra:
+    result["intra"] = exchange(intra[0], [0, 1])
+with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+FAIL = """
+import os, signal, sys, time, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3)
+dist.barrier()
+"""
+
+WAIT = """
+import os, sys, time, torch.distributed as dist
+dist.init_process_group("gloo")
+open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w").close()
+time.sleep(600)
+"""
+
+
+def script(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --- tests -----------------------------------------------------------------------------------
+
+@needs_cluster
+def test_links_between_nodes_are_shaped_and_the_loopback_is_not(tmp_path: Path) -> None:
+    exchange = script(tmp_path, "exchange.py", EXCHANGE)
+    size = 8_000_000  # bytes per rank; half of it crosses to the peer
+    r = tracekit_cluster("--nodes", "2", "--ranks-per-node", "2", "--link", "100mbit", "--",
+                         "python", str(exchange), str(size), str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    run_id = run_id_of(r.stderr)
+    assert [x["iface"] for x in results] == [f"tk{run_id}n{node}" for node in (0, 0, 1, 1)]  # rank = node * R + local
+    link_allows = (size / 2) / cluster.parse_rate("100mbit")
+    assert results[0]["inter"] >= 0.9 * link_allows, (results, link_allows)
+    assert results[0]["intra"] < 0.25 * link_allows, (results, link_allows)
+    assert_gone(r.stderr, str(exchange))
+
+
+@needs_cluster
+def test_a_recorded_cluster_run_has_every_rank_and_the_topology(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = tracekit_cluster("--nodes", "2", "--ranks-per-node", "2", "--link", "200mbit", "--record", str(run_dir),
+                         "--flush-interval", "0.2", "--", "python", "train.py", *TINY_TRAINER, "--steps", "3")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["topology"] == {"nodes": 2, "ranks_per_node": 2, "link": "200mbit", "link_bytes_per_s": 25e6,
+                                    "latency_ms": None, "rank_nodes": [0, 0, 1, 1]}
+    assert (manifest["status"], manifest["exit_code"], manifest["ranks"]) == ("completed", 0, [0, 1, 2, 3])
+    assert manifest["steps"] == {str(rank): 3 for rank in range(4)} and manifest["finalise_errors"] == []
+    for table in ("steps", "comms"):
+        assert sorted(p.name for p in (run_dir / table).iterdir()) == [f"rank={rank}" for rank in range(4)]
+    assert_gone(r.stderr, str(run_dir))
+
+
+@needs_cluster
+def test_a_failing_rank_fails_the_run_and_two_clusters_at_once_do_not_collide(tmp_path: Path) -> None:
+    fail = script(tmp_path, "fail.py", FAIL)
+    args = ["--nodes", "2", "--link", "1gbit", "--", "python", str(fail)]
+    runs = [subprocess.Popen([sys.executable, "-m", "tracekit", "cluster", *args, mode], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for mode in ("exit", "kill")]
+    outputs = [p.communicate(timeout=120) for p in runs]
+    for p, (_, stderr) in zip(runs, outputs):
+        assert p.returncode == 1, stderr  # torchrun's exit code for a failed worker, whatever the worker's was
+        assert "tracekit cluster: running 2 node(s)" in stderr, stderr
+    assert run_id_of(outputs[0][1]) != run_id_of(outputs[1][1])
+    for _, stderr in outputs:
+        assert_gone(stderr, str(fail))
+
+
+@needs_cluster
+def test_sigterm_to_cluster_removes_everything_and_the_next_cluster_works(tmp_path: Path) -> None:
+    wait = script(tmp_path, "wait.py", WAIT)
+    proc = subprocess.Popen([sys.executable, "-m", "tracekit", "cluster", "--nodes", "2", "--ranks-per-node", "1",
+                             "--link", "1gbit", "--", sys.executable, str(wait), str(tmp_path)],
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert_gone(stderr, str(wait))
+    again = tracekit_cluster("--nodes", "2", "--link", "1gbit", "--", "true")
+    assert again.returncode == 0, again.stderr
+    assert_gone(again.stderr, str(wait))
+
+
+@needs_cluster
+def test_latency_without_netem_is_refused_in_one_line() -> None:
+    r = tracekit_cluster("--nodes", "2", "--link", "1gbit", "--latency", "5", "--", "true")
+    if r.returncode == 0:
+        pytest.skip("this kernel has netem")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["Error: --latency 5: needs the netem qdisc (sch_netem), which this "
+                                             "kernel does not have; run without --latency (links are then shaped by "
+                                             "rate only)"]
+    assert "tkc-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_missing_iproute2_or_root_is_one_line_naming_it(tmp_path: Path) -> None:
+    r = tracekit_cluster("--nodes", "2", "--link", "1gbit", "--", "true",
+                         env={**os.environ, "PATH": str(tmp_path)})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["Error: tracekit cluster needs iproute2: ip and tc not found on PATH"]
+    if _missing() is None or "root" in _missing():
+        with pytest.raises(cluster.ClusterError, match=r"^tracekit cluster needs root \(it creates network namespaces"):
+            cluster.check_prerequisites(cluster.Topology(1, 1, "1gbit"), is_root=lambda: False)
+
+
+def test_commands_become_torchrun_forms() -> None:
+    topology = cluster.Topology(2, 3, "1gbit")
+    network = cluster.plan_network(2, "abc123", [])
+    node0, node1 = network.nodes
+    head = cluster.torchrun_argv(["python", "x.py"], topology, network, node0)
+    assert head[head.index("--rdzv-endpoint") + 1] == f"{node0.addr}:{cluster.RDZV_PORT}"
+    assert head[-3:] == ["--rdzv-conf", "is_host=1", "x.py"]
+    assert cluster.torchrun_argv([sys.executable, "-m", "m", "-a"], topology, network, node1)[-4:] == [
+        node1.addr, "-m", "m", "-a"]
+    assert cluster.torchrun_argv(["sh", "-c", "true"], topology, network, node1)[-4:] == [
+        "--no-python", "sh", "-c", "true"]
+    assert max(len(name) for n in network.nodes for name in (n.veth, n.peer, network.bridge)) <= 15
+
+
+def test_the_subnet_avoids_the_hosts_networks() -> None:
+    import ipaddress
+
+    first = cluster.plan_network(2, "ab0a0b", [])
+    assert str(first.subnet) == "10.10.11.0/24" and first.nodes[1].addr == "10.10.11.101"
+    second = cluster.plan_network(2, "ab0a0b", [ipaddress.IPv4Network("10.10.0.0/16")])
+    assert not second.subnet.overlaps(ipaddress.IPv4Network("10.10.0.0/16"))
+
+
+def test_optimize_cluster_needs_link_and_a_shape() -> None:
+    from click.testing import CliRunner
+
+    from tracekit.cli import cli
+
+    r = CliRunner().invoke(cli, ["optimize", "--cluster", "2x2", "--", "python", "train.py"])
+    assert r.exit_code == 2 and "--cluster NODESxRANKS and --link RATE go together" in r.output, r.output
+    r = CliRunner().invoke(cli, ["optimize", "--cluster", "2by2", "--link", "1gbit", "--", "python", "train.py"])
+    assert r.exit_code == 2 and "expected NODESxRANKS such as 2x4, got '2by2'" in r.output, r.output
+
+
+def test_optimize_records_each_run_through_cluster(tmp_path: Path, monkeypatch) -> None:
+    from tracekit import optimize
+
+    seen = []
+    monkeypatch.setattr(optimize.subprocess, "call", lambda argv, **kwargs: seen.append(argv) or 0)
+    optimize.record(tmp_path / "base", ["python", "train.py"], tmp_path / "base.log", lookup_every=1,
+                    cluster=cluster.Topology(2, 2, "200mbit"))
+    assert seen[0][3:] == ["cluster", "--nodes", "2", "--ranks-per-node", "2", "--link", "200mbit", "--record",
+                           str(tmp_path / "base"), "--force", "--lookup-every", "1", "--", "python", "train.py"]
