@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.recorded import REPO
+from tracekit import cli as cli_module
 from tracekit import cluster
 
 TINY_TRAINER = ["--tables", "4", "--rows", "1000", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
@@ -160,7 +161,8 @@ def test_a_failing_rank_fails_the_run_and_two_clusters_at_once_do_not_collide(tm
 
 
 @needs_cluster
-def test_sigterm_to_cluster_removes_everything_and_the_next_cluster_works(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])  # SIGINT: a terminal's Ctrl-C (ranks have their own sessions)
+def test_a_signal_to_cluster_removes_everything_and_the_next_cluster_works(tmp_path: Path, sig: int) -> None:
     wait = script(tmp_path, "wait.py", WAIT)
     proc = subprocess.Popen([sys.executable, "-m", "tracekit", "cluster", "--nodes", "2", "--ranks-per-node", "1",
                              "--link", "1gbit", "--", sys.executable, str(wait), str(tmp_path)],
@@ -168,7 +170,7 @@ def test_sigterm_to_cluster_removes_everything_and_the_next_cluster_works(tmp_pa
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert_gone(stderr, str(wait))
@@ -211,6 +213,9 @@ def test_commands_become_torchrun_forms() -> None:
     assert cluster.torchrun_argv(["sh", "-c", "true"], topology, network, node1)[-4:] == [
         "--no-python", "sh", "-c", "true"]
     assert max(len(name) for n in network.nodes for name in (n.veth, n.peer, network.bridge)) <= 15
+    widest = cluster.plan_network(cluster.MAX_NODES, "abc123", [])
+    assert max(len(n.veth) for n in widest.nodes) <= 15 and widest.nodes[-1].addr.endswith(".254")
+    assert cli_module.CLUSTER_MAX_NODES == cluster.MAX_NODES
 
 
 def test_the_subnet_avoids_the_hosts_networks() -> None:

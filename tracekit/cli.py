@@ -509,14 +509,18 @@ def _check_rate(link: str) -> None:
         raise click.BadParameter(str(err), param_hint="--link") from None
 
 
+CLUSTER_MAX_NODES = 155  # tracekit.cluster.MAX_NODES, not imported here: the CLI loads its modules lazily
+
+
 @cli.command()
-@click.option("--nodes", type=click.IntRange(min=1), required=True, help="Nodes (network namespaces).")
+@click.option("--nodes", type=click.IntRange(min=1, max=CLUSTER_MAX_NODES), required=True,
+              help="Nodes (network namespaces).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Ranks (torchrun workers) per node; they talk over the node's loopback, unshaped.")
 @click.option("--link", required=True, help="Each node's link rate, each way, e.g. 1gbit, 200mbit.")
 @click.option("--latency", type=click.FloatRange(min=0), default=None,
               help="One-way latency of each link in ms (needs the netem qdisc).")
-@click.option("--record", "run_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--record", "run_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Record the run into DIR, as `tracekit record -o DIR` does.")
 @click.option("--force", is_flag=True, help="With --record: replace a non-empty run directory.")
 @click.option("--lookup-every", type=click.IntRange(min=0), default=10, show_default=True,

@@ -7,7 +7,8 @@
 
 then `tracekit compare DIR/base DIR/<section> ... DIR/combined`. The command must take
 `--policy PATH` as its last option (the reference trainer's train.py does). Each run's output goes
-to DIR/<name>.log; a status line shows which run is going.
+to DIR/<name>.log; a status line shows which run is going. With `--cluster NODESxRANKS --link RATE`
+every run is `tracekit cluster --record` of the plain command on that emulated cluster.
 """
 
 from __future__ import annotations
