@@ -56,6 +56,7 @@ def assert_gone(stderr: str, marker: str) -> None:
     assert f"{subnet}." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert not [line for line in ps.splitlines() if marker in line], ps
+    assert not list(cluster.NETNS_ETC.glob(f"tkc-{run_id}-*"))  # the namespaces' /etc/hosts
     assert "tracekit cluster: removed the cluster\n" in stderr, stderr
 
 
@@ -120,6 +121,7 @@ def test_links_between_nodes_are_shaped_and_the_loopback_is_not(tmp_path: Path) 
     r = tracekit_cluster("--nodes", "2", "--ranks-per-node", "2", "--link", "100mbit", "--",
                          "python", str(exchange), str(size), str(tmp_path))
     assert r.returncode == 0, r.stderr
+    assert "hostname of the client socket cannot be retrieved" not in r.stderr, r.stderr  # nodes have names
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     run_id = run_id_of(r.stderr)
     assert [x["iface"] for x in results] == [f"tk{run_id}n{node}" for node in (0, 0, 1, 1)]  # rank = node * R + local

@@ -193,6 +193,28 @@ def build(network: Network, rate_bytes_per_s: float, say: Callable[[str], None])
         _ip("-n", node.netns, "link", "set", "lo", "up")
         _tc("-n", node.netns, "qdisc", "add", "dev", node.veth, "root", *shape)  # node egress
         _tc("qdisc", "add", "dev", node.peer, "root", *shape)  # node ingress
+        _write_hosts(network, node)
+
+
+NETNS_ETC = Path("/etc/netns")
+"""`ip netns exec NS` mounts NETNS_ETC/NS/hosts over /etc/hosts: there the nodes' addresses get names,
+so c10d's reverse lookups of its peers succeed instead of warning on every connection."""
+
+
+def _write_hosts(network: Network, node: Node) -> None:
+    try:
+        host = Path("/etc/hosts").read_text()
+    except OSError:
+        host = "127.0.0.1 localhost\n"
+    # c10d's store listens on IPv6, so it sees its peers at IPv4-mapped addresses as well
+    names = "".join(f"{n.addr} {n.netns}\n::ffff:{n.addr} {n.netns}\n" for n in network.nodes)
+    for _ in range(3):  # another run's teardown may remove NETNS_ETC between mkdir and write
+        try:
+            (NETNS_ETC / node.netns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / node.netns / "hosts").write_text(host.rstrip("\n") + "\n" + names)
+            return
+        except FileNotFoundError:
+            continue
 
 
 def teardown(network: Network) -> list[str]:
@@ -207,6 +229,11 @@ def teardown(network: Network) -> list[str]:
         if _ip("netns", "del", node.netns, check=False).returncode != 0 and _netns_exists(node.netns):
             left.append(f"namespace {node.netns}")
         _ip("link", "del", node.peer, check=False)  # gone with the namespace unless it never moved there
+        shutil.rmtree(NETNS_ETC / node.netns, ignore_errors=True)
+    try:
+        NETNS_ETC.rmdir()  # only where empty: other runs' and the host's files stay
+    except OSError:
+        pass
     if _ip("link", "del", network.bridge, check=False).returncode != 0 and _link_exists(network.bridge):
         left.append(f"bridge {network.bridge}")
     return left
