@@ -99,8 +99,13 @@ dist.barrier()
 """
 
 WAIT = """
-import os, sys, time, torch.distributed as dist
+import os, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
+emb = torch.nn.EmbeddingBag(10, 4)
+opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+for _ in range(2):
+    emb(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
 open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w").close()
 time.sleep(600)
 """
@@ -164,10 +169,11 @@ def test_a_failing_rank_fails_the_run_and_two_clusters_at_once_do_not_collide(tm
 
 @needs_cluster
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])  # SIGINT: a terminal's Ctrl-C (ranks have their own sessions)
-def test_a_signal_to_cluster_removes_everything_and_the_next_cluster_works(tmp_path: Path, sig: int) -> None:
+def test_a_signal_to_cluster_keeps_the_record_removes_everything_and_the_next_cluster_works(tmp_path: Path, sig: int) -> None:
     wait = script(tmp_path, "wait.py", WAIT)
+    run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "tracekit", "cluster", "--nodes", "2", "--ranks-per-node", "1",
-                             "--link", "1gbit", "--", sys.executable, str(wait), str(tmp_path)],
+                             "--link", "1gbit", "--record", str(run_dir), "--", sys.executable, str(wait), str(tmp_path)],
                             cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
@@ -175,6 +181,9 @@ def test_a_signal_to_cluster_removes_everything_and_the_next_cluster_works(tmp_p
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    # the ranks ended as after a Ctrl-C, so their reports were written
+    assert (manifest["status"], manifest["steps"], manifest["finalise_errors"]) == ("interrupted", {"0": 2, "1": 2}, [])
     assert_gone(stderr, str(wait))
     again = tracekit_cluster("--nodes", "2", "--link", "1gbit", "--", "true")
     assert again.returncode == 0, again.stderr

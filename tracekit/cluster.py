@@ -31,7 +31,7 @@ from tracekit.units import parse_rate
 RDZV_PORT = 29400  # each namespace has its own ports, so clusters never collide on it
 MAX_NODES = 155  # addresses .100 to .254 of a /24, see plan_network
 TEARDOWN_GRACE_S = 10.0
-"""How long torchruns get to end their workers after SIGINT/SIGTERM before everything is killed."""
+"""How long torchruns get to end their workers (after Ctrl-C, SIGTERM or a failed node) before all is killed."""
 
 
 class ClusterError(TracekitError):
@@ -317,12 +317,18 @@ def wait(procs: list[subprocess.Popen]) -> tuple[int, bool]:
             time.sleep(0.05)
     except KeyboardInterrupt:
         interrupted = True
-        _signal_all(procs, signal.SIGTERM)
-        _wait_all(procs, TEARDOWN_GRACE_S)
+        _stop(procs)
     if interrupted:
         return 130, True
     code = first_failure or 0
     return (128 - code if code < 0 else code), False
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Ctrl-C to every torchrun, which passes it on to its workers: they end as a terminal's Ctrl-C
+    would end them, with their exit handlers (a recorded rank's report) run; then SIGKILL."""
+    _signal_all(procs, signal.SIGINT)
+    _wait_all(procs, TEARDOWN_GRACE_S)
 
 
 def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
@@ -358,8 +364,7 @@ def run(command: list[str], topology: Topology, *, env: dict[str, str] | None = 
         procs = launch(command, topology, network, dict(os.environ if env is None else env))
         return wait(procs)
     except KeyboardInterrupt:  # during the build, or between launch and wait
-        _signal_all(procs, signal.SIGTERM)
-        _wait_all(procs, TEARDOWN_GRACE_S)
+        _stop(procs)
         return 130, True
     finally:
         for sig in previous:  # the teardown must not be cut short
