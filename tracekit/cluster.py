@@ -179,7 +179,8 @@ def build(network: Network, rate_bytes_per_s: float, say: Callable[[str], None])
     """Create the bridge and, per node, a namespace linked to it, each link shaped both ways."""
     tbf = tbf_params(rate_bytes_per_s)
     shape = ["tbf", "rate", f"{tbf['rate']}bps", "burst", str(tbf["burst"]), "limit", str(tbf["limit"])]
-    say(f"bridge {network.bridge} for {network.subnet}")
+    say(f"bridge {network.bridge} for {network.subnet}; each link a tbf both ways: {tbf['rate'] * 8 / 1e6:g} Mbit/s, "
+        f"burst {tbf['burst'] / 1e3:g} kB, queue {tbf['limit'] / 1e3:g} kB")
     _ip("link", "add", network.bridge, "type", "bridge")
     _ip("link", "set", network.bridge, "up")
     for node in network.nodes:
