@@ -293,10 +293,18 @@ def _is_python(program: str) -> bool:
 def launch(command: list[str], topology: Topology, network: Network, env: dict[str, str]) -> list[subprocess.Popen]:
     """One torchrun per node, each in its namespace and in a process group of its own."""
     procs = []
+    threads = rank_threads(topology, env)
     for node in network.nodes:
         argv = ["ip", "netns", "exec", node.netns, *torchrun_argv(command, topology, network, node)]
-        procs.append(subprocess.Popen(argv, env={**env, "GLOO_SOCKET_IFNAME": node.veth}, start_new_session=True))
+        procs.append(subprocess.Popen(argv, env={**env, "GLOO_SOCKET_IFNAME": node.veth, "OMP_NUM_THREADS": threads},
+                                      start_new_session=True))
     return procs
+
+
+def rank_threads(topology: Topology, env: dict[str, str]) -> str:
+    """OMP_NUM_THREADS of every rank: the user's, else this machine's cores shared out over all the
+    cluster's ranks (the nodes share one machine; torchrun would give a lone rank every core)."""
+    return env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // (topology.nodes * topology.ranks_per_node)))
 
 
 def wait(procs: list[subprocess.Popen]) -> tuple[int, bool]:
