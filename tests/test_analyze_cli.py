@@ -116,3 +116,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         assert r.exit_code == 2 and message in r.output, r.output
     r = CliRunner().invoke(cli, ["sql", str(broken), "SELECT 1"])
     assert r.exit_code == 2 and "is not a readable Parquet file" in r.output, r.output
+
+
+def test_sql_csv_writes_list_columns_as_lists(trainer_run: Path) -> None:
+    r = CliRunner().invoke(cli, ["sql", str(trainer_run), "SELECT splits_out, bytes_out FROM comms WHERE op = "
+                                 "'all_to_all_single' ORDER BY seq LIMIT 3", "--format", "csv"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0] == "splits_out,bytes_out"
+    for line in lines[1:]:
+        splits, total = line.rsplit(",", 1)
+        assert sum(int(x) for x in splits.strip('"[]').split(", ")) == int(total)

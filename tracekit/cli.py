@@ -269,13 +269,23 @@ def sql(run_dir: Path, query: str, fmt: str, output: Path | None) -> None:
     if fmt == "parquet":
         frame.write_parquet(output)
     elif fmt in ("csv", "json"):
-        text = frame.write_csv() if fmt == "csv" else frame.write_json()
+        text = _csv(frame) if fmt == "csv" else frame.write_json()
         if output is None:
             click.echo(text, nl=False)
         else:
             output.write_text(text)
     else:
         print_frame(frame)
+
+
+def _csv(frame) -> str:
+    """CSV of `frame`, list columns (an all-to-all's splits) written as `[a, b, ...]`, as CSV has no lists."""
+    import polars as pl
+
+    lists = [name for name, dtype in frame.schema.items() if isinstance(dtype, (pl.List, pl.Array))]
+    return frame.with_columns(
+        pl.format("[{}]", pl.col(name).list.eval(pl.element().cast(pl.String)).list.join(", ")).alias(name)
+        for name in lists).write_csv()
 
 
 @cli.command()
