@@ -121,6 +121,7 @@ class Context:
         self.con = duckdb.connect(config={"memory_limit": memory_limit, "threads": os.cpu_count() or 1,
                                           "temp_directory": tempfile.mkdtemp(prefix="tracekit-duckdb-"),
                                           "preserve_insertion_order": False})
+        self.con.sql("SET enable_progress_bar = false")  # our own progress line says where analysis is
         for table in self.present:
             self.con.register(f"{table}_rel", run.relation(table, self.con))
             self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel")

@@ -14,13 +14,21 @@ and its compute time: per step the slowest rank's step less the union of its col
 On a target of N nodes × R ranks (global rank r on node r // R; each node's link runs at `inter_bw`
 each way, ranks within a node talk at `intra_bw`), per class and step:
 
-    exchange  per tag, max( max_n max(out_n, in_n) / inter_bw,  max_r intra_r / intra_bw )
-              out_n, in_n: bytes node n sends to and receives from other nodes; intra_r: bytes rank r
-              sends to the other ranks of its node; both directions of a link, and every link, at once
-              (tags apart: the output all-to-all of a table-wise layout is lopsided one way, its
-              backward both ways)
+    exchange  per tag, max( max_n link_n / inter_bw,  max_r intra_r / intra_bw )
+              link_n = max(out_n, in_n): out_n, in_n the bytes node n sends to and receives from
+              other nodes, both directions of a link at once (full duplex, the default);
+              link_n = out_n + in_n with `duplex=False`, a bound for gloo's worst case: its TCP
+              transport tells a peer it may send on the same stream as its own data, so when two
+              ranks enter an exchange more than a few ms apart the later one's data crosses first
+              and the earlier one's only after it (measured on `tracekit cluster`: the late rank's
+              exchange then takes 2.0× its one-way time). The trainer's exchanges are lopsided
+              (table-wise: most bytes go one way) and its async all-reduces use the idle direction,
+              so full duplex is what its steps measure (bench/RESULTS.md §8).
+              intra_r: the same for rank r's traffic within its node. Tags apart: the output
+              all-to-all of a table-wise layout is lopsided one way, its backward the other.
     ring      a ring all-reduce: wire = 2(W−1)/W · S per rank to the next rank, one ring edge leaving
-              each node: max(wire / inter_bw if N > 1, wire / intra_bw if R > 1)
+              each node: max(wire / inter_bw if N > 1, wire / intra_bw if R > 1); on gloo at W = 2
+              the ring's two edges join the same pair, so twice that
     gather    an exchange of g from every rank to every other
 
     step time = compute · b'/b + Σ class times + α · collectives per step
@@ -38,8 +46,13 @@ assumed), all-reduces keep their size (the model's), a policy keeps its share of
 exchange, and its sync is the dense one, a ring of its replicas (method `scaled`).
 
 Policies: the sections of a policy file that predict the exchange (replication, tiers, schedule).
-The embedding exchange (every all-to-all but the sync's) scales by the policy's predicted remote
-bytes over the recorded ones (self splits by the bytes_out ratio), every tag alike; the sync adds a ring of Σ rb (dense) or its predicted wire bytes over three
+Where the run has lookups and the section lists the rows it replicates (replication; tiers on one
+node, whose tier 1 is replication), the bytes each pair of ranks no longer exchanges are replayed
+from the recorded lookups as the trainer serves them (replicated_pairs: a hot id leaves the input
+all-to-all; a pooled bag whose ids are all hot, or a hot sequence lookup, leaves the output
+all-to-all forward and backward), so the exchange keeps its true shape after the hot rows leave;
+otherwise (the FAE schedule, or no lookups) the embedding exchange scales by the policy's predicted
+remote bytes over the recorded ones (self splits by the bytes_out ratio), every tag alike; the sync adds a ring of Σ rb (dense) or its predicted wire bytes over three
 collectives (sparse: count all-gather, ids all-to-all, all-reduce over the union).
 
     result = simulate(ctx, Target(nodes=2, ranks_per_node=1, inter_bw=25e6), policy)
@@ -78,6 +91,7 @@ class Target:
     intra_bw: float | None = None
     batch: int | None = None  # per device
     latency_s: float | None = None
+    duplex: bool = True  # both directions of a link at once; False: gloo's worst case (module docstring)
 
     @property
     def world(self) -> int:
@@ -174,9 +188,16 @@ def _times(ctx: Context, steps: int, world: int) -> dict:
 
 # a policy's step -------------------------------------------------------------------------------
 
-def with_policy(base: Traffic, section: dict) -> Traffic:
-    """`base` (the recorded world and batch) under a policy section's predicted exchange and sync."""
+def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | None = None) -> Traffic:
+    """`base` (the recorded world and batch) under a policy section's predicted exchange and sync;
+    `freed`: the bytes per step, by tag and rank pair, its replicas take out of the exchange."""
     predicted = section.get("predicted") or {}
+    sync = float(predicted.get("sync_bytes_per_step") or 0.0)
+    replicas = float(predicted.get("replica_bytes_per_rank") or 0.0)
+    if freed is not None:
+        exchange = {tag: np.maximum(m - freed.get(tag, 0.0), 0.0) for tag, m in base.exchange.items()}
+        return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync,
+                          section.get("sync", "sparse_allreduce"))
     embedding = {tag: m for tag, m in base.exchange.items() if not tag.startswith(SYNC_TAGS)}
     total = sum(embedding.values(), np.zeros((base.world, base.world)))
     remote, self_bytes = total.sum() - np.trace(total), np.trace(total)
@@ -188,10 +209,54 @@ def with_policy(base: Traffic, section: dict) -> Traffic:
     for tag, m in embedding.items():
         diagonal = np.diag(np.diag(m))
         exchange[tag] = (m - diagonal) * rem_ratio + diagonal * self_ratio
-    sync = float(predicted.get("sync_bytes_per_step") or 0.0)
-    replicas = float(predicted.get("replica_bytes_per_rank") or 0.0)
     return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync,
                       section.get("sync", "sparse_allreduce"))
+
+
+def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
+    """Bytes per step, by trainer tag and (sender, receiver), that replicating `rows` (table_name,
+    row) takes out of the recorded exchange, replayed over the sampled lookups (module docstring)."""
+    from analyses import costmodel
+
+    s = costmodel.setup(ctx)
+    w = ctx.model.world_size
+    ctx.con.register("tk_sim_rows", rows.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
+    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_sim_x AS
+               SELECT l.step, l.src, l.owner, l.tid, l.seq, l.bag, n.rb, h."row" IS NOT NULL AS hot
+               FROM tk_x l JOIN tk_names n USING (tid)
+               LEFT JOIN (SELECT n.tid, r."row" FROM tk_sim_rows r JOIN tk_names n USING (table_name)) h
+                 USING (tid, "row")""")
+    flows = ctx.sql(f"""
+        WITH bags AS (SELECT any_value(step) AS step, any_value(src) AS src, any_value(tid) AS tid,
+                             any_value(rb) AS rb
+                      FROM tk_sim_x WHERE NOT seq AND bag IS NOT NULL GROUP BY bag HAVING bool_and(hot)),
+        rows_back AS (SELECT b.src, s.rank AS owner, sum(b.rb)::DOUBLE AS bytes
+                      FROM bags b JOIN tk_shards s USING (tid) GROUP BY ALL
+                      UNION ALL
+                      SELECT src, owner, sum(rb)::DOUBLE FROM tk_sim_x WHERE seq AND hot GROUP BY ALL)
+        SELECT 'input_ids' AS collective, src, owner, ({s.id_bytes} * count(*))::DOUBLE AS bytes
+        FROM tk_sim_x WHERE hot GROUP BY ALL
+        UNION ALL SELECT 'output_fwd', owner, src, sum(bytes) FROM rows_back GROUP BY ALL
+        UNION ALL SELECT 'output_bwd', src, owner, sum(bytes) FROM rows_back GROUP BY ALL""").fetchall()
+    freed: dict[str, np.ndarray] = {}
+    for collective, sender, receiver, b in flows:
+        tag = costmodel.TRAINER_TAGS[collective]
+        freed.setdefault(tag, np.zeros((w, w)))[sender, receiver] += b / max(s.sampled_steps, 1)
+    return freed
+
+
+def _section_rows(section: dict, name: str, policy_path) -> pl.DataFrame | None:
+    """The rows a section replicates on every rank (replication's list; tiers' tier 1 on one node)."""
+    from tracekit.policy import row_path
+
+    if policy_path is None:
+        return None
+    if name == "replication":
+        return pl.read_parquet(row_path(policy_path, section["rows"]), columns=["table_name", "row"])
+    if name == "tiers" and int((section.get("topology") or {}).get("nodes", 1)) == 1:
+        frame = pl.read_parquet(row_path(policy_path, section["rows"]))
+        return frame.filter(pl.col("tier") == 1).select("table_name", "row")
+    return None
 
 
 def _with_sync(t: Traffic, sync_wire: float, kind: str) -> Traffic:
@@ -217,48 +282,51 @@ def scaled(t: Traffic, batch: float, target: Target, new_batch: float) -> Traffi
 
 # time on the target ----------------------------------------------------------------------------
 
-def exchange_time(m: np.ndarray, nodes: int, per_node: int, inter: float, intra: float) -> float:
+def exchange_time(m: np.ndarray, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
     """Seconds of an exchange of m[src, dst] bytes on nodes × per_node ranks (module docstring)."""
     node = np.arange(m.shape[0]) // per_node
     cross = node[:, None] != node[None, :]
     same = ~cross & ~np.eye(len(node), dtype=bool)
     out_n = np.bincount(node, weights=(m * cross).sum(axis=1), minlength=nodes)
     in_n = np.bincount(node, weights=(m * cross).sum(axis=0), minlength=nodes)
-    intra_r = np.maximum((m * same).sum(axis=1), (m * same).sum(axis=0))
-    t_inter = float(np.maximum(out_n, in_n).max()) / inter if nodes > 1 else 0.0
-    t_intra = float(intra_r.max()) / intra if per_node > 1 else 0.0
+    out_r, in_r = (m * same).sum(axis=1), (m * same).sum(axis=0)
+    link = np.maximum(out_n, in_n) if duplex else out_n + in_n
+    local = np.maximum(out_r, in_r) if duplex else out_r + in_r
+    t_inter = float(link.max()) / inter if nodes > 1 else 0.0
+    t_intra = float(local.max()) / intra if per_node > 1 else 0.0
     return max(t_inter, t_intra)
 
 
-def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: float) -> float:
+def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
     world = nodes * per_node
     if world < 2 or not per_rank:
         return 0.0
-    wire = 2 * (world - 1) / world * per_rank
+    wire = 2 * (world - 1) / world * per_rank * (2 if world == 2 and not duplex else 1)
     return max(wire / inter if nodes > 1 else 0.0, wire / intra if per_node > 1 else 0.0)
 
 
 def comm_time(t: Traffic, target: Target, intra: float, latency: float) -> float:
-    n, r = target.nodes, target.ranks_per_node
+    n, r, full = target.nodes, target.ranks_per_node, target.duplex
     inter = target.inter_bw * WIRE_EFFICIENCY
     gather = np.full((t.world, t.world), t.gather) - np.diag(np.full(t.world, t.gather))
-    seconds = (sum(exchange_time(m, n, r, inter, intra) for m in t.exchange.values())
-               + ring_time(t.ring, n, r, inter, intra)
-               + exchange_time(gather, n, r, inter, intra))
+    seconds = (sum(exchange_time(m, n, r, inter, intra, full) for m in t.exchange.values())
+               + ring_time(t.ring, n, r, inter, intra, full)
+               + exchange_time(gather, n, r, inter, intra, full))
     if t.sync_ring:
-        seconds += ring_time(t.sync_ring, n, r, inter, intra)
+        seconds += ring_time(t.sync_ring, n, r, inter, intra, full)
     elif t.sync_wire:  # sparse: its wire bytes, evenly from every rank to every other
         per_pair = t.sync_wire / (t.world * (t.world - 1))
         sync = np.full((t.world, t.world), per_pair) - np.diag(np.full(t.world, per_pair))
-        seconds += exchange_time(sync, n, r, inter, intra)
+        seconds += exchange_time(sync, n, r, inter, intra, full)
     return seconds + latency * t.calls
 
 
 # the projection --------------------------------------------------------------------------------
 
-def simulate(ctx: Context, target: Target, policy: dict | None = None) -> Result:
+def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_path=None) -> Result:
     """Tables `simulate` (baseline and each policy section on `target`) and `simulate_sweep` (the
-    same over SWEEP_RATES), and a summary; notes on what was scaled or left out."""
+    same over SWEEP_RATES), and a summary; notes on what was scaled or left out. `policy_path`
+    (where `policy` was read from) locates its row lists, for the exact per-pair replay."""
     result = Result()
     if target.world < 1:
         raise ValueError("the target needs at least one rank")
@@ -278,7 +346,9 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None) -> Result
     cases = [("baseline", base)]
     for name in SIMULATED:
         if policy and name in policy:
-            cases.append((name, with_policy(base, policy[name])))
+            rows = _section_rows(policy[name], name, policy_path) if ctx.has("lookups") else None
+            freed = None if rows is None else replicated_pairs(ctx, rows)
+            cases.append((name, with_policy(base, policy[name], freed)))
     for name in (policy or {}):
         if name in ("compression", "lag"):
             result.notes.append(f"{name}: not projected (its effect on the exchange is not modelled here)")
@@ -310,7 +380,7 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None) -> Result
     result.tables = {"simulate": table, "simulate_sweep": sweep_frame}
     result.summary = {"target": {"topology": target.name, "world": target.world, "inter_bw": target.inter_bw,
                                  "intra_bw": intra, "batch_per_device": new_batch, "latency_s": latency,
-                                 "wire_efficiency": WIRE_EFFICIENCY},
+                                 "wire_efficiency": WIRE_EFFICIENCY, "full_duplex": target.duplex},
                       "source": {"world": ctx.model.world_size, "batch_per_device": batch, **run},
                       "method": "replay" if same else "scaled", "rows": rows}
     return result
@@ -352,7 +422,7 @@ def project(path, target: Target, policy_path=None) -> dict:
         policy = load_policy(policy_path)
         check_model(policy, tables=ctx.model.policy_model()["tables"], world_size=ctx.model.world_size,
                     path=policy_path)
-    result = simulate(ctx, target, policy)
+    result = simulate(ctx, target, policy, policy_path)
     summary = {"run": str(ctx.path), "policy": None if policy_path is None else str(policy_path),
                **result.summary, "notes": result.notes, "written": []}
     for name, frame in result.tables.items():

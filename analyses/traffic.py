@@ -226,13 +226,19 @@ def transfers_sql() -> str:
 
 
 def latency(ctx: Context) -> float | None:
-    """Seconds a synchronous collective costs beyond its bytes: the median transfer time of the
-    run's smallest quarter of synchronous training calls (the time an added collective adds)."""
+    """Seconds a synchronous collective costs beyond its bytes (the time an added collective adds):
+    over the run's smallest quarter of synchronous training calls, the median of each call's transfer
+    time less the time its bytes take at the op's measured bus bandwidth (`measured_bandwidth`), so
+    that on a slow link small calls still measure latency rather than bytes."""
     if not ctx.has("comms"):
         return None
+    bandwidth = {op: bw for op, bw in measured_bandwidth(ctx).items() if bw}
+    cases = " ".join(f"WHEN '{op}' THEN {bw!r}" for op, bw in bandwidth.items())
+    per_byte = f"CASE op {cases} ELSE NULL END" if cases else "NULL"
     rows = ctx.sql(f"""
         WITH c AS (SELECT *, size_bytes <= quantile_cont(size_bytes, 0.25) OVER () AS small FROM ({transfers_sql()}))
-        SELECT median(time_s) FROM c WHERE small""").fetchall()
+        SELECT median(greatest(time_s - coalesce(size_bytes * bus_factor / ({per_byte}), 0), 0))
+        FROM c WHERE small""").fetchall()
     return float(rows[0][0]) if rows and rows[0][0] is not None else None
 
 

@@ -12,7 +12,8 @@ Per configuration NODESxRANKS@LINK, on the criteo-kaggle preset (scale 0.01, dim
    step time of every policy against the measured one;
 3. `simulate` of a baseline recorded once per world size on loopback (one node,
    `torchrun --standalone`) onto NODESxRANKS at LINK with the same policy: the projection of a run
-   to a cluster it never ran on, against what that cluster measured.
+   to a cluster it never ran on, against what that cluster measured; and the same with
+   `duplex=False` (gloo's worst case, each pair's two directions one after the other).
 Prints one table per configuration and writes OUT/results.json.
 """
 
@@ -23,12 +24,14 @@ import json
 import platform
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from analyses import simulate  # noqa: E402
+from analyses.compare import compare  # noqa: E402
 from analyses.context import open_context  # noqa: E402
 from tracekit.cluster import parse_topology  # noqa: E402
 from tracekit.policy import load_policy  # noqa: E402
@@ -43,6 +46,8 @@ def main() -> None:
     p.add_argument("--policies", default="replication,schedule")
     p.add_argument("--train-args", default="", help="more options of train.py")
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-cluster"))
+    p.add_argument("--analyse-only", action="store_true",
+                   help="re-read the runs an earlier invocation left in --out (no new runs)")
     args = p.parse_args()
     train = ["train.py", "--preset", "criteo-kaggle", "--scale", "0.01", "--batch-size", str(args.batch_size),
              "--samples", "2000000", "--steps", str(args.steps), "--log-every", "1000", *args.train_args.split()]
@@ -55,6 +60,12 @@ def main() -> None:
         nodes, per_node = parse_topology(shape)
         world = nodes * per_node
         out = args.out / config.replace("@", "-")
+        if args.analyse_only:
+            summary = compare(out / "base", sorted(d for d in out.iterdir() if d.is_dir() and d.name != "base")).summary
+            loopback[world] = args.out / f"loopback-w{world}"
+            results.append(measure(config, nodes, per_node, parse_rate(link), out, summary, loopback[world]))
+            show(results[-1])
+            continue
         run = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(out), "--cluster", shape,
                               "--link", link, "--objective", "bytes", "--policies", args.policies, "--json", "--",
                               sys.executable, *train], cwd=REPO, capture_output=True, text=True)
@@ -78,12 +89,14 @@ def record_loopback(run_dir: Path, world: int, train: list[str]) -> Path:
 
 def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summary: dict, loop: Path) -> dict:
     base = out / "base"
-    policy = load_policy(base / "policy.json")
+    policy_path = base / "policy.json"
+    policy = load_policy(policy_path)
     target = simulate.Target(nodes, per_node, inter_bw=link)
     ctx = open_context(base)
     _, own = simulate.recorded(ctx)
-    on_cluster = _by_policy(simulate.simulate(ctx, target, policy))
-    from_loopback = _by_policy(simulate.simulate(open_context(loop), target, policy))
+    on_cluster = _by_policy(simulate.simulate(ctx, target, policy, policy_path))
+    from_loopback = _by_policy(simulate.simulate(open_context(loop), target, policy, policy_path))
+    half_duplex = _by_policy(simulate.simulate(open_context(loop), replace(target, duplex=False), policy, policy_path))
     base_time = summary["runs"][0]["step_time_s"]
     runs = []
     for figures in summary["runs"]:
@@ -94,6 +107,7 @@ def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summ
                      "bytes_per_step": figures.get("bytes_per_step"),
                      "predicted_same_cluster_s": on_cluster.get(key, {}).get("step_time_s"),
                      "predicted_from_loopback_s": from_loopback.get(key, {}).get("step_time_s"),
+                     "predicted_half_duplex_s": half_duplex.get(key, {}).get("step_time_s"),
                      "predicted_bytes_per_step": from_loopback.get(key, {}).get("bytes_per_step")})
     return {"config": config, "comm_share": 1 - own["compute_s"] / own["step_time_s"], "runs": runs,
             "notes": summary.get("notes", [])}
@@ -106,14 +120,15 @@ def _by_policy(result) -> dict[str, dict]:
 def show(r: dict) -> None:
     print(f"\n{r['config']}: baseline communication share {r['comm_share']:.0%}")
     print(f"{'run':<12} {'step ms':>8} {'speedup':>8} {'loss Δ':>9} {'bytes/step':>12} {'sim (same) ms':>14} "
-          f"{'err':>6} {'sim (loopback) ms':>18} {'err':>6}")
+          f"{'err':>6} {'sim (loopback) ms':>18} {'err':>6} {'half duplex':>12} {'err':>6}")
     for x in r["runs"]:
         def err(p):
             return "" if p is None else f"{p / x['step_time_s'] - 1:+.1%}"
         print(f"{x['run']:<12} {x['step_time_s'] * 1e3:8.1f} {x['speedup']:8.2f} "
               f"{(x['loss_max_abs_diff'] or 0):9.2e} {(x['bytes_per_step'] or 0):12,.0f} "
               f"{(x['predicted_same_cluster_s'] or 0) * 1e3:14.1f} {err(x['predicted_same_cluster_s']):>6} "
-              f"{(x['predicted_from_loopback_s'] or 0) * 1e3:18.1f} {err(x['predicted_from_loopback_s']):>6}")
+              f"{(x['predicted_from_loopback_s'] or 0) * 1e3:18.1f} {err(x['predicted_from_loopback_s']):>6} "
+              f"{(x['predicted_half_duplex_s'] or 0) * 1e3:12.1f} {err(x['predicted_half_duplex_s']):>6}")
     for note in r["notes"]:
         print(f"  note: {note}")
 

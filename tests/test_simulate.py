@@ -76,8 +76,9 @@ def _comms_per_step(run_dir: Path) -> dict[str, float]:
 def test_same_world_bytes_are_the_recorded_ones_and_the_policys_prediction(run: Path) -> None:
     policy = load_policy(run / "policy.json")
     measured = _comms_per_step(run)
-    for topology in ((2, 1), (1, 2)):
-        result = simulate(open_context(run), Target(*topology, inter_bw=12.5e6), policy)
+    for topology, path in (((2, 1), run / "policy.json"), ((1, 2), run / "policy.json"), ((2, 1), None)):
+        # with the policy's path its rows are replayed pair by pair; without, the exchange is scaled
+        result = simulate(open_context(run), Target(*topology, inter_bw=12.5e6), policy, path)
         rows = {r["policy"]: r for r in result.tables["simulate"].iter_rows(named=True)}
         base = rows["baseline"]
         assert base["method"] == "replay"

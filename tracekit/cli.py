@@ -629,11 +629,14 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
               "(default: measured in the run).")
 @click.option("--policy", "policy_arg", default="all", show_default=True,
               help="A policy file to project, `all` (RUN/policy.json, where analyze wrote one) or `none`.")
+@click.option("--duplex", type=click.Choice(["full", "half"]), default="full", show_default=True,
+              help="full: both directions of a link at once; half: each pair's two directions one after the "
+                   "other (gloo's worst case, where ranks enter an exchange at different times).")
 @click.option("--report/--no-report", "with_report", default=True, show_default=True,
               help="Rewrite RUN/report.html with the projection in it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def simulate(run_dir: Path, topology: str, inter_bw: str, intra_bw: str | None, batch_size: int | None,
-             latency: str | None, policy_arg: str, with_report: bool, as_json: bool) -> None:
+             latency: str | None, policy_arg: str, duplex: str, with_report: bool, as_json: bool) -> None:
     """Project a recorded run onto another cluster: bytes and time per step of the baseline and of
     each policy, from the run's traffic, its compute time and the cost model.
 
@@ -658,7 +661,7 @@ def simulate(run_dir: Path, topology: str, inter_bw: str, intra_bw: str | None, 
 
     nodes, per_node = parsed(parse_topology, topology, "--topology")
     target = Target(nodes, per_node, parsed(parse_rate, inter_bw, "--inter-bw"), parsed(parse_rate, intra_bw, "--intra-bw"),
-                    batch_size, parsed(parse_duration, latency, "--latency"))
+                    batch_size, parsed(parse_duration, latency, "--latency"), duplex == "full")
     policy_path = None if policy_arg == "none" else run_dir / "policy.json" if policy_arg == "all" else Path(policy_arg)
     if policy_arg == "all" and not policy_path.is_file():
         policy_path = None
