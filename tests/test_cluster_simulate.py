@@ -7,6 +7,7 @@ tbf (the cluster's prerequisites)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,19 @@ def test_simulate_matches_the_emulated_cluster(tmp_path: Path, nodes: int, per_n
             assert got["sync"] == pytest.approx(want["sync_bytes_per_step"], abs=1e-6), name
         assert want["comm_share"] > 0.5, want  # the check means something only where the link matters
         assert want["step_time_s"] == pytest.approx(got["step_time_s"], rel=0.15), (name, want, got)
+
+
+def test_optimize_on_the_cluster_measures_the_speedup_and_projects_it(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(tmp_path), "--cluster", "2x1", "--link",
+                        LINK, "--policies", "replication", "--objective", "bytes", "--json", "--", sys.executable,
+                        "train.py", *TRAINER], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    base, replicated = summary["runs"]
+    assert base["world_size"] == replicated["world_size"] == 2
+    assert replicated["step_time_s"] < 0.8 * base["step_time_s"]  # a link this slow: fewer bytes, a faster step
+    assert replicated["loss_max_abs_diff"] < 1e-5  # replication is exact
+    manifest = json.loads((tmp_path / "base" / "manifest.json").read_text())
+    assert manifest["topology"]["nodes"] == 2 and manifest["topology"]["link"] == LINK
+    assert (tmp_path / "base" / "analysis" / "simulate_sweep.parquet").is_file()
+    assert "Speedup over the baseline against the link between nodes" in (tmp_path / "report.html").read_text()

@@ -465,6 +465,12 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     try:
         with analysis_progress(enabled=not as_json) as progress:
             run_analysis(base, options, progress=progress)
+            if on_cluster is not None:  # the report's speedup against the link rate
+                from analyses.simulate import Target, project
+
+                progress("simulate")
+                project(base, Target(on_cluster.nodes, on_cluster.ranks_per_node, on_cluster.link_bytes_per_s),
+                        base / "policy.json")
         reruns, notes = plan.reruns(base / "policy.json")
     except TracekitError as err:
         raise InputError(str(err)) from None
