@@ -339,7 +339,7 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
     batch = run["batch"] or 0.0
     new_batch = float(target.batch or batch)
     same = target.world == ctx.model.world_size and abs(new_batch - batch) < 1e-9
-    intra = target.intra_bw or _intra_bw(ctx)
+    intra = target.intra_bw or _intra_bw(ctx, result.notes)
     latency = run["latency_s"] if target.latency_s is None else target.latency_s
     compute = None if run["compute_s"] is None else run["compute_s"] * (new_batch / batch if batch else 1.0)
 
@@ -386,10 +386,19 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
     return result
 
 
-def _intra_bw(ctx: Context) -> float:
-    """Within a node: the run's measured all-to-all bus bandwidth (its ranks shared one host)."""
+UNMEASURED_INTRA_BW = 10e9
+"""Bytes/s assumed within a node where the run cannot tell (no one-node run to measure it on)."""
+
+
+def _intra_bw(ctx: Context, notes: list[str]) -> float:
+    """Within a node: the run's measured all-to-all bus bandwidth where its ranks shared one node;
+    a run recorded across nodes measured its links instead, so UNMEASURED_INTRA_BW, said in a note."""
+    if int((ctx.manifest.get("topology") or {}).get("nodes", 1)) > 1:
+        notes.append(f"within a node: {UNMEASURED_INTRA_BW / 1e9:g} GB/s assumed (the run was recorded across nodes, "
+                     "so it measured the links between them; --intra-bw sets it)")
+        return UNMEASURED_INTRA_BW
     measured = traffic.measured_bandwidth(ctx)
-    return float(measured.get("all_to_all_single") or measured.get("all_reduce") or 10e9)
+    return float(measured.get("all_to_all_single") or measured.get("all_reduce") or UNMEASURED_INTRA_BW)
 
 
 def _inter_bytes(t: Traffic, target: Target) -> float:

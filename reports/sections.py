@@ -443,7 +443,7 @@ def simulate(run: RunInputs) -> Section | None:
                            _num(r["speedup"], 3)] for r in rows.iter_rows(named=True)]))
     if sweep is not None:
         fig = figure(title="Speedup over the baseline against the link between nodes", x="link rate (bit/s, log "
-                     "scale)", y="step-time speedup", xaxis_type="log")
+                     "scale)", y="step-time speedup", xaxis_type="log", xaxis_exponentformat="SI")
         for (name,), part in sweep.sort("inter_bw").group_by("policy", maintain_order=True):
             fig.add_scatter(x=(part["inter_bw"] * 8).to_list(), y=part["speedup"].to_list(), mode="lines+markers",
                             name=esc(name))
