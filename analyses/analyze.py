@@ -48,6 +48,30 @@ def bandwidth(ctx: Context) -> dict[str, Any]:
     return {**figures, "source": source}
 
 
+def _on_cluster(ctx: Context) -> dict | None:
+    """The manifest's topology where the run was recorded across nodes (`tracekit cluster`)."""
+    topology = ctx.manifest.get("topology") or {}
+    return topology if int(topology.get("nodes", 1)) > 1 and topology.get("link_bytes_per_s") else None
+
+
+def _cluster_step_times(ctx: Context, policy: dict, path: Path) -> None:
+    """On a run recorded across nodes, each section's predicted step time from analyses.simulate's
+    link model at the recorded topology and link (the exchange per rank pair, each direction of each
+    node's link): the cost model's per-rank bandwidth cannot see that a table-wise exchange is
+    lopsided, one way forward and the other backward."""
+    from analyses.simulate import SIMULATED, Target, simulate
+
+    topology = _on_cluster(ctx)
+    target = Target(int(topology["nodes"]), int(topology["ranks_per_node"]), float(topology["link_bytes_per_s"]))
+    rows = {r["policy"]: r for r in simulate(ctx, target, policy, path).tables["simulate"].iter_rows(named=True)}
+    for name in SIMULATED:
+        if name in policy and rows.get(name, {}).get("step_time_s") is not None:
+            policy[name]["predicted"]["step_time_s"] = rows[name]["step_time_s"]
+            policy[name]["predicted"]["comm_time_s"] = rows[name]["comm_s"]
+            policy[name]["why"] += (f"; step time from the link model of the recorded cluster ({target.name} at "
+                                    f"{topology.get('link')}, analyses.simulate)")
+
+
 def analyze(path: str | os.PathLike, options: Options | None = None,
             progress: Callable[[str], None] = lambda step: None) -> dict[str, Any]:
     """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
@@ -94,6 +118,10 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         report["policies"][name] = {**derived.section, "evidence": derived.evidence}
     if ctx.model.tables:
         target = write_policy(Path(ctx.path) / "policy.json", policy, rows)
+        if _on_cluster(ctx):
+            progress("simulate")
+            _cluster_step_times(ctx, policy, target)
+            write_policy(target, policy, rows)
         report["written"].append(str(target))
         report["written"].extend(str(Path(ctx.path) / "policy" / f"{name}.parquet") for name in rows)
     else:

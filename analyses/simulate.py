@@ -165,9 +165,6 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
 
 
 def _times(ctx: Context, steps: int, world: int) -> dict:
-    from analyses import timeline
-
-    frame = timeline.compute(ctx).tables.get("timeline")
     samples = ctx.sql("SELECT sum(samples)::DOUBLE FROM steps").fetchall()[0][0] if ctx.has("steps") else None
     if not samples:
         from analyses import sources
@@ -175,15 +172,48 @@ def _times(ctx: Context, steps: int, world: int) -> dict:
         samples = float(sources.batches(ctx)["b"].sum()) if ctx.has("comms") else 0.0
     out = {"batch": samples / steps / world if samples else None, "compute_s": None, "step_time_s": None,
            "latency_s": traffic.latency(ctx) or 0.0}
-    if frame is None or frame.is_empty():
+    if not ctx.has("steps"):
         return out
+    frame = compute_times(ctx)
     skip = min(5, frame["step"].n_unique() // 4)
-    first = frame["step"].min() + skip
-    per_step = (frame.filter(pl.col("step") >= first).group_by("step")
+    per_step = (frame.filter(pl.col("step") >= frame["step"].min() + skip).group_by("step")
                 .agg(pl.col("compute_s").max(), pl.col("step_s").max()))
     out["compute_s"] = float(per_step["compute_s"].median())
     out["step_time_s"] = float(per_step["step_s"].median())
     return out
+
+
+def compute_times(ctx: Context) -> pl.DataFrame:
+    """Per (rank, training step): step_s and compute_s, the step less the time the rank spent in
+    collectives: its synchronous calls, and its asynchronous ones only after the step's last
+    synchronous call ended (waiting for them; before that they overlap the rank's computing, as
+    DDP's bucket all-reduces overlap backward)."""
+    steps = ctx.frame("SELECT rank, step, t_start_ns, t_end_ns FROM steps")
+    calls = (ctx.frame("""SELECT rank, step, t_start_ns AS t0, t_end_ns AS t1, "async" FROM train_comms
+                          WHERE t_end_ns > t_start_ns""") if ctx.has("comms")
+             else pl.DataFrame(schema={"rank": pl.Int64, "step": pl.Int64, "t0": pl.Int64, "t1": pl.Int64,
+                                       "async": pl.Boolean}))
+    by_key = {key: part for key, part in calls.partition_by("rank", "step", as_dict=True).items()}
+    rows = []
+    for rank, step, w0, w1 in steps.iter_rows():
+        part = by_key.get((rank, step))
+        busy = 0 if part is None else _busy_ns(part, w0, w1)
+        rows.append((rank, step, (w1 - w0) / 1e9, (w1 - w0 - busy) / 1e9))
+    return pl.DataFrame(rows, schema={"rank": pl.Int64, "step": pl.Int64, "step_s": pl.Float64,
+                                      "compute_s": pl.Float64}, orient="row")
+
+
+def _busy_ns(calls: pl.DataFrame, w0: int, w1: int) -> int:
+    sync = calls.filter(~pl.col("async"))
+    last = int(sync["t1"].max()) if sync.height else w0
+    spans = [(t0, t1) for t0, t1 in sync.select("t0", "t1").iter_rows()]
+    spans += [(max(t0, last), t1) for t0, t1 in calls.filter(pl.col("async")).select("t0", "t1").iter_rows()]
+    busy, end = 0, w0
+    for t0, t1 in sorted((max(t0, w0), min(t1, w1)) for t0, t1 in spans):
+        if t1 > max(t0, end):
+            busy += t1 - max(t0, end)
+            end = t1
+    return busy
 
 
 # a policy's step -------------------------------------------------------------------------------

@@ -89,6 +89,7 @@ def test_simulate_matches_the_emulated_cluster(tmp_path: Path, nodes: int, per_n
         else:
             assert got["sync"] == pytest.approx(want["sync_bytes_per_step"], abs=1e-6), name
         assert want["comm_share"] > 0.5, want  # the check means something only where the link matters
+        print(f"{nodes}x{per_node} {name}: projected {want['step_time_s'] * 1e3:.1f} ms, measured {got['step_time_s'] * 1e3:.1f} ms")
         assert want["step_time_s"] == pytest.approx(got["step_time_s"], rel=0.15), (name, want, got)
 
 
