@@ -5,12 +5,14 @@ group starts.
     applied.hot_rows      # per table: the rows every rank holds a replica of (int64, sorted)
     applied.sync          # how the replicas' gradients are summed: sparse_allreduce | dense_allreduce
     applied.fae_hot_rows  # per table: the rows that make a sample hot (FAE), or None
+    applied.dct_dp        # DCT-DP settings for DDP's comm hook (tracekit/dlrm/compression.py), or None
 
 The sections it applies: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2
 once per node, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold
 minibatches; its hot rows are replicated too, and serve cold batches as well). Sections applied
 together replicate the union of their rows, synchronised the way the section with the most rows
-says. `compression` and `lag` are refused, never ignored: the trainer does not apply them.
+says. `compression.dp` (DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied.
+`compression.mp` and `lag` are refused, never ignored: the trainer does not apply them.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from tracekit.dlrm.compression import DctDp
 from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.sharding import TableSpec
 from tracekit.policy import PolicyError, check_model, load_policy, row_path
 
-NOT_APPLIED = {
-    "compression": "DCT compression of the all-reduce and the embedding outputs",
+NOT_APPLIED = {  # a section, or section.part
+    "compression.mp": "DCT-MP compression of the embedding outputs",
     "lag": "a bounded-lag (BLS) collective schedule",
 }
 
@@ -38,6 +41,7 @@ class AppliedPolicy:
     hot_rows: list[torch.Tensor] | None  # per table, sorted; None: nothing replicated
     sync: str
     fae_hot_rows: list[torch.Tensor] | None  # per table, sorted; None: no FAE schedule
+    dct_dp: DctDp | None = None  # None: DDP's gradients go uncompressed
 
     @property
     def replicated_rows(self) -> int:
@@ -52,7 +56,8 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     check_model(policy, tables=[{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables],
                 world_size=world_size, path=path)
     for name, what in NOT_APPLIED.items():
-        if name in policy:
+        section, _, part = name.partition(".")
+        if section in policy and (not part or part in policy[section]):
             raise PolicyError(f"{path}: section {name!r} ({what}) is not applied by the reference trainer yet; "
                               f"remove it, or derive the policy without it: tracekit analyze RUN "
                               f"--policies replication,tiers,schedule")
@@ -78,7 +83,15 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     if replicated:
         hot = _split(torch.unique(torch.cat([keys for keys, _, _ in replicated])), tables)
         sync = max(replicated, key=lambda r: r[0].numel())[1]
-    return AppliedPolicy(path, sections, hot, sync, None if fae is None else _split(fae, tables))
+    dct_dp = None
+    if "dp" in policy.get("compression", {}):
+        dp = policy["compression"]["dp"]
+        try:
+            dct_dp = DctDp(**{key: dp[key] for key in ("keep_ratio", "refresh_every", "error_feedback") if key in dp})
+        except ValueError as err:
+            raise PolicyError(f"{path}: compression.dp: {err}") from None
+        sections += ("compression",)
+    return AppliedPolicy(path, sections, hot, sync, None if fae is None else _split(fae, tables), dct_dp)
 
 
 def _rows(policy_path: Path, relative: str, tables: list[TableSpec]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 import tracekit
 from tracekit.dlrm import config as config_mod
 from tracekit.dlrm import policies
+from tracekit.dlrm.compression import DctDpState, dct_dp_hook
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import Dataset, open_dataset
 from tracekit.dlrm.metrics import log_loss, roc_auc
@@ -97,7 +98,12 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
         # the only buffer is a constant index: broadcasting it every forward would add a collective
         dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None,
                                         forward_sync_buffers=False, gradient_as_bucket_view=True)
-        dense.register_comm_hook(None, _sum_allreduce_hook)
+        if policy is not None and policy.dct_dp is not None:  # DCT-DP: only the largest gradient entries sent
+            dense.register_comm_hook(DctDpState(policy.dct_dp), dct_dp_hook)
+        else:
+            dense.register_comm_hook(None, _sum_allreduce_hook)
+    elif policy is not None and policy.dct_dp is not None:
+        _log(cfg, rank, "compression.dp: world size 1, no gradient all-reduce to compress")
     # the tables' all-to-alls get their own group, so they never queue behind DDP's all-reduce
     group = dist.new_group() if world_size > 1 else None
     sparse = sparse_optimizer(cfg.optimizer, cfg.lr)

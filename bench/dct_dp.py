@@ -1,0 +1,94 @@
+"""DCT-DP measured (issue 12): DDP's gradient bytes on the wire with and without compression.dp,
+and the eval AUC after the same steps.
+
+    .venv/bin/python bench/dct_dp.py [--steps 200] [--keep 0.005,0.001] [--refresh-every 1000] [--out DIR]
+
+Preset criteo-kaggle x 0.01, the default MLPs (512,256,64 and 512,256,1; ~0.5 M dense parameters),
+batch 2048 per rank, 2 gloo ranks. Each run is recorded (`tracekit record --lookup-every 0
+--grad-every 0`): the baseline (train.py's `_sum_allreduce_hook`, one all-reduce per bucket) and
+one run per keep ratio with a policy holding only compression.dp (error feedback on). The bytes are
+the training `comms` rows of the DP gradient exchange (tag `_sum_allreduce_hook`, or `dct_dp`: the
+counts and the encoded payloads), per step, summed over ranks' bytes_out (DESIGN.md §5); the AUC is
+the manifest's eval_auc (rank 0, the held-out 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import polars as pl  # noqa: E402
+
+from tracekit.dlrm import config as config_mod  # noqa: E402
+from tracekit.dlrm.compression import LABEL  # noqa: E402
+from tracekit.dlrm.data import open_dataset  # noqa: E402
+from tracekit.dlrm.train import build_tables  # noqa: E402
+from tracekit.policy import new_policy, write_policy  # noqa: E402
+from tracekit.run import open_run  # noqa: E402
+
+WORLD = 2
+BASE_TAG = "_sum_allreduce_hook"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--keep", default="0.005,0.001", help="keep ratios to run, comma-separated")
+    p.add_argument("--refresh-every", type=int, default=1000)
+    p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-dct-dp"))
+    args = p.parse_args()
+    train_args = ["--preset", "criteo-kaggle", "--scale", "0.01", "--batch-size", "2048", "--steps", str(args.steps),
+                  "--log-every", "1000"]
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", "train.py",
+             *train_args]
+    print(f"machine: {platform.processor() or platform.machine()}, 2 cores, gloo on CPU, {WORLD} ranks; "
+          f"{' '.join(train_args)}", flush=True)
+    runs = {"baseline": _record(args.out / "base", train)}
+    for keep in map(float, args.keep.split(",")):
+        policy = _policy(args.out / f"keep{keep}" / "policy.json", train_args, keep, args.refresh_every)
+        runs[f"keep {keep:g}"] = _record(args.out / f"keep{keep}", [*train, "--policy", str(policy)])
+    base_bytes = runs["baseline"]["dp_bytes_per_step"]
+    for name, r in runs.items():
+        ratio = base_bytes / r["dp_bytes_per_step"] if r["dp_bytes_per_step"] else float("inf")
+        print(f"{name:>12}: DP bytes/step {r['dp_bytes_per_step']:>12,.0f} ({ratio:6.1f}x fewer)  "
+              f"calls/step {r['calls_per_step']:.1f}  ops {r['ops']}  eval AUC {r['eval_auc']:.4f} "
+              f"(vs baseline {r['eval_auc'] - runs['baseline']['eval_auc']:+.4f})  "
+              f"samples/s {r['samples_per_s']:,.0f} (traced, indicative)", flush=True)
+    print(json.dumps(runs))
+
+
+def _policy(path: Path, train_args: list[str], keep: float, refresh_every: int) -> Path:
+    cfg = config_mod.from_args(train_args)
+    dataset = open_dataset(cfg.data, tables=cfg.tables, rows=cfg.rows_for_data(), num_dense=cfg.dense,
+                           pooling=cfg.pooling, samples=cfg.samples, seed=cfg.seed,
+                           zipf=cfg.zipf if cfg.zipf is None or len(cfg.zipf) > 1 else cfg.zipf[0],
+                           drift=cfg.drift, preset=cfg.preset, scale=cfg.scale)
+    tables = build_tables(cfg, dataset)
+    policy = new_policy(source_run="bench/dct_dp.py", model={
+        "tables": [{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables], "world_size": WORLD})
+    policy["compression"] = {"dp": {"keep_ratio": keep, "refresh_every": refresh_every, "error_feedback": True,
+                                    "predicted": {}, "why": f"bench/dct_dp.py: keep {keep:g}"}}
+    return write_policy(path, policy)
+
+
+def _record(run_dir: Path, command: list[str]) -> dict:
+    subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", "--lookup-every", "0",
+                    "--grad-every", "0", "--", *command], cwd=REPO, capture_output=True, check=True)
+    run = open_run(run_dir)
+    comms = run.scan("comms").filter((pl.col("phase") == "train") & pl.col("tag").is_in([BASE_TAG, LABEL])).collect()
+    steps = run.scan("steps").filter(pl.col("rank") == 0).select(pl.col("step").n_unique()).collect().item()
+    metrics = run.manifest.get("metrics", {})
+    return {"dp_bytes_per_step": comms["bytes_out"].sum() / steps, "calls_per_step": comms.height / steps,
+            "ops": dict(comms.group_by("op").len().iter_rows()), "steps": steps,
+            "eval_auc": metrics.get("eval_auc"), "samples_per_s": metrics.get("samples_per_s")}
+
+
+if __name__ == "__main__":
+    main()
