@@ -52,7 +52,7 @@ def main() -> None:
           f"{' '.join(train_args)}", flush=True)
     runs = {"baseline": _record(args.out / "base", train)}
     for keep in map(float, args.keep.split(",")):
-        policy = _policy(args.out / f"keep{keep}" / "policy.json", train_args, keep, args.refresh_every)
+        policy = _policy(args.out / "policies" / f"keep{keep}.json", train_args, keep, args.refresh_every)
         runs[f"keep {keep:g}"] = _record(args.out / f"keep{keep}", [*train, "--policy", str(policy)])
     base_bytes = runs["baseline"]["dp_bytes_per_step"]
     for name, r in runs.items():
@@ -79,8 +79,10 @@ def _policy(path: Path, train_args: list[str], keep: float, refresh_every: int) 
 
 
 def _record(run_dir: Path, command: list[str]) -> dict:
-    subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", "--lookup-every", "0",
-                    "--grad-every", "0", "--", *command], cwd=REPO, capture_output=True, check=True)
+    proc = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", "--lookup-every",
+                           "0", "--grad-every", "0", "--", *command], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"recording {run_dir} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     run = open_run(run_dir)
     comms = run.scan("comms").filter((pl.col("phase") == "train") & pl.col("tag").is_in([BASE_TAG, LABEL])).collect()
     steps = run.scan("steps").filter(pl.col("rank") == 0).select(pl.col("step").n_unique()).collect().item()

@@ -29,7 +29,7 @@ from collectors.steps import StepClock
 from tests.multiprocess import run_ranks
 from tests.test_trainer_equivalence import SMALL
 from tracekit.dlrm import policies
-from tracekit.dlrm.compression import LABEL, DctDp, DctDpState, _decode, _encode, dct_dp_hook, encoded_bytes
+from tracekit.dlrm.compression import BLOCK, LABEL, DctDp, DctDpState, _decode, _encode, dct_dp_hook, encoded_bytes
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import open_dataset
 from tracekit.dlrm.train import _sum_allreduce_hook, build_tables, run
@@ -201,6 +201,22 @@ def test_a_small_keep_ratio_sends_fewer_bytes(ranks: list[dict]) -> None:
         assert plain == sum(s.dense_bytes for s in r["log"]) == MLP_STEPS * 833 * 4
         assert sent == sum(s.bytes_out for s in r["log"])
         assert sent < plain / 4, (sent, plain)
+
+
+@pytest.mark.parametrize("encoding", ["int32", "int16", "bitmap"])
+def test_each_encoding_round_trips_a_bucket_of_several_int16_blocks(encoding: str) -> None:
+    n = 3 * BLOCK + 123
+    gen = torch.Generator().manual_seed(0)
+    sends = [torch.randperm(n, generator=gen)[:count].sort().values for count in (700, 450)]
+    sends = [(kept, torch.randn(kept.numel(), generator=gen)) for kept in sends]
+    m = max(kept.numel() for kept, _ in sends)
+    size = encoded_bytes(encoding, n, m, 4)
+    assert size == {"int32": 8 * m, "int16": 6 * m + 4 * 4, "bitmap": n // 8 + 1 + 4 * m}[encoding]
+    gathered = torch.cat([_encode(encoding, kept, values, n, m, size) for kept, values in sends])
+    expected = torch.zeros(n)
+    for kept, values in sends:
+        expected.index_add_(0, kept, values)
+    assert torch.equal(_decode(encoding, gathered, [700, 450], torch.zeros(n), size), expected)
 
 
 @pytest.mark.parametrize("encoding", ["int32", "int16", "bitmap"])

@@ -24,7 +24,8 @@ Gloo has no sparse all-reduce, so the exchange is two collectives, both labelled
 all-gather of each rank's entries padded to m, the largest count, in the encoding that sends the
 fewest bytes for this bucket (n entries of `es` bytes; bytes_out per rank):
     int32   m·(4 + es)         int32 index, then the value
-    int16   m·(2 + es)         index − 32768 as int16, buckets of at most 65,536 entries
+    int16   m·(2 + es) + 4·B   the index's offset in its block of 65,536 entries − 32768 as int16,
+                               after each block's count (int32; B = ⌈n/65536⌉ blocks, none if 1)
     bitmap  ⌈n/8⌉ + m·es       one bit per entry, values in index order
     dense   n·es               an all-reduce of f with the unsent entries zeroed (no padding)
 and none at all when no rank sends anything (m = 0). Every rank knows every count, so all choose
@@ -49,7 +50,7 @@ import tracekit
 LABEL = "dct_dp"
 ENCODINGS = ("dense", "bitmap", "int16", "int32")  # ties go to the first
 COUNT_BYTES = 4  # each rank's count, int32
-INT16_MAX_NUMEL = 1 << 16
+BLOCK = 1 << 16  # int16 indices are offsets within blocks of this many entries
 
 
 @dataclass(frozen=True)
@@ -115,16 +116,22 @@ def encoded_bytes(encoding: str, numel: int, max_kept: int, value_bytes: int) ->
         return numel * value_bytes
     if encoding == "bitmap":
         return math.ceil(numel / 8) + max_kept * value_bytes
-    index_bytes = {"int16": 2, "int32": 4}[encoding]
-    return max_kept * (index_bytes + value_bytes)
+    if encoding == "int16":
+        return max_kept * (2 + value_bytes) + 4 * _blocks(numel)
+    return max_kept * (4 + value_bytes)
+
+
+def _blocks(numel: int) -> int:
+    """The int16 encoding's per-block counts: one per 65,536 entries, none for a single block."""
+    blocks = math.ceil(numel / BLOCK)
+    return blocks if blocks > 1 else 0
 
 
 def choose_encoding(numel: int, max_kept: int, value_bytes: int) -> str:
     """The encoding that sends the fewest bytes; "none" when nothing is sent."""
     if max_kept == 0:
         return "none"
-    usable = [e for e in ENCODINGS if e != "int16" or numel <= INT16_MAX_NUMEL]
-    return min(usable, key=lambda e: encoded_bytes(e, numel, max_kept, value_bytes))
+    return min(ENCODINGS, key=lambda e: encoded_bytes(e, numel, max_kept, value_bytes))
 
 
 def dct_dp_hook(state: DctDpState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -197,11 +204,19 @@ def _encode(encoding: str, kept: torch.Tensor, values: torch.Tensor, n: int, m: 
         bits[kept] = 1
         weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=values.device)
         payload[m * es:] = (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    elif encoding == "int16":
+        at, blocks = m * es, _blocks(n)
+        if blocks:
+            per_block = torch.bincount(kept // BLOCK, minlength=blocks).to(torch.int32)
+            payload[at:at + 4 * blocks] = per_block.view(torch.uint8)
+            at += 4 * blocks
+        offsets = kept.new_zeros(m)
+        offsets[:kept.numel()] = kept % BLOCK
+        payload[at:] = (offsets - 32768).to(torch.int16).view(torch.uint8)
     else:
         index = kept.new_zeros(m)
         index[:kept.numel()] = kept
-        index = (index - 32768).to(torch.int16) if encoding == "int16" else index.to(torch.int32)
-        payload[m * es:] = index.view(torch.uint8)
+        payload[m * es:] = index.to(torch.int32).view(torch.uint8)
     return payload
 
 
@@ -217,7 +232,12 @@ def _decode(encoding: str, out: torch.Tensor, counts: list[int], grad: torch.Ten
             bits = (tail.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=grad.device)) & 1
             index = torch.nonzero(bits.flatten()[:n]).flatten()
         elif encoding == "int16":
-            index = tail.view(torch.int16)[:count].to(torch.int64) + 32768
+            blocks, base = _blocks(n), 0
+            if blocks:
+                per_block = tail[:4 * blocks].view(torch.int32).to(torch.int64)
+                base = torch.repeat_interleave(torch.arange(blocks, device=grad.device) * BLOCK, per_block)
+                tail = tail[4 * blocks:]
+            index = tail.view(torch.int16)[:count].to(torch.int64) + 32768 + base
         else:
             index = tail.view(torch.int32)[:count].to(torch.int64)
         result.index_add_(0, index, values)
