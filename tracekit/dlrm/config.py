@@ -13,6 +13,8 @@ from tracekit.errors import ConfigError
 
 SHARDINGS = ("table", "row")
 OPTIMIZERS = ("sgd", "adagrad")
+A2A_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+"""--a2a-dtype: the embedding output all-to-all's value precision (tracekit/dlrm/output_codec.py)."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -49,6 +51,8 @@ class TrainConfig:
     sequence_tables: int = _opt(0, 'the first N tables are sequence (unpooled) features')
     # parallelism
     sharding: str = _opt("table", 'table-wise or row-wise model parallelism of the tables')
+    a2a_dtype: str = _opt("fp32", 'precision of the embedding output all-to-all, forward and backward: fp32 | bf16 | '
+                               'fp16 | fp8 (e4m3, one scale per row); TorchRec qcomms')
     # data
     data: str = _opt("synthetic", 'synthetic | criteo:PATH | parquet:PATH')
     preset: str | None = _opt(None, 'criteo-kaggle: the 26 Kaggle tables, times --scale')
@@ -92,6 +96,8 @@ class TrainConfig:
             raise ConfigError(f"--sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.a2a_dtype not in A2A_DTYPES:
+            raise ConfigError(f"--a2a-dtype must be one of {', '.join(A2A_DTYPES)}, got {self.a2a_dtype!r}")
         if self.bottom_mlp is None:
             self.bottom_mlp = [512, 256, self.dim]
         if not self.bottom_mlp or not self.top_mlp or min(self.bottom_mlp + self.top_mlp) <= 0:

@@ -6,13 +6,16 @@ group starts.
     applied.sync          # how the replicas' gradients are summed: sparse_allreduce | dense_allreduce
     applied.fae_hot_rows  # per table: the rows that make a sample hot (FAE), or None
     applied.dct_dp        # DCT-DP settings for DDP's comm hook (tracekit/dlrm/compression.py), or None
+    applied.mp_keep_ratio # DCT-MP: the share of each embedding output row's values kept, or None
 
 The sections it applies: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2
 once per node, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold
 minibatches; its hot rows are replicated too, and serve cold batches as well). Sections applied
 together replicate the union of their rows, synchronised the way the section with the most rows
-says. `compression.dp` (DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied.
-`compression.mp` and `lag` are refused, never ignored: the trainer does not apply them.
+says. `compression.dp` (DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied;
+`compression.mp` (DCT-MP) keeps each embedding output row's largest values in the output
+all-to-all, forward and backward (tracekit/dlrm/output_codec.py). `lag` is refused, never
+ignored: the trainer does not apply it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from tracekit.dlrm.sharding import TableSpec
 from tracekit.policy import PolicyError, check_model, load_policy, row_path
 
 NOT_APPLIED = {  # a section, or section.part
-    "compression.mp": "DCT-MP compression of the embedding outputs",
     "lag": "a bounded-lag (BLS) collective schedule",
 }
 
@@ -42,6 +44,7 @@ class AppliedPolicy:
     sync: str
     fae_hot_rows: list[torch.Tensor] | None  # per table, sorted; None: no FAE schedule
     dct_dp: DctDp | None = None  # None: DDP's gradients go uncompressed
+    mp_keep_ratio: float | None = None  # DCT-MP on the output all-to-all; None: rows go whole
 
     @property
     def replicated_rows(self) -> int:
@@ -91,7 +94,11 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
         except ValueError as err:
             raise PolicyError(f"{path}: compression.dp: {err}") from None
         sections += ("compression",)
-    return AppliedPolicy(path, sections, hot, sync, None if fae is None else _split(fae, tables), dct_dp)
+    mp = policy.get("compression", {}).get("mp")
+    if mp is not None and "compression" not in sections:
+        sections += ("compression",)
+    return AppliedPolicy(path, sections, hot, sync, None if fae is None else _split(fae, tables), dct_dp,
+                         mp_keep_ratio=None if mp is None else float(mp["keep_ratio"]))
 
 
 def _rows(policy_path: Path, relative: str, tables: list[TableSpec]) -> torch.Tensor:

@@ -22,6 +22,10 @@ and never sent. A pooled bag whose ids are all hot leaves the exchange: its leng
 travels, as -1, so the owner knows not to return a row for it; a mixed bag sends its cold ids,
 the owner pools them and the sum with the local hot part is the bag's. Sequence lookups of hot
 rows simply leave. Lengths keep their size, so the exchange needs no extra collective.
+
+With a codec (tracekit/dlrm/output_codec.py), the output dist's rows and their gradients cross
+quantized (bf16, fp16, fp8) or as DCT-MP's per-sample top-K values and positions; the same rows,
+fewer bytes each. World size 1 has no exchange, so nothing to compress.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 
 import tracekit
 from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
+from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import Replicas
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
@@ -178,10 +183,11 @@ class ShardedEmbeddings(nn.Module):
 
     def __init__(self, plan: ShardingPlan, rank: int, optimizer: SparseSGD | RowWiseAdagrad,
                  *, seed: int, device: torch.device, group: dist.ProcessGroup | None = None,
-                 replicas: Replicas | None = None) -> None:
+                 replicas: Replicas | None = None, codec: OutputCodec | None = None) -> None:
         super().__init__()
         self.plan, self.rank, self.optimizer, self.group = plan, rank, optimizer, group
         self.replicas = replicas
+        self.codec = codec  # None: rows return as they are (fp32); else quantized or DCT-MP rows
         self.local_tables = plan.tables_on(rank)
         self.row_start = {t: plan.row_range(t, rank)[0] for t in self.local_tables}
         self.shards = nn.ModuleDict()
@@ -398,6 +404,8 @@ class ShardedEmbeddings(nn.Module):
         if W == 1:
             return send
         splits_out = [sum(rows[q] for rows in rows_out) for q in range(W)]
+        if self.codec is not None:
+            return self.codec.exchange(send, splits_out, rows_back, self.group)
         return _AllToAll.apply(send, splits_out, rows_back, self.group)
 
 

@@ -32,6 +32,7 @@ from tracekit.dlrm.data import Dataset, open_dataset
 from tracekit.dlrm.metrics import log_loss, roc_auc
 from tracekit.dlrm.model import DenseArch
 from tracekit.dlrm.optim import dense_optimizer, sparse_optimizer
+from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.policies import AppliedPolicy
 from tracekit.dlrm.replicas import Replicas
 from tracekit.dlrm.runtime import keep_freed_memory, pin_to_cores
@@ -112,8 +113,12 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
         replicas = Replicas(policy.hot_rows, [t.rows for t in plan.tables], cfg.dim, sparse, sync=policy.sync,
                             init_rows=lambda t, rows: init_rows(plan.tables[t], t, rows, cfg.seed),
                             device=device, group=group)
+    # output all-to-all: quantized (--a2a-dtype) and/or DCT-MP (compression.mp); fp32 rows as they are by default
+    codec = OutputCodec(cfg.a2a_dtype, policy.mp_keep_ratio if policy is not None else None)
+    if not codec.identity and world_size > 1:
+        _log(cfg, rank, f"output all-to-all: {codec.describe(cfg.dim)}")
     embeddings = ShardedEmbeddings(plan, rank, sparse, seed=cfg.seed, device=device, group=group,
-                                   replicas=replicas)
+                                   replicas=replicas, codec=None if codec.identity else codec)
     optimizer = dense_optimizer(cfg.optimizer, dense.parameters(), cfg.lr)
 
     losses = torch.zeros(schedule.steps, dtype=torch.float64)
