@@ -88,3 +88,15 @@ def test_a_failing_baseline_stops_with_its_log(tmp_path: Path) -> None:
     assert r.exit_code != 0
     assert "the baseline run failed (exit code 3)" in r.output and "base.log" in r.output
     assert "boom" in (tmp_path / "opt" / "base.log").read_text()
+
+
+def test_compression_parts_are_re_run_apart_and_together(tmp_path: Path) -> None:
+    policy = new_policy(source_run="x", model={"tables": [{"name": "t0", "num_rows": 10, "dim": 4}], "world_size": 2})
+    policy["compression"] = {"dp": {"keep_ratio": 0.01, "refresh_every": 100, "error_feedback": True,
+                                    "predicted": {}, "why": "dp"},
+                             "mp": {"keep_ratio": 0.25, "predicted": {}, "why": "mp"}}
+    path = write_policy(tmp_path / "policy.json", policy)
+    plans, notes = reruns(path)
+    assert [p.name for p in plans] == ["compression.dp", "compression.mp", "combined"] and notes == []
+    sections = [load_policy(p.policy)["compression"] for p in plans]
+    assert [sorted(s) for s in sections] == [["dp"], ["mp"], ["dp", "mp"]]

@@ -21,8 +21,10 @@ from pathlib import Path
 from tracekit.cluster import Topology
 from tracekit.policy import load_policy, write_policy
 
-APPLIED = ("replication", "tiers", "schedule")
-"""The sections the reference trainer applies; optimize re-runs each one alone, then together."""
+APPLIED = ("replication", "tiers", "schedule", "compression.dp", "compression.mp")
+"""The sections (compression's parts apart) the reference trainer applies; optimize re-runs each
+one alone, then together."""
+SECTIONS = ("replication", "tiers", "schedule", "compression", "lag")
 MIN_HOT_SAMPLES = 0.01
 """An FAE schedule with fewer all-hot samples than this is not re-run."""
 
@@ -39,20 +41,27 @@ def reruns(policy_path: Path) -> tuple[list[Rerun], list[str]]:
     policy = load_policy(policy_path)
     chosen, notes = [], []
     for name in APPLIED:
-        if name not in policy:
+        body = _part(policy, name)
+        if body is None:
             continue
-        reason = _why_not(name, policy[name])
+        reason = _why_not(name, body)
         if reason:
             notes.append(f"{name} not re-run: {reason}")
             continue
         chosen.append(name)
-    for name in ("compression", "lag"):
-        if name in policy:
-            notes.append(f"{name} not re-run: the reference trainer does not apply it yet")
+    if "lag" in policy:
+        notes.append("lag not re-run: the reference trainer does not apply it yet")
     plans = [Rerun(name, _write_sections(policy_path, policy, [name])) for name in chosen]
     if len(chosen) > 1:
         plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
     return plans, notes
+
+
+def _part(policy: dict, name: str) -> dict | None:
+    """policy[name], or policy["compression"]["dp"] for "compression.dp"; None where absent."""
+    section, _, part = name.partition(".")
+    body = policy.get(section)
+    return body.get(part) if part and isinstance(body, dict) else body
 
 
 def _why_not(name: str, section: dict) -> str | None:
@@ -73,7 +82,13 @@ def _why_not(name: str, section: dict) -> str | None:
 
 
 def _write_sections(policy_path: Path, policy: dict, names: list[str], label: str | None = None) -> Path:
-    keep = {k: v for k, v in policy.items() if k not in (*APPLIED, "compression", "lag") or k in names}
+    keep = {k: v for k, v in policy.items() if k not in SECTIONS}
+    for name in names:
+        section, _, part = name.partition(".")
+        if part:
+            keep.setdefault(section, {})[part] = policy[section][part]
+        else:
+            keep[section] = policy[section]
     target = policy_path.with_name(f"policy.{label or names[0]}.json")
     write_policy(target, keep)
     return target
