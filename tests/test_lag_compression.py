@@ -5,6 +5,7 @@ compression bytes against their formulas; every section passes the core's valida
 from __future__ import annotations
 
 import heapq
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,8 @@ from analyses.context import open_context
 from analyses.policies import compression, lag
 from tests.test_traffic import MS, bsp_run, comm, make_run
 from tracekit.policy import new_policy, validate
+
+DIM = 16  # the tables of compression_run: its 2,048-byte output splits are 32 fp32 rows each
 
 
 def simulate(c: np.ndarray, bound: int | None) -> float:
@@ -108,7 +111,12 @@ def compression_run(path: Path, *, with_grads: bool = True) -> Path:
         comm(t, "all_reduce", bytes_out=16, bytes_in=16, tag="_log_progress", dtype="torch.float64"))]
         for r in (0, 1)}
     steps = {r: [(t * 10 * MS, (t + 1) * 10 * MS) for t in range(3)] for r in (0, 1)}
-    return make_run(path, comms=comms, steps=steps, grads={0: grads, 1: grads} if with_grads else None)
+    run = make_run(path, comms=comms, steps=steps, grads={0: grads, 1: grads} if with_grads else None)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["tables"] = [{"name": "t0", "num_rows": 100, "dim": DIM, "dtype": "float32", "kind": "pooled",
+                           "shards": [{"rank": 0, "first_row": 0, "num_rows": 100}]}]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
 
 
 def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
@@ -129,9 +137,13 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
     measured = 2 * (4096 + 4096)
     assert mp["keep_ratio"] == 0.05
     assert mp["predicted"]["baseline_output_a2a_bytes_per_step"] == measured
-    assert mp["predicted"]["output_a2a_bytes_per_step"] == pytest.approx(measured / 4 * 0.05 * 8)
-    assert mp["predicted"]["a2a_bytes_per_step"] == pytest.approx(2 * 3072 + measured / 4 * 0.05 * 8)
-    assert mp["predicted"]["ratio"] == pytest.approx(0.1)
+    # 128 rows of D = 16 each way a step; K = ⌈0.05·16⌉ = 1: forward 4 + 1 (uint8 position), backward 4
+    compressed = 128 * (4 + 1) + 128 * 4
+    assert mp["predicted"]["output_a2a_bytes_per_step"] == pytest.approx(compressed)
+    assert mp["predicted"]["a2a_bytes_per_step"] == pytest.approx(2 * 3072 + compressed)
+    assert mp["predicted"]["ratio"] == pytest.approx(compressed / measured)
+    assert derived.evidence["mp"]["quantized_alternatives_bytes_per_step"] == {
+        "bf16": measured / 2, "fp16": measured / 2, "fp8": 256 * (16 + 4)}
     assert set(derived.tables["dct_mp"]["tag"]) == {"_AllToAll.forward", "_AllToAll.backward"}
     validate(policy_with(derived.section, "compression"), tmp_path / "policy.json")
 

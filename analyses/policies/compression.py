@@ -27,10 +27,14 @@ compression.mp. The trace holds no activation statistics, so the keep ratio is t
 (MP_KEEP_RATIO = 5% per sample, its 20× fewer elements), not measured. The boundary tensor is the
 embedding output all-to-all: training all-to-all calls whose dtype is floating point (the input
 dist sends integer lengths and ids; the reference trainer tags the rest `_AllToAll.forward` and
-`.backward`). Each kept element costs a 4-byte index plus its value, forward and backward alike:
-    output_a2a_bytes_per_step = Σ_calls bytes_out / value_bytes · MP_KEEP_RATIO · (4 + value_bytes)
-which for fp32 is 2 · 5% = 10% of the measured bytes (20× fewer elements is 10× fewer bytes).
-`a2a_bytes_per_step` adds the input dist's integer all-to-alls, unchanged. Table `dct_mp`, per
+`.backward`), n = bytes_out / (value_bytes · D) rows of D values. As the trainer encodes them
+(tracekit/dlrm/output_codec.py), a row keeps K = ⌈keep · D⌉ values (at least 1); forward it
+carries them and their positions, one uint8 each (int16 beyond D = 256) or a D-bit mask when that
+is fewer bytes; backward only the K gradient values:
+    forward  n · (K · value_bytes + min(K · position_bytes, ⌈D / 8⌉)),   backward  n · K · value_bytes
+`a2a_bytes_per_step` adds the input dist's integer all-to-alls, unchanged. Beside it, in the
+evidence, what TorchRec-style quantized payloads would send instead (`--a2a-dtype`): bf16 and fp16
+half the fp32 bytes, fp8 D + 4 bytes a row (e4m3 values and an fp32 scale). Table `dct_mp`, per
 tag and dtype: calls, bytes_per_step, predicted_bytes_per_step.
 
 Predicted step times (both sections) charge the saved bytes to the run's measured bus bandwidth
@@ -45,6 +49,7 @@ the saving.
 
 from __future__ import annotations
 
+import math
 
 import polars as pl
 
@@ -162,6 +167,11 @@ def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
             "predicted": predicted, "why": why}, None
 
 
+def _common_dim(ctx: Context) -> int | None:
+    dims = {t.dim for t in ctx.model.tables}
+    return dims.pop() if len(dims) == 1 else None
+
+
 def _dp_baseline(ctx: Context, steps: int) -> float | None:
     if not ctx.has("comms") or not steps:
         return None
@@ -182,8 +192,16 @@ def _derive_mp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
     output = calls.filter(pl.col("value_bytes").is_not_null())
     if output.height == 0:
         return None, "no floating-point all-to-all in the training comms: no embedding outputs cross ranks"
-    output = output.with_columns((pl.col("bytes_per_step") / pl.col("value_bytes") * MP_KEEP_RATIO
-                                  * (INDEX_BYTES + pl.col("value_bytes"))).alias("predicted_bytes_per_step"))
+    dim = _common_dim(ctx)
+    if dim is None:
+        return None, "the tables have different dims: the output rows' width is unknown"
+    k = max(1, min(dim, math.ceil(MP_KEEP_RATIO * dim - 1e-9)))
+    positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
+    rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)
+    forward = pl.col("tag").str.ends_with("forward")
+    output = output.with_columns(
+        (rows * (k * pl.col("value_bytes") + pl.when(forward).then(positions).otherwise(0)))
+        .alias("predicted_bytes_per_step"))
     result.tables["dct_mp"] = output.select("tag", "dtype", "calls", "bytes_per_step", "predicted_bytes_per_step")
     measured, predicted_out = float(output["bytes_per_step"].sum()), float(output["predicted_bytes_per_step"].sum())
     input_dist = float(calls["bytes_per_step"].sum()) - measured
@@ -198,14 +216,19 @@ def _derive_mp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
     if a2a_bw and base["step_time_s"] is not None:
         saved = (measured - predicted_out) / world * traffic.bus_factor("all_to_all_single", world) / a2a_bw
         predicted["step_time_s"] = max(0.0, base["step_time_s"] - saved)
+    fp32_rows = float((output["bytes_per_step"] / (output["value_bytes"] * dim)).sum())
     result.evidence["mp"] = {
+        "quantized_alternatives_bytes_per_step": {"bf16": fp32_rows * dim * 2, "fp16": fp32_rows * dim * 2,
+                                                  "fp8": fp32_rows * (dim + 4)},
+        "kept_values_per_row": k, "dim": dim,
         "rows": "comms: training all-to-all calls of a floating-point dtype (embedding outputs and their "
                 f"gradients; tags {', '.join(sorted(set(output['tag'])))})",
         "keep_ratio_source": "the DCT paper's 20x fewer elements (5% per sample); the trace has no activation "
                              "statistics, so it is not measured",
-        "formula": "output_a2a_bytes_per_step = sum(bytes_out / value_bytes) * keep_ratio * (4 + value_bytes)",
+        "formula": "rows n = bytes_out / (value_bytes * D); forward n * (K * value_bytes + min(K * position_bytes, "
+                   "ceil(D / 8))), backward n * K * value_bytes, K = ceil(keep_ratio * D)",
     }
     why = (f"keep the largest {MP_KEEP_RATIO:.0%} of each sample's embedding outputs (the paper's ratio; the trace "
            f"has no activation statistics): {measured:,.0f} -> {predicted_out:,.0f} output all-to-all bytes per step "
-           "with an int32 index per kept value")
+           f"(the top {k} of {dim} values a row, with their positions forward)")
     return {"keep_ratio": MP_KEEP_RATIO, "predicted": predicted, "why": why}, None
