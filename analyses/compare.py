@@ -30,6 +30,8 @@ Per run:
       sync_bytes_per_step         Σ sync wire: a ring all-reduce of n bytes per rank is 2(W−1)·n over
                                   the ranks, an index all-gather (W−1)·ids (counted as sent)
       total_bytes_per_step        a2a + sync;   total_remote_bytes_per_step  a2a_remote + sync
+      dp_bytes_per_step           Σ bytes_out of the data-parallel gradient exchange: calls tagged
+                                  ddp_bucket*, _sum_allreduce_hook or dct_dp* (DP_TAGS)
 - hot/cold, where steps has a `schedule` column ('hot' | 'cold'; schema 1.2): steps, bytes and
   embedding bytes per step of each kind.
 - quality: manifest `metrics` (eval_auc, eval_logloss, train_loss, samples_per_s; null where absent)
@@ -41,7 +43,7 @@ Policies. A run that applied one names it in manifest `policy` ({"path", "sha256
 loaded with tracekit.policy.load_policy; a missing file, another sha256, an invalid file or one for
 another model is a warning, and what can be compared still is. Each section present (replication,
 tiers, schedule, compression.dp/.mp, lag) gives rows of predicted against measured for the figures it
-predicts: a2a_bytes_per_step, a2a_remote_bytes_per_step, sync_bytes_per_step, total_bytes_per_step
+predicts: a2a_bytes_per_step, a2a_remote_bytes_per_step, sync_bytes_per_step, dp_bytes_per_step, total_bytes_per_step
 (predicted: a2a + sync, sync 0 where the section predicts none), total_remote_bytes_per_step,
 step_time_s, and the savings against BASE's measured figures (the baseline used throughout):
 
@@ -90,6 +92,9 @@ SKIP_STEPS = 5
 SYNC_TAGS = ("replica_sync", "tier2_sync")
 """Tag prefixes of replica synchronisation (the trainer's tracekit.label names)."""
 DDP_TAGS = ("ddp_bucket",)
+DP_TAGS = ("ddp_bucket", "_sum_allreduce_hook", "dct_dp")
+"""Tag prefixes of the data-parallel gradient exchange: DDP's buckets, the reference trainer's
+all-reduce hook, and its DCT-DP hook's collectives."""
 EMBEDDING = ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "sync_bytes_per_step", "total_bytes_per_step",
              "total_remote_bytes_per_step")
 METRICS = ("eval_auc", "eval_logloss", "train_loss", "samples_per_s")
@@ -241,7 +246,9 @@ def bytes_figures(calls: pl.DataFrame, n: int) -> dict[str, float | None]:
            "a2a_bytes_per_step": per_step(pl.col("bytes_out").filter(exchange)),
            "a2a_remote_bytes_per_step": per_step(pl.col("wire_bytes").filter(exchange)),
            "sync_bytes_per_step": per_step(pl.col("wire_bytes").filter(sync)),
-           "allreduce_bytes_per_step": per_step(pl.col("bytes_out").filter(pl.col("op") == "all_reduce"))}
+           "allreduce_bytes_per_step": per_step(pl.col("bytes_out").filter(pl.col("op") == "all_reduce")),
+           "dp_bytes_per_step": per_step(pl.col("bytes_out").filter(
+               pl.any_horizontal(pl.col("tag").str.starts_with(t) for t in DP_TAGS)))}
     if n:
         out["total_bytes_per_step"] = out["a2a_bytes_per_step"] + out["sync_bytes_per_step"]
         out["total_remote_bytes_per_step"] = out["a2a_remote_bytes_per_step"] + out["sync_bytes_per_step"]
@@ -422,7 +429,8 @@ def sections(policy: dict) -> list[tuple[str, dict]]:
 
 def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> list[dict]:
     """Predicted against measured for each section of `policy` and its baseline (module docstring)."""
-    measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, "step_time_s")}, **savings(m.figures, base.figures)}
+    measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, "dp_bytes_per_step", "step_time_s")},
+                **savings(m.figures, base.figures)}
     rows = []
     present = sections(policy)
     for label, body in present:
@@ -440,7 +448,8 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
 
 def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
     """The figures a section predicts, with totals and savings derived as the module docstring says."""
-    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], "step_time_s") if _number(predicted.get(k))}
+    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], "dp_bytes_per_step", "step_time_s")
+           if _number(predicted.get(k))}
     sync = out.get("sync_bytes_per_step", 0.0)
     if "a2a_bytes_per_step" in out:
         out["total_bytes_per_step"] = out["a2a_bytes_per_step"] + sync

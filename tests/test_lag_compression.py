@@ -126,10 +126,13 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
     assert dp["keep_ratio"] == 0.01 and dp["refresh_every"] == 1000 and dp["error_feedback"] is True
     kept = np.mean([10 + 2, 12 + 3, 8 + 1])
     assert dp["predicted"]["kept_elements_per_rank"] == kept
-    assert dp["predicted"]["dp_bytes_per_step"] == 2 * 8 * kept  # W ranks' all-gather of (int32, fp32) pairs
+    # N = 1,200 entries in one bucket: int16 offsets (6 bytes an entry, one block count) beat int32 (8),
+    # a bitmap (150 + 4K) and dense (4N); plus each rank's count, per rank
+    dp_bytes = 2 * (6 * kept + 4 + 4)
+    assert dp["predicted"]["dp_bytes_per_step"] == dp_bytes
     assert dp["predicted"]["baseline_dp_bytes_per_step"] == 2 * 4800  # the hook's all-reduce, not the log's
-    assert dp["predicted"]["ratio"] == pytest.approx(2 * 8 * kept / 9600)
-    assert dp["predicted"]["dp_wire_bytes_per_step"] == 1 * 2 * 8 * kept
+    assert dp["predicted"]["ratio"] == pytest.approx(dp_bytes / 9600)
+    assert dp["predicted"]["dp_wire_bytes_per_step"] == 1 * dp_bytes
     assert dp["predicted"]["baseline_dp_wire_bytes_per_step"] == 2 * 1 / 2 * 9600
     per_param = {name: (ratio, d01, d1) for name, ratio, d01, d1 in
                  derived.tables["dct_dp"].select("name", "keep_ratio", "drift_0_1pct", "drift_1pct").rows()}

@@ -12,10 +12,14 @@ more than DRIFT_BOUND times the elements it was set for. Table `dct_dp` gives ea
 drift at every X and the smallest X that stays bounded (null: none does). The section's one
 keep ratio (the trainer applies one) is the smallest X whose drift summed over parameters,
 max_t Σ_p count / Σ_p target, stays bounded.
-Bytes, in `comms` terms (per training step, Σ over ranks of bytes_out): DCT-DP sends each rank's
-kept (int32 index, fp32 value) pairs by all-gather, whose bytes_out is the rank's own contribution:
-    dp_bytes_per_step = W · 8 · K,   K = mean over sampled steps of Σ_p count_above_keep_X
-(the count all-gather of a few bytes per bucket left out). Baseline: the training all-reduce of
+Bytes, in `comms` terms (per training step, Σ over ranks of bytes_out), as the trainer's hook sends
+them (tracekit/dlrm/compression.py): per DDP bucket an all-gather of each rank's count (4 bytes),
+then an all-gather of its kept entries in the cheapest encoding; taking the model's N gradient
+entries as one bucket, K = mean over sampled steps of Σ_p count_above_keep_X kept per rank and B
+the buckets (DDP all-reduces per step and rank in the run):
+    dp_bytes_per_step = W · (min(8K, 6K + 4⌈N/65536⌉, ⌈N/8⌉ + 4K, 4N) + 4B)
+(int32 index + fp32 value; int16 offset within 65,536-entry blocks + value, after each block's
+count; a bitmap; dense). Ranks pad their entries to the largest count, which this leaves out. Baseline: the training all-reduce of
 DDP's gradient buckets in `comms` (tag `ddp_bucket_<i>`, or an async all-reduce: a comm hook's,
 as the reference trainer's `_sum_allreduce_hook`), ratio = dp / baseline. On the wire each rank's
 pairs reach W − 1 peers, (W − 1) · dp_bytes_per_step in all, against 2(W − 1)/W · baseline for a
@@ -62,8 +66,6 @@ REFRESH_EVERY = 1000
 """Steps a DCT-DP threshold stays in force: the period the grads collector refreshes its thresholds
 at (kraken's `life_span`; the paper's "once every few thousand iterations")."""
 MP_KEEP_RATIO = 0.05
-INDEX_BYTES = 4
-VALUE_BYTES = 4  # fp32 gradient values
 FLOAT_BYTES = {dtype: size for dtype, size in DTYPE_BYTES.items() if "float" in dtype}
 DP_ROWS = "op = 'all_reduce' AND (tag LIKE 'ddp_bucket_%' OR \"async\")"
 
@@ -129,7 +131,10 @@ def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
                       f"elements (drift {', '.join(f'{KEEP_RATIOS[s]:.1%}: {d:.1f}x' for s, d in overall.items())})")
     suffix, keep = bounded[0]
     kept = float(totals[f"kept_{suffix}"].mean())
-    dp_bytes = world * (INDEX_BYTES + VALUE_BYTES) * kept
+    numel = float(table["numel"].sum())
+    buckets = _dp_calls_per_rank(ctx, steps, world)
+    payload = min(8 * kept, 6 * kept + 4 * math.ceil(numel / 65536), math.ceil(numel / 8) + 4 * kept, 4 * numel)
+    dp_bytes = world * (payload + 4 * buckets)
     baseline_dp = _dp_baseline(ctx, steps)
     ar_bw = bandwidth.get("all_reduce")
     predicted = {
@@ -149,7 +154,7 @@ def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
     why = (f"keep {keep:.1%} of each gradient: the smallest of {', '.join(f'{k:.1%}' for k in KEEP_RATIOS.values())} "
            f"whose stale threshold lets through at most {overall[suffix]:.2f}x its target over "
            f"{per_step['step'].n_unique()} sampled steps ({params} parameters); "
-           f"{(INDEX_BYTES + VALUE_BYTES) * kept:,.0f} bytes of (index, value) pairs per rank per step")
+           f"{dp_bytes / world:,.0f} bytes of kept entries and counts per rank per step")
     if baseline_dp:
         why += f", {dp_bytes / baseline_dp:.1%} of the {baseline_dp:,.0f} bytes DDP all-reduces"
     result.evidence["dp"] = {
@@ -157,8 +162,9 @@ def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
                 f"comms: training {DP_ROWS}",
         "drift": {f"{KEEP_RATIOS[s]}": d for s, d in overall.items()},
         "drift_bound": DRIFT_BOUND,
-        "formula": "dp_bytes_per_step = W * 8 * K (all-gather bytes_out of int32 index + fp32 value pairs), "
-                   "K = mean over sampled steps of sum over parameters of count_above_keep_X",
+        "formula": "dp_bytes_per_step = W * (min(8K, 6K + 4 ceil(N/65536), ceil(N/8) + 4K, 4N) + 4B): the "
+                   "all-gathers of counts and kept entries in the cheapest encoding, K = mean over sampled steps "
+                   "of sum over parameters of count_above_keep_X, N their entries, B buckets",
         "caveats": "gradient statistics are taken after DDP's all-reduce (DCT thresholds each rank's local "
                    "gradient) and without error feedback; parameters are thresholded one by one, DDP buckets "
                    "would be thresholded whole",
@@ -170,6 +176,14 @@ def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
 def _common_dim(ctx: Context) -> int | None:
     dims = {t.dim for t in ctx.model.tables}
     return dims.pop() if len(dims) == 1 else None
+
+
+def _dp_calls_per_rank(ctx: Context, steps: int, world: int) -> float:
+    """DDP's gradient all-reduces per step and rank: the buckets the hook exchanges one by one."""
+    if not ctx.has("comms") or not steps:
+        return 1.0
+    (calls,) = ctx.sql(f"SELECT count(*)::DOUBLE FROM train_comms WHERE {DP_ROWS}").fetchall()[0]
+    return max(calls / steps / max(world, 1), 1.0)
 
 
 def _dp_baseline(ctx: Context, steps: int) -> float | None:
