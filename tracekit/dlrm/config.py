@@ -70,6 +70,13 @@ class TrainConfig:
     seed: int = _opt(0, 'fixes the data, the initial weights and so the whole loss curve')
     # policy
     policy: str | None = _opt(None, 'apply this policy.json (written by tracekit analyze): replication, tiers, schedule')
+    # inference (BLS)
+    inference: bool = _opt(False, 'forward only over --steps global batches (tables read, never written): '
+                                  'AUC, logloss and makespan; no training')
+    lag_bound: int | None = _opt(None, 'with --inference: let a rank run up to N iterations ahead of the slowest '
+                                       '(BLS; default: the policy\'s lag.bound, else synchronous collectives)')
+    straggler: str | None = _opt(None, 'with --inference: PROB:DELAY_MS[:RANKS], delay an iteration by DELAY_MS '
+                                       'with probability PROB on each listed rank (default: every rank)')
     # output
     eval_every: int = _opt(0, 'evaluate every N steps (0: only at the end)')
     log_every: int = _opt(50, 'progress line every N steps')
@@ -86,6 +93,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        if (self.lag_bound is not None or self.straggler is not None) and not self.inference:
+            raise ConfigError("--lag-bound and --straggler apply to --inference runs only")
+        if self.lag_bound is not None and self.lag_bound < 0:
+            raise ConfigError(f"--lag-bound must be at least 0, got {self.lag_bound}")
         if self.eval_every < 0 or self.warmup_steps < 0:
             raise ConfigError("--eval-every and --warmup-steps must not be negative")
         if self.lr <= 0:
@@ -145,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
     )
     types = {
         "rows": _int_list, "bottom_mlp": _int_list, "top_mlp": _int_list, "zipf": _float_list,
-        "steps": int, "preset": str, "rows": _int_list, "policy": str,
+        "steps": int, "preset": str, "rows": _int_list, "policy": str, "lag_bound": int, "straggler": str,
     }
     for f in fields(TrainConfig):
         default = f.default_factory() if f.default is MISSING else f.default  # as declared: bottom_mlp stays None

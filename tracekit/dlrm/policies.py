@@ -14,8 +14,9 @@ minibatches; its hot rows are replicated too, and serve cold batches as well). S
 together replicate the union of their rows, synchronised the way the section with the most rows
 says. `compression.dp` (DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied;
 `compression.mp` (DCT-MP) keeps each embedding output row's largest values in the output
-all-to-all, forward and backward (tracekit/dlrm/output_codec.py). `lag` is refused, never
-ignored: the trainer does not apply it.
+all-to-all, forward and backward (tracekit/dlrm/output_codec.py). `lag` (BLS) bounds how far a
+rank runs ahead in `--inference` runs (tracekit/dlrm/inference.py), which apply nothing else: a
+training run refuses `lag`, an inference run every other section, never ignoring one.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.sharding import TableSpec
 from tracekit.policy import PolicyError, check_model, load_policy, row_path
 
-NOT_APPLIED = {  # a section, or section.part
-    "lag": "a bounded-lag (BLS) collective schedule",
-}
+NOT_APPLIED: dict[str, str] = {}  # a section, or section.part, the trainer cannot apply yet
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,15 @@ class AppliedPolicy:
     fae_hot_rows: list[torch.Tensor] | None  # per table, sorted; None: no FAE schedule
     dct_dp: DctDp | None = None  # None: DDP's gradients go uncompressed
     mp_keep_ratio: float | None = None  # DCT-MP on the output all-to-all; None: rows go whole
+    lag_bound: int | None = None  # BLS, inference runs only; None: synchronous collectives
 
     @property
     def replicated_rows(self) -> int:
         return sum(r.numel() for r in self.hot_rows) if self.hot_rows else 0
 
 
-def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_world_size: int) -> AppliedPolicy:
+def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_world_size: int,
+         inference: bool = False) -> AppliedPolicy:
     """The policy at `path` as the trainer applies it; PolicyError (or PolicyMismatch) saying what
     differs or what cannot be applied."""
     path = Path(path)
@@ -64,6 +65,17 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
             raise PolicyError(f"{path}: section {name!r} ({what}) is not applied by the reference trainer yet; "
                               f"remove it, or derive the policy without it: tracekit analyze RUN "
                               f"--policies replication,tiers,schedule")
+    if inference:
+        others = [name for name in ("replication", "tiers", "schedule", "compression") if name in policy]
+        if others:
+            raise PolicyError(f"{path}: {', '.join(others)}: an --inference run applies only `lag` (the others change "
+                              f"training); derive it alone: tracekit analyze RUN --policies lag")
+        if "lag" not in policy:
+            raise PolicyError(f"{path}: no `lag` section, the only one an --inference run applies")
+        return AppliedPolicy(path, ("lag",), None, "sparse_allreduce", None, lag_bound=int(policy["lag"]["bound"]))
+    if "lag" in policy:
+        raise PolicyError(f"{path}: section 'lag' (a bounded-lag exchange, BLS) applies to inference: "
+                          f"train.py --inference --policy {path}; remove it to train with the rest")
     sections = tuple(name for name in ("replication", "tiers", "schedule") if name in policy)
     replicated: list[tuple[torch.Tensor, str, str]] = []  # (keys, sync, where the sync is named)
     if "replication" in policy:

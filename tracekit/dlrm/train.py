@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tracekit
 from tracekit.dlrm import config as config_mod
+from tracekit.dlrm import inference
 from tracekit.dlrm import policies
 from tracekit.dlrm.compression import DctDpState, dct_dp_hook
 from tracekit.dlrm.config import TrainConfig
@@ -226,6 +227,24 @@ def _print_summary(cfg: TrainConfig, result: TrainResult) -> None:
           f"  train loss {result.train_loss:.4f}   eval auc {auc}   eval logloss {ll}", flush=True)
 
 
+def _infer(cfg, dataset, rank, world_size, device, policy, straggler) -> None:
+    """`--inference`: forward only, synchronous or bounded-lag (tracekit/dlrm/inference.py)."""
+    bound = cfg.lag_bound if cfg.lag_bound is not None else policy.lag_bound if policy is not None else None
+    if policy is not None:
+        tracekit.policy_applied(policy.path)
+    result = inference.run(cfg, dataset, rank=rank, world_size=world_size, device=device,
+                           tables=build_tables(cfg, dataset), bound=bound, straggler=straggler)
+    tracekit.metrics(eval_auc=result.auc, eval_logloss=result.logloss, makespan_s=result.makespan_s,
+                     samples_per_s=result.samples / result.makespan_s)
+    if rank == 0:
+        exchange = "synchronous collectives" if bound is None or world_size == 1 else f"lag bound {bound}"
+        line = {"iterations": result.iterations, "samples": result.samples, "makespan_s": result.makespan_s,
+                "auc": result.auc, "logloss": result.logloss, "bound": bound}
+        print(json.dumps(line) if cfg.json else
+              f"inference: {result.iterations} iterations, {result.samples:,} samples, world {world_size} ({exchange})\n"
+              f"  makespan {result.makespan_s:.3f} s   auc {result.auc:.4f}   logloss {result.logloss:.4f}", flush=True)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
@@ -246,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         policy = None
         if cfg.policy is not None:
             policy = policies.load(cfg.policy, build_tables(cfg, dataset), world_size=world_size,
-                                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+                                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                                   inference=cfg.inference)
+        straggler = None if cfg.straggler is None else inference.Straggler.parse(cfg.straggler)
     except TracekitError as err:
         if rank == 0:
             print(f"train.py: error: {err}", file=sys.stderr)
@@ -261,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     clean = False
     try:
+        if cfg.inference:
+            _infer(cfg, dataset, rank, world_size, device, policy, straggler)
+            clean = True
+            return 0
         result = run(cfg, dataset, rank=rank, world_size=world_size, device=device, policy=policy)
         tracekit.metrics(eval_auc=result.eval_auc, eval_logloss=result.eval_logloss,
                          samples_per_s=result.samples_per_s, train_loss=result.train_loss)
