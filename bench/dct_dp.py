@@ -1,7 +1,8 @@
 """DCT-DP measured (issue 12): DDP's gradient bytes on the wire with and without compression.dp,
 and the eval AUC after the same steps.
 
-    .venv/bin/python bench/dct_dp.py [--steps 200] [--keep 0.005,0.001] [--refresh-every 1000] [--out DIR]
+    .venv/bin/python bench/dct_dp.py [--steps 200] [--keep 0.005,0.001,0.005:10] [--refresh-every 1000]
+        [--reuse] [--out DIR]
 
 Preset criteo-kaggle x 0.01, the default MLPs (512,256,64 and 512,256,1; ~0.5 M dense parameters),
 batch 2048 per rank, 2 gloo ranks. Each run is recorded (`tracekit record --lookup-every 0
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -40,7 +42,9 @@ BASE_TAG = "_sum_allreduce_hook"
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--keep", default="0.005,0.001", help="keep ratios to run, comma-separated")
+    p.add_argument("--keep", default="0.005,0.001",
+                   help="keep ratios to run, comma-separated; KEEP:REFRESH for another refresh_every")
+    p.add_argument("--reuse", action="store_true", help="read runs already recorded under --out, do not re-run them")
     p.add_argument("--refresh-every", type=int, default=1000)
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-dct-dp"))
     args = p.parse_args()
@@ -48,16 +52,19 @@ def main() -> None:
                   "--log-every", "1000"]
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", "train.py",
              *train_args]
-    print(f"machine: {platform.processor() or platform.machine()}, 2 cores, gloo on CPU, {WORLD} ranks; "
+    print(f"machine: {_cpu()}, {os.cpu_count()} cores, gloo on CPU, {WORLD} ranks; "
           f"{' '.join(train_args)}", flush=True)
-    runs = {"baseline": _record(args.out / "base", train)}
-    for keep in map(float, args.keep.split(",")):
-        policy = _policy(args.out / "policies" / f"keep{keep}.json", train_args, keep, args.refresh_every)
-        runs[f"keep {keep:g}"] = _record(args.out / f"keep{keep}", [*train, "--policy", str(policy)])
+    runs = {"baseline": _record(args.out / "base", train, args.reuse)}
+    for spec in args.keep.split(","):
+        keep, _, refresh = spec.partition(":")
+        keep, refresh = float(keep), int(refresh or args.refresh_every)
+        name = f"keep{keep:g}-refresh{refresh}"
+        policy = _policy(args.out / "policies" / f"{name}.json", train_args, keep, refresh)
+        runs[name] = _record(args.out / name, [*train, "--policy", str(policy)], args.reuse)
     base_bytes = runs["baseline"]["dp_bytes_per_step"]
     for name, r in runs.items():
         ratio = base_bytes / r["dp_bytes_per_step"] if r["dp_bytes_per_step"] else float("inf")
-        print(f"{name:>12}: DP bytes/step {r['dp_bytes_per_step']:>12,.0f} ({ratio:6.1f}x fewer)  "
+        print(f"{name:>24}: DP bytes/step {r['dp_bytes_per_step']:>12,.0f} ({ratio:6.1f}x fewer)  "
               f"calls/step {r['calls_per_step']:.1f}  ops {r['ops']}  eval AUC {r['eval_auc']:.4f} "
               f"(vs baseline {r['eval_auc'] - runs['baseline']['eval_auc']:+.4f})  "
               f"samples/s {r['samples_per_s']:,.0f} (traced, indicative)", flush=True)
@@ -78,11 +85,16 @@ def _policy(path: Path, train_args: list[str], keep: float, refresh_every: int) 
     return write_policy(path, policy)
 
 
-def _record(run_dir: Path, command: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", "--lookup-every",
-                           "0", "--grad-every", "0", "--", *command], cwd=REPO, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"recording {run_dir} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _record(run_dir: Path, command: list[str], reuse: bool) -> dict:
+    if not (reuse and (run_dir / "manifest.json").exists()):
+        _run(run_dir, command)
     run = open_run(run_dir)
     comms = run.scan("comms").filter((pl.col("phase") == "train") & pl.col("tag").is_in([BASE_TAG, LABEL])).collect()
     steps = run.scan("steps").filter(pl.col("rank") == 0).select(pl.col("step").n_unique()).collect().item()
@@ -90,6 +102,13 @@ def _record(run_dir: Path, command: list[str]) -> dict:
     return {"dp_bytes_per_step": comms["bytes_out"].sum() / steps, "calls_per_step": comms.height / steps,
             "ops": dict(comms.group_by("op").len().iter_rows()), "steps": steps,
             "eval_auc": metrics.get("eval_auc"), "samples_per_s": metrics.get("samples_per_s")}
+
+
+def _run(run_dir: Path, command: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", "--lookup-every",
+                           "0", "--grad-every", "0", "--", *command], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"recording {run_dir} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
 if __name__ == "__main__":
