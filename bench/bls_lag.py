@@ -38,7 +38,10 @@ def main() -> None:
     p.add_argument("--bounds", default="0,1,2,4,8")
     p.add_argument("--probability", type=float, default=0.1)
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-bls"))
+    p.add_argument("--world", type=int, default=4, help="ranks (4: the issue's; this 2-core box oversubscribes them)")
     args = p.parse_args()
+    global WORLD
+    WORLD = args.world
     model = ["--preset", "criteo-kaggle", "--scale", "0.001", "--dim", "16", "--bottom-mlp", "64,16",
              "--top-mlp", "64,1", "--batch-size", "256", "--samples", str(args.steps * 256 * WORLD),
              "--steps", str(args.steps), "--inference", "--json"]
