@@ -13,7 +13,6 @@ Policies come from training rows only; evaluation traffic is reported beside the
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -121,15 +120,11 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         if _on_cluster(ctx):
             progress("simulate")
             _cluster_step_times(ctx, policy, target)
-            write_policy(target, policy, rows)
+            write_policy(target, policy)  # the row lists are written already
         report["written"].append(str(target))
         report["written"].extend(str(Path(ctx.path) / "policy" / f"{name}.parquet") for name in rows)
     else:
         report["notes"].append("policy.json: not written, the manifest lists no embedding tables")
     report["baseline"] = baseline
-    summary = Path(ctx.path) / "analysis" / "summary.json"
-    summary.parent.mkdir(exist_ok=True)
-    tmp = summary.with_name(".summary.json.tmp")
-    tmp.write_text(json.dumps(report, default=str, indent=1) + "\n")
-    os.replace(tmp, summary)  # the report reads what could not be derived, and why, from here
+    ctx.write_json("summary", report)  # the report reads what could not be derived, and why, from here
     return report

@@ -14,6 +14,7 @@ does the passes over the big tables (`accesses`, `lookups`), Polars the small re
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -143,6 +144,15 @@ class Context:
         if not self.has("steps"):
             return 0
         return int(self.con.sql("SELECT count(DISTINCT step) FROM steps").fetchall()[0][0])
+
+    def write_json(self, name: str, value: Any) -> Path:
+        """Write `value` as RUN/analysis/<name>.json (via a temporary file, renamed)."""
+        target = self.path / "analysis" / f"{name}.json"
+        target.parent.mkdir(exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(json.dumps(value, default=str, indent=1) + "\n")
+        os.replace(tmp, target)
+        return target
 
     def write(self, name: str, frame: pl.DataFrame) -> Path:
         """Write `frame` as RUN/analysis/<name>.parquet (via a temporary file, renamed)."""

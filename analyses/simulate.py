@@ -67,15 +67,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from analyses import traffic
-from analyses.context import Context, Result
+from analyses import costmodel, sources, traffic
+from analyses.compare import SYNC_TAGS
+from analyses.context import Context, Result, open_context
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
+from tracekit.policy import check_model, load_policy, row_path
 
 WIRE_EFFICIENCY = 1448 / 1514
 """TCP payload per byte on an Ethernet link at MTU 1500 (with TCP timestamps)."""
 SIMULATED = ("replication", "tiers", "schedule")
 """policy.json sections whose predictions say what the exchange becomes."""
-SYNC_TAGS = ("replica_sync", "tier2_sync")
 SWEEP_RATES = (10e6, 25e6, 50e6, 100e6, 200e6, 500e6, 1e9, 2.5e9, 10e9, 25e9, 100e9)
 """Inter-node link rates of the sweep, bits per second."""
 SPARSE_SYNC_CALLS = 3
@@ -167,8 +168,6 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
 def _times(ctx: Context, steps: int, world: int) -> dict:
     samples = ctx.sql("SELECT sum(samples)::DOUBLE FROM steps").fetchall()[0][0] if ctx.has("steps") else None
     if not samples:
-        from analyses import sources
-
         samples = float(sources.batches(ctx)["b"].sum()) if ctx.has("comms") else 0.0
     out = {"batch": samples / steps / world if samples else None, "compute_s": None, "step_time_s": None,
            "latency_s": traffic.latency(ctx) or 0.0}
@@ -246,8 +245,6 @@ def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | Non
 def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
     """Bytes per step, by trainer tag and (sender, receiver), that replicating `rows` (table_name,
     row) takes out of the recorded exchange, replayed over the sampled lookups (module docstring)."""
-    from analyses import costmodel
-
     s = costmodel.setup(ctx)
     w = ctx.model.world_size
     ctx.con.register("tk_sim_rows", rows.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
@@ -277,8 +274,6 @@ def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
 
 def _section_rows(section: dict, name: str, policy_path) -> pl.DataFrame | None:
     """The rows a section replicates on every rank (replication's list; tiers' tier 1 on one node)."""
-    from tracekit.policy import row_path
-
     if policy_path is None:
         return None
     if name == "replication":
@@ -448,13 +443,6 @@ def project(path, target: Target, policy_path=None) -> dict:
     """`tracekit simulate`: open the run at `path`, project it onto `target` with the policy file at
     `policy_path` (None: the baseline only), write RUN/analysis/simulate.parquet,
     simulate_sweep.parquet and simulate.json, and return the summary with the notes."""
-    import json
-    import os
-    from pathlib import Path
-
-    from analyses.context import open_context
-    from tracekit.policy import check_model, load_policy
-
     ctx = open_context(path)
     policy = None
     if policy_path is not None:
@@ -466,8 +454,5 @@ def project(path, target: Target, policy_path=None) -> dict:
                **result.summary, "notes": result.notes, "written": []}
     for name, frame in result.tables.items():
         summary["written"].append(str(ctx.write(name, frame)))
-    target_file = Path(ctx.path) / "analysis" / "simulate.json"
-    tmp = target_file.with_name(".simulate.json.tmp")
-    tmp.write_text(json.dumps(summary, default=str, indent=1) + "\n")
-    os.replace(tmp, target_file)
+    ctx.write_json("simulate", summary)
     return summary

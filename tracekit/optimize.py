@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracekit.cluster import Topology
-from tracekit.policy import load_policy, write_policy
+from tracekit.policy import SECTIONS, load_policy, write_policy
 
 APPLIED = ("replication", "tiers", "schedule", "compression.dp", "compression.mp")
 """The sections (compression's parts apart) the reference trainer applies; optimize re-runs each
 one alone, then together."""
-SECTIONS = ("replication", "tiers", "schedule", "compression", "lag")
 MIN_HOT_SAMPLES = 0.01
 """An FAE schedule with fewer all-hot samples than this is not re-run."""
 

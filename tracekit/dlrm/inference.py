@@ -120,7 +120,6 @@ def run(cfg, dataset: Dataset, *, rank: int, world_size: int, device: torch.devi
     if exchange is not None:
         exchange.close()
     predictions, local_labels = torch.cat(logits), torch.cat(labels)
-    auc = ll = None
     both = torch.stack([predictions, local_labels]).float()
     if world_size > 1:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
