@@ -79,7 +79,7 @@ def test_sections_not_worth_a_run_are_left_out_with_the_reason(tmp_path: Path) -
     assert plans == []
     assert notes == ["replication not re-run: no row is worth replicating at this budget",
                      "tiers not re-run: one node: the tiers are the replication section",
-                     "lag not re-run: the reference trainer does not apply it yet"]
+                     "lag not re-run: it applies to inference (train.py --inference --policy FILE), optimize re-runs training"]
 
 
 def test_a_failing_baseline_stops_with_its_log(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def reruns(policy_path: Path) -> tuple[list[Rerun], list[str]]:
             continue
         chosen.append(name)
     if "lag" in policy:
-        notes.append("lag not re-run: the reference trainer does not apply it yet")
+        notes.append("lag not re-run: it applies to inference (train.py --inference --policy FILE), optimize re-runs training")
     plans = [Rerun(name, _write_sections(policy_path, policy, [name])) for name in chosen]
     if len(chosen) > 1:
         plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
