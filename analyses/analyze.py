@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from analyses.context import Context, Options, PolicyResult, Result, open_context
-from tracekit.policy import new_policy, write_policy
+from tracekit.policy import new_policy, section_part, write_policy
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     # name: (module, trace tables it needs)
@@ -58,17 +58,18 @@ def _cluster_step_times(ctx: Context, policy: dict, path: Path) -> None:
     link model at the recorded topology and link (the exchange per rank pair, each direction of each
     node's link): the cost model's per-rank bandwidth cannot see that a table-wise exchange is
     lopsided, one way forward and the other backward."""
-    from analyses.simulate import SIMULATED, Target, simulate
+    from analyses.simulate import COMPRESSED, SIMULATED, Target, simulate
 
     topology = _on_cluster(ctx)
     target = Target(int(topology["nodes"]), int(topology["ranks_per_node"]), float(topology["link_bytes_per_s"]))
     rows = {r["policy"]: r for r in simulate(ctx, target, policy, path).tables["simulate"].iter_rows(named=True)}
-    for name in SIMULATED:
-        if name in policy and rows.get(name, {}).get("step_time_s") is not None:
-            policy[name]["predicted"]["step_time_s"] = rows[name]["step_time_s"]
-            policy[name]["predicted"]["comm_time_s"] = rows[name]["comm_s"]
-            policy[name]["why"] += (f"; step time from the link model of the recorded cluster ({target.name} at "
-                                    f"{topology.get('link')}, analyses.simulate)")
+    for name in (*SIMULATED, *COMPRESSED):
+        body = section_part(policy, name)
+        if body is not None and rows.get(name, {}).get("step_time_s") is not None:
+            body["predicted"]["step_time_s"] = rows[name]["step_time_s"]
+            body["predicted"]["comm_time_s"] = rows[name]["comm_s"]
+            body["why"] += (f"; step time from the link model of the recorded cluster ({target.name} at "
+                            f"{topology.get('link')}, analyses.simulate)")
 
 
 def analyze(path: str | os.PathLike, options: Options | None = None,

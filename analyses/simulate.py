@@ -54,6 +54,11 @@ all-to-all forward and backward), so the exchange keeps its true shape after the
 otherwise (the FAE schedule, or no lookups) the embedding exchange scales by the policy's predicted
 remote bytes over the recorded ones (self splits by the bytes_out ratio), every tag alike; the sync adds a ring of Σ rb (dense) or its predicted wire bytes over three
 collectives (sparse: count all-gather, ids all-to-all, all-reduce over the union).
+DCT's compression: compression.mp scales every floating-point all-to-all (the embedding outputs
+and their gradients) by its predicted ratio; compression.dp takes DDP's gradient all-reduces out
+of the ring and sends its predicted bytes as all-gathers instead, two per bucket (the counts, then
+the entries). `combined` is every section together, compression applied after the exchange's
+replicas, as the trainer applies them.
 
     result = simulate(ctx, Target(nodes=2, ranks_per_node=1, inter_bw=25e6), policy)
     result.tables["simulate"]         # policy | method | bytes and time per step | speedup
@@ -71,12 +76,14 @@ from analyses import costmodel, sources, traffic
 from analyses.compare import SYNC_TAGS
 from analyses.context import Context, Result, open_context
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
-from tracekit.policy import check_model, load_policy, row_path
+from tracekit.policy import check_model, load_policy, row_path, section_part
 
 WIRE_EFFICIENCY = 1448 / 1514
 """TCP payload per byte on an Ethernet link at MTU 1500 (with TCP timestamps)."""
 SIMULATED = ("replication", "tiers", "schedule")
 """policy.json sections whose predictions say what the exchange becomes."""
+COMPRESSED = ("compression.dp", "compression.mp")
+"""policy.json's compression parts, projected on top of the exchange."""
 SWEEP_RATES = (10e6, 25e6, 50e6, 100e6, 200e6, 500e6, 1e9, 2.5e9, 10e9, 25e9, 100e9)
 """Inter-node link rates of the sweep, bits per second."""
 SPARSE_SYNC_CALLS = 3
@@ -119,6 +126,7 @@ class Traffic:
     sync_calls: float = 0.0
     sync_ring: float = 0.0  # ... when it is one dense all-reduce: its bytes per rank
     replica_bytes: float = 0.0  # a policy's replicas per rank (Σ rb), the dense sync's size
+    float_tags: frozenset[str] = frozenset()  # all-to-all tags carrying floating-point rows (outputs, grads)
 
     @property
     def calls(self) -> float:
@@ -146,13 +154,17 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
     steps = max(traffic.training_steps(ctx), 1)
     w = ctx.model.world_size
     exchange: dict[str, np.ndarray] = {}
-    for tag, src, dst, b in ctx.sql(f"""
-            SELECT coalesce(tag, ''), rank, i - 1, sum(splits_out[i])::DOUBLE
-            FROM (SELECT tag, rank, splits_out, generate_subscripts(splits_out, 1) AS i FROM train_comms
+    float_tags = set()
+    for tag, src, dst, b, is_float in ctx.sql(f"""
+            SELECT coalesce(tag, ''), rank, i - 1, sum(splits_out[i])::DOUBLE,
+                   bool_or(dtype LIKE '%float%' OR dtype LIKE '%half%')
+            FROM (SELECT tag, rank, dtype, splits_out, generate_subscripts(splits_out, 1) AS i FROM train_comms
                   WHERE op IN ({sql_list(A2A_OPS)}) AND group_size = {w})
             GROUP BY ALL""").fetchall():
         if 0 <= src < w and 0 <= dst < w:
             exchange.setdefault(tag, np.zeros((w, w)))[src, dst] = b / steps
+            if is_float:
+                float_tags.add(tag)
     per_op = {op: (calls / steps / w, per_rank / steps) for op, calls, per_rank in ctx.sql(f"""
         SELECT CASE WHEN op IN ({sql_list(A2A_OPS)}) THEN 'a2a' WHEN op = 'all_reduce' THEN 'ring'
                     WHEN op IN ({sql_list(GATHER_OPS)}) THEN 'gather' ELSE 'other' END AS kind,
@@ -161,7 +173,8 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
         GROUP BY kind""").fetchall()}
     none = (0.0, 0.0)
     run = Traffic(w, exchange, per_op.get("a2a", none)[0], per_op.get("ring", none)[1], per_op.get("ring", none)[0],
-                  per_op.get("gather", none)[1], per_op.get("gather", none)[0], per_op.get("other", none)[0])
+                  per_op.get("gather", none)[1], per_op.get("gather", none)[0], per_op.get("other", none)[0],
+                  float_tags=frozenset(float_tags))
     return run, {"steps": steps, **_times(ctx, steps, w)}
 
 
@@ -240,6 +253,21 @@ def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | Non
         exchange[tag] = (m - diagonal) * rem_ratio + diagonal * self_ratio
     return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync,
                       section.get("sync", "sparse_allreduce"))
+
+
+def with_compression(t: Traffic, name: str, part: dict) -> Traffic:
+    """`t` with a compression part's predicted bytes (module docstring): compression.mp scales the
+    floating-point all-to-alls, compression.dp moves DDP's gradients from the ring to all-gathers."""
+    predicted = part.get("predicted") or {}
+    if name == "compression.mp":
+        ratio = float(predicted.get("ratio") or 1.0)
+        return replace(t, exchange={tag: m * ratio if tag in t.float_tags else m for tag, m in t.exchange.items()})
+    baseline, sent = predicted.get("baseline_dp_bytes_per_step"), predicted.get("dp_bytes_per_step")
+    if not baseline or sent is None or not t.ring_calls:
+        return t
+    w = t.world
+    return replace(t, ring=max(t.ring - baseline / w, 0.0), ring_calls=0.0, gather=t.gather + sent / w,
+                   gather_calls=t.gather_calls + 2 * t.ring_calls)
 
 
 def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
@@ -369,14 +397,23 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
     compute = None if run["compute_s"] is None else run["compute_s"] * (new_batch / batch if batch else 1.0)
 
     cases = [("baseline", base)]
+    policy = policy or {}
     for name in SIMULATED:
-        if policy and name in policy:
+        if name in policy:
             rows = _section_rows(policy[name], name, policy_path) if ctx.has("lookups") else None
             freed = None if rows is None else replicated_pairs(ctx, rows)
             cases.append((name, with_policy(base, policy[name], freed)))
-    for name in (policy or {}):
-        if name in ("compression", "lag"):
-            result.notes.append(f"{name}: not projected (its effect on the exchange is not modelled here)")
+    exchanged = cases[1:]
+    compressed = [(name, part) for name in COMPRESSED if (part := section_part(policy, name)) is not None]
+    for name, part in compressed:
+        cases.append((name, with_compression(base, name, part)))
+    if len(exchanged) + len(compressed) > 1:  # as optimize's combined run: replication (or tiers) first
+        combined = next((t for name, t in exchanged if name in ("replication", "tiers")), base)
+        for name, part in compressed:
+            combined = with_compression(combined, name, part)
+        cases.append(("combined", combined))
+    if "lag" in policy:
+        result.notes.append("lag: not projected (it applies to inference; its makespan is the lag section's)")
     if not same:
         cases = [(name, scaled(t, batch, target, new_batch)) for name, t in cases]
         result.notes.append(f"world {ctx.model.world_size} → {target.world}, batch {batch:g} → {new_batch:g} per "

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from analyses.analyze import analyze
 from analyses.context import Options, open_context
-from analyses.simulate import WIRE_EFFICIENCY, Target, Traffic, comm_time, exchange_time, ring_time, simulate
+from analyses.simulate import (WIRE_EFFICIENCY, Target, Traffic, comm_time, exchange_time, ring_time, simulate,
+                               with_compression)
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
 from tracekit.policy import load_policy
@@ -51,6 +52,20 @@ def test_ring_time_is_the_slowest_ring_edge() -> None:
     assert ring_time(100.0, 2, 2, inter=10.0, intra=100.0) == pytest.approx(15.0)
     assert ring_time(100.0, 1, 4, inter=1.0, intra=100.0) == pytest.approx(1.5)
     assert ring_time(100.0, 1, 1, inter=1.0, intra=1.0) == 0.0
+
+
+def test_compression_shrinks_the_float_exchange_and_moves_gradients_to_all_gathers() -> None:
+    ids, rows = np.array([[0, 40], [40, 0]], float), np.array([[8, 800], [800, 8]], float)
+    t = Traffic(2, {"ids": ids, "rows.forward": rows}, 2, ring=1000.0, ring_calls=2, gather=0.0, gather_calls=0,
+                other_calls=0, float_tags=frozenset({"rows.forward"}))
+    mp = with_compression(t, "compression.mp", {"predicted": {"ratio": 0.25}})
+    assert np.array_equal(mp.exchange["ids"], ids) and np.array_equal(mp.exchange["rows.forward"], rows / 4)
+    # Σ ranks: 2000 all-reduced, 100 sent instead: 50 per rank, gathered by the other
+    dp = with_compression(t, "compression.dp", {"predicted": {"baseline_dp_bytes_per_step": 2000.0,
+                                                              "dp_bytes_per_step": 100.0}})
+    assert (dp.ring, dp.ring_calls, dp.gather, dp.gather_calls) == (0.0, 0.0, 50.0, 4.0)
+    link = Target(2, 1, inter_bw=10 / WIRE_EFFICIENCY)
+    assert comm_time(dp, link, intra=1e9, latency=0.0) == pytest.approx((40 + 800 + 50) / 10)
 
 
 @pytest.fixture(scope="module")

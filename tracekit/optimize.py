@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracekit.cluster import Topology
-from tracekit.policy import SECTIONS, load_policy, write_policy
+from tracekit.policy import SECTIONS, load_policy, section_part, write_policy
 
 APPLIED = ("replication", "tiers", "schedule", "compression.dp", "compression.mp")
 """The sections (compression's parts apart) the reference trainer applies; optimize re-runs each
@@ -40,7 +40,7 @@ def reruns(policy_path: Path) -> tuple[list[Rerun], list[str]]:
     policy = load_policy(policy_path)
     chosen, notes = [], []
     for name in APPLIED:
-        body = _part(policy, name)
+        body = section_part(policy, name)
         if body is None:
             continue
         reason = _why_not(name, body)
@@ -54,13 +54,6 @@ def reruns(policy_path: Path) -> tuple[list[Rerun], list[str]]:
     if len(chosen) > 1:
         plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
     return plans, notes
-
-
-def _part(policy: dict, name: str) -> dict | None:
-    """policy[name], or policy["compression"]["dp"] for "compression.dp"; None where absent."""
-    section, _, part = name.partition(".")
-    body = policy.get(section)
-    return body.get(part) if part and isinstance(body, dict) else body
 
 
 def _why_not(name: str, section: dict) -> str | None:

@@ -38,6 +38,13 @@ class PolicyError(TracekitError):
     """Raised when a policy file is malformed; names the file and the field."""
 
 
+def section_part(policy: dict, name: str) -> dict | None:
+    """policy[name], or policy["compression"]["dp"] for "compression.dp"; None where absent."""
+    section, _, part = name.partition(".")
+    body = policy.get(section)
+    return body.get(part) if part and isinstance(body, dict) else body
+
+
 def new_policy(*, source_run: str, model: dict, baseline: dict | None = None) -> dict:
     """An empty policy for `model` ({"tables": [{"name", "num_rows", "dim"}...], "world_size"})."""
     return {"schema": SCHEMA, "source_run": source_run,

@@ -89,6 +89,9 @@ order statistics (torch.quantile's and numpy's default definition)."""
 KEEP_RATIOS = {"0_1pct": 0.001, "1pct": 0.01, "10pct": 0.1}
 """DCT keep ratios in `grads`, by the suffix of their columns `count_above_keep_<s>` and
 `thr_keep_<s>`."""
+DCT_WHOLE_BELOW = 128
+"""DCT-DP sends a parameter of fewer entries than this whole (kraken's dct_emitter): the trainer's
+hook does, and analyze's compression.dp counts it so."""
 
 # count_above_keep_X counts elements of |g| above the threshold that keeps the top X of elements
 # (DCT's keep ratio), the threshold being the one in force at that step: thr_keep_X, the (1 - X)

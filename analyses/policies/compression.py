@@ -7,6 +7,7 @@ holds thr_keep_X, the (1 − X) quantile of |g| when last refreshed and then lef
 for REFRESH_EVERY steps, and count_above_keep_X, the elements above it at that step. Per parameter
 and X, over the sampled steps:
     target = ⌈X · numel⌉ (the count at a refresh),   drift_X = max_t count_above_keep_X / target
+(a parameter of fewer than DCT_WHOLE_BELOW entries is sent whole: its count and target are numel)
 A threshold "stays bounded" when drift_X ≤ DRIFT_BOUND: between refreshes it never lets through
 more than DRIFT_BOUND times the elements it was set for. Table `dct_dp` gives each parameter's
 drift at every X and the smallest X that stays bounded (null: none does). The section's one
@@ -59,7 +60,7 @@ import polars as pl
 
 from analyses import traffic
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
-from tracekit.schema import KEEP_RATIOS
+from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
 
 DRIFT_BOUND = 2.0
 REFRESH_EVERY = 1000
@@ -96,8 +97,10 @@ def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:
     and the same per (parameter, sampled step)."""
     parts = []
     for suffix, keep in KEEP_RATIOS.items():  # {keep} is a DECIMAL literal to DuckDB: the ceiling is exact
-        parts.append(f"avg(count_above_keep_{suffix})::DOUBLE AS kept_{suffix}, "
-                     f"greatest(1, ceil({keep} * any_value(numel)))::DOUBLE AS target_{suffix}")
+        parts.append(f"CASE WHEN any_value(numel) < {DCT_WHOLE_BELOW} THEN any_value(numel) "
+                     f"ELSE avg(count_above_keep_{suffix}) END::DOUBLE AS kept_{suffix}, "
+                     f"CASE WHEN any_value(numel) < {DCT_WHOLE_BELOW} THEN any_value(numel) "
+                     f"ELSE greatest(1, ceil({keep} * any_value(numel))) END::DOUBLE AS target_{suffix}")
     per_step = ctx.frame(f"""
         SELECT name, step, any_value(numel) AS numel, {', '.join(parts)}
         FROM grads GROUP BY name, step""")

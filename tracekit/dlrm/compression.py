@@ -9,10 +9,13 @@ cross the network, applied as a DDP communication hook (policy.json's `compressi
 Per DDP bucket, on every rank, every step (kraken's dct_emitter, the paper's DP side):
   1. f = g + e: the bucket's local gradient plus the error-feedback residual (e = 0 at first, and
      always without error feedback);
-  2. every `refresh_every` steps (the first included), τ = the k-th largest |f|, k = ⌈keep_ratio ·
-     numel⌉; in between τ stays as it was (stale), so the entries sent per step drift around k. A
-     bucket whose parameters change (DDP rebuilds its buckets after the first step) gets a fresh τ.
-     Steps are counted at bucket 0, whose hook DDP calls first in every backward;
+  2. every `refresh_every` steps (the first included), each parameter's τ = the k-th largest |f| of
+     its entries, k = ⌈keep_ratio · numel⌉: one threshold per dense tensor, as DCT and kraken set
+     them, so every layer sends its share (one threshold per bucket starves the layers whose
+     gradients are small). In between τ stays as it was (stale), so the entries sent per step drift
+     around k. A parameter of fewer than DCT_WHOLE_BELOW entries is sent whole (kraken's bypass), and
+     one first seen after a refresh gets its τ at once. Steps are counted at bucket 0, whose hook
+     DDP calls first in every backward;
   3. send the entries with |f| ≥ τ (|f| > 0 when τ is 0: zeros add nothing);
   4. e = f where nothing was sent (error feedback), else e stays 0 and the unsent part is lost.
 The bucket's result is the sum over ranks of what was sent, not divided: the reference trainer's
@@ -46,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 import tracekit
+from tracekit.schema import DCT_WHOLE_BELOW
 
 LABEL = "dct_dp"
 ENCODINGS = ("dense", "bitmap", "int16", "int32")  # ties go to the first
@@ -58,7 +62,7 @@ class DctDp:
     """What policy.json's compression.dp says to apply."""
 
     keep_ratio: float
-    """Fraction of each bucket's entries the threshold is set to send, in (0, 1]."""
+    """Fraction of each parameter's entries its threshold is set to send, in (0, 1]."""
     refresh_every: int = 1000
     """Calls of a bucket's hook (training steps) a threshold stays in force."""
     error_feedback: bool = True
@@ -85,8 +89,8 @@ class BucketSend:
     encoding: str  # one of ENCODINGS, or "none" when no rank sent anything
     bytes_out: int  # this rank's bytes_out over the hook's collectives (count and payload)
     dense_bytes: int  # the bucket's bytes: what a plain all-reduce puts out
-    threshold: float
-    refreshed: bool  # τ was computed at this call
+    threshold: float  # the smallest of the bucket's thresholds
+    refreshed: bool  # the thresholds were computed at this call
 
 
 @dataclass
@@ -95,8 +99,7 @@ class DctDpState:
 
     settings: DctDp
     group: dist.ProcessGroup | None = None  # None: the default group
-    threshold: dict[int, float] = field(default_factory=dict)  # per bucket index
-    layout: dict[int, tuple[int, ...]] = field(default_factory=dict)  # the parameters τ was set for
+    threshold: dict[int, float] = field(default_factory=dict)  # per parameter (by id)
     step: int = -1  # the step now in backward
     residual: dict[int, torch.Tensor] = field(default_factory=dict)  # per parameter (by id), flat
     log: list[BucketSend] = field(default_factory=list)
@@ -145,20 +148,21 @@ def dct_dp_hook(state: DctDpState, bucket: dist.GradBucket) -> torch.futures.Fut
     if index == 0:
         state.step += 1
     step = state.step
-    layout = tuple(id(p) for p in params)
-    refreshed = step % settings.refresh_every == 0 or state.layout.get(index) != layout
+    sizes = [p.numel() for p in params]
+    refreshed = step % settings.refresh_every == 0 or any(id(p) not in state.threshold for p in params)
     magnitude = f.abs()
     if refreshed:
-        k = min(n, max(1, math.ceil(settings.keep_ratio * n)))
-        state.threshold[index] = float(magnitude.kthvalue(n - k + 1).values) if n else 0.0
-        state.layout[index] = layout
-    tau = state.threshold[index]
-    mask = magnitude >= tau if tau > 0 else f != 0
+        for p, part in zip(params, magnitude.split(sizes)):
+            state.threshold[id(p)] = _threshold(part, settings.keep_ratio)
+    taus = [state.threshold[id(p)] for p in params]
+    tau = torch.repeat_interleave(torch.tensor(taus, dtype=f.dtype, device=f.device),
+                                  torch.tensor(sizes, device=f.device), output_size=n)
+    mask = (magnitude >= tau) & (f != 0)  # zeros add nothing, whatever τ is
     kept = torch.nonzero(mask).flatten()
     values = f[kept]
     if settings.error_feedback:
         f[kept] = 0
-        for p, part in zip(params, f.split([p.numel() for p in params])):
+        for p, part in zip(params, f.split(sizes)):
             state.residual[id(p)] = part  # views of f: what stays behind
 
     world = dist.get_world_size(state.group)
@@ -172,7 +176,7 @@ def dct_dp_hook(state: DctDpState, bucket: dist.GradBucket) -> torch.futures.Fut
         payload = 0 if encoding == "none" else encoded_bytes(encoding, n, m, es)
         state.log.append(BucketSend(step=step, bucket=index, numel=n, kept=kept.numel(), max_kept=m,
                                     encoding=encoding, bytes_out=COUNT_BYTES + payload, dense_bytes=n * es,
-                                    threshold=tau, refreshed=refreshed))
+                                    threshold=min(taus, default=0.0), refreshed=refreshed))
         if encoding == "none":
             done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             done.set_result(torch.zeros_like(grad))
@@ -185,6 +189,16 @@ def dct_dp_hook(state: DctDpState, bucket: dist.GradBucket) -> torch.futures.Fut
         work = dist.all_gather_single(out, _encode(encoding, kept, values, n, m, payload), group=state.group,
                                       async_op=True)
     return work.get_future().then(lambda fut: _decode(encoding, out, counts, grad, payload))
+
+
+def _threshold(magnitude: torch.Tensor, keep_ratio: float) -> float:
+    """τ that keeps ⌈keep_ratio · n⌉ of these |f| (the k-th largest); 0, sending every entry even
+    after τ goes stale, for a small tensor or a ratio that keeps them all."""
+    n = magnitude.numel()
+    k = max(1, math.ceil(keep_ratio * n))
+    if n < DCT_WHOLE_BELOW or k >= n:
+        return 0.0
+    return float(magnitude.kthvalue(n - k + 1).values)
 
 
 def _residual(state: DctDpState, params: list[torch.Tensor], grad: torch.Tensor) -> torch.Tensor:
