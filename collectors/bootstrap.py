@@ -2,9 +2,9 @@
 
 `arm()` (called from collectors/site/sitecustomize.py) watches for the first `import torch`.
 Only then, and only in a process that trains (not the torchrun launcher), does `activate()` open
-this rank's RunWriter and install the step, embedding, comm, grads and gpu collectors. At exit it
-closes the writer and leaves `ranks/rank=R.json` for the manifest: what the rank wrote, dropped
-and failed, the tables it looked up, the GPU it sampled (or why none), its backend, host and clock
+this rank's RunWriter and install the step, embedding (and its TorchRec/FBGEMM source, armed for
+when those are imported), comm, grads and gpu collectors. At exit it closes the writer and leaves
+`ranks/rank=R.json` for the manifest: what the rank wrote, dropped and failed, the tables it looked up, the GPU it sampled (or why none), its backend, host and clock
 anchor, the policy file and metrics it declared (collectors/declared.py), and `report_errors` naming
 any part of the report that could not be written. Settings come from TRACEKIT_* variables, read here
 once into `Settings`. The optional API (`tracekit.step()` and the rest) reaches the active collectors
@@ -156,7 +156,7 @@ def _json_default(obj: object) -> object:
 
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
-    from collectors import comm, declared, embedding, gpu, grads, phase, steps
+    from collectors import comm, declared, embedding, gpu, grads, phase, steps, torchrec_tables
     from tracekit.store import RunWriter
 
     if getattr(activate, "done", False):
@@ -171,7 +171,7 @@ def activate(settings: Settings) -> None:
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
     comms = comm.install(writer, clock)
-    handles = [phase.install(), steps.install(writer, clock), tables, comms,
+    handles = [phase.install(), steps.install(writer, clock), tables, torchrec_tables.install(tables), comms,
                grads.install(writer, clock, grad_every=settings.grad_every), sampler]
 
     def finish() -> None:

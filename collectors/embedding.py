@@ -33,6 +33,11 @@ At each module's first call, `handle.tables` gets an entry with what the manifes
 `dtype`, `kind` ("pooled" for an EmbeddingBag, "sequence" for an Embedding), `padding_idx`
 (a global row, or None) and `placement` (above).
 
+Lookups that go through no `nn.Embedding`/`nn.EmbeddingBag` come in through the handle: another
+source lists a table with `add_table(entry, ...)` and keeps each call with `record_call(table, ids,
+offsets, phase)`, and `name_table(module, name)` names a module's table (collectors/torchrec_tables.py
+does all three for TorchRec and FBGEMM).
+
 Every call carries its `phase`, `train` or `eval`, decided at the call (collectors/phase.py).
 A step's calls are written once the clock has moved past it, so each (step, phase, table, row) is
 one row; calls after the last step (an evaluation pass) are written at close under the step the
@@ -208,6 +213,7 @@ class EmbeddingHandle:
         self.names = ModuleNames()
         self.tables: list[dict] = []  # one entry per module seen, in first-call order (module docstring)
         self._tables: weakref.WeakKeyDictionary[nn.Module, Table] = weakref.WeakKeyDictionary()
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # name_table()
         self._module_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self._calls: collections.deque[Call] = collections.deque()  # appended here, popped by the writer
         self._ids_added = 0  # written by the training thread only
@@ -246,30 +252,49 @@ class EmbeddingHandle:
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         table = self._tables.get(module) or self._first_call(module)
         ids, offsets = lookup_ids(module, args, kwargs)
+        self.record_call(table, ids, offsets, phase.of_call(module))
+
+    def record_call(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str) -> None:
+        """Keep one lookup call of `table` made now: `ids` are module rows (below `table.num_rows`),
+        `offsets` (bags of a 1-D `ids`, or None) are read on sampled steps only. Copies both, so the
+        caller may reuse them; for collectors of other sources (collectors/torchrec_tables.py)."""
         if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
             self.writer.count_dropped("accesses", ids.numel())
             return
         step = self.clock.step
         sampled = self.lookup_every > 0 and step % self.lookup_every == 0
-        keep_offsets = offsets.clone() if sampled and offsets is not None else None
-        call = Call(step, phase.of_call(module), table, ids.clone(), keep_offsets, sampled)  # the caller may reuse ids
+        keep_offsets = offsets - offsets[:1] if sampled and offsets is not None else None  # a copy from 0
+        call = Call(step, call_phase, table, ids.detach().clone(), keep_offsets, sampled)
         self._calls.append(call)
         self._ids_added += ids.numel()
         if self._ids_added - self._ids_drained > self.writer.flush_rows:
             self.writer.wake()
 
+    def add_table(self, entry: dict, *, num_rows: int, first_row: int, padding_idx: int | None = None) -> Table:
+        """List `entry` (the keys of `table_entry`, `placement`, and any more) in `tables`, and return
+        the `Table` whose calls `record_call` keeps: `num_rows` module rows holding the table's rows
+        from `first_row` on."""
+        self.tables.append(entry)
+        return Table(entry["table"], num_rows, padding_idx, first_row)
+
+    def name_table(self, module: nn.Module, name: str) -> None:
+        """Name `module`'s table `name` instead of its module path (a TorchRec table config's name);
+        called before its first lookup. Placement and the `@rank<R>` suffix still apply."""
+        self._names[module] = name
+
     def _first_call(self, module: nn.Module) -> Table:
         rows = int(module.num_embeddings)
         shard, placement = shard_of(module), "sharded"
         if shard is None:
-            name = self.names.module_name(module)
+            name = self._names.get(module) or self.names.module_name(module)
             placement = "replicated" if self.names.is_replicated(module) else "local"
             rank, world_size = _rank_and_world()
             if placement == "local" and world_size > 1:
                 name = f"{name}@rank{rank}"
             shard = Shard(name, 0, rows)
-        self.tables.append({**table_entry(module, shard), "placement": placement})
-        table = self._tables[module] = Table(shard.table, rows, module.padding_idx, shard.first_row)
+        entry = {**table_entry(module, shard), "placement": placement}
+        table = self._tables[module] = self.add_table(entry, num_rows=rows, first_row=shard.first_row,
+                                                      padding_idx=module.padding_idx)
         return table
 
     def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -257,21 +257,28 @@ def read_rank_report(path: Path) -> dict:
     return report
 
 
+PLAN_KEYS = ("sharding_type", "compute_kernel")  # a table's, where its collector knows them
+SHARD_KEYS = ("first_row", "num_rows", "first_col", "num_cols")  # a shard's; the columns where known
+
+
 def merge_tables(ranks: list[dict]) -> list[dict]:
     """The manifest's `tables`: one entry per logical table, from what each rank's embedding collector
-    saw, with `shards` saying which rank holds which rows (a replicated table lists every copy)."""
+    saw, with `shards` saying which rank holds which rows (a replicated table lists every copy).
+    A TorchRec table (collectors/torchrec_tables.py) also carries its `sharding_type` and
+    `compute_kernel`, and each shard its columns, `first_col` and `num_cols`."""
     seen: dict[str, list[dict]] = {}
     for report in ranks:
         for entry in report["tables"]:
             seen.setdefault(entry["table"], []).append({**entry, "rank": report["rank"]})
     tables = []
     for name, entries in sorted(seen.items()):
-        entries.sort(key=lambda e: (e["first_row"], e["rank"]))
+        entries.sort(key=lambda e: (e["first_row"], e.get("first_col", 0), e["rank"]))
         first = entries[0]
+        plan = {k: first[k] for k in PLAN_KEYS if k in first}
         tables.append({"name": name, "num_rows": max(e["table_rows"] for e in entries), "dim": first["dim"],
                        "dtype": first["dtype"], "kind": first["kind"], "padding_idx": first["padding_idx"],
-                       "placement": first.get("placement"),
-                       "shards": [{k: e[k] for k in ("rank", "first_row", "num_rows")} for e in entries]})
+                       "placement": first.get("placement"), **plan,
+                       "shards": [{k: e[k] for k in ("rank", *SHARD_KEYS) if k in e} for e in entries]})
     return tables
 
 
