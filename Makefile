@@ -5,7 +5,7 @@ VENV   := .venv
 STAMP  := $(VENV)/.installed
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test bench clean
+.PHONY: venv torchrec-venv demo test bench clean
 
 venv: $(STAMP)
 
@@ -15,10 +15,15 @@ $(STAMP): requirements.txt pyproject.toml setup.py tracekit/dlrm/csrc/sparse_upd
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .  # builds the C++ kernel (~1 min)
 	touch $(STAMP)
 
+# The TorchRec venv (bench/.venv-torchrec) the TorchRec tests install tracekit into; idempotent.
+# Without a package index it fails: the rest of `make test` still runs, and those tests skip saying why.
+torchrec-venv:
+	bash bench/setup_torchrec_venv.sh || echo "make: no TorchRec venv (see above); the TorchRec tests will skip" >&2
+
 demo: venv
 	$(BIN)/python -m tracekit.demo
 
-test: venv
+test: venv torchrec-venv
 	$(BIN)/python -m pytest -q
 
 clean:
