@@ -1,8 +1,9 @@
 """BLS inference (`train.py --inference`, tracekit/dlrm/inference.py) on real gloo ranks: every lag
-bound gives the predictions of the synchronous run, sample for sample; a recorded run never lets a
-rank finish an iteration before every peer finished the one `bound` + 1 earlier, and with
-stragglers a larger bound does let ranks run ahead; a failing rank ends the run instead of hanging;
-bad options are refused."""
+bound gives the predictions of the synchronous run, sample for sample, requests split in two
+messages included; a recorded run never lets a rank finish an iteration before every peer
+finished the one `bound` + 1 earlier, and with stragglers a larger bound does let ranks run ahead;
+the run reports the exchange's cost a step; a failing rank ends the run instead of hanging; bad
+options are refused."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ MODEL = ["--tables", "4", "--rows", "500", "--dim", "8", "--bottom-mlp", "16,8",
 STEPS = 12
 
 
-def _predict(rank: int, world: int, bound: int | None, straggler: str | None) -> torch.Tensor:
+def _predict(rank: int, world: int, bound: int | None, straggler: str | None,
+             pooling_capacity: int | None = None) -> torch.Tensor:
+    if pooling_capacity is not None:
+        inference.POOLING_CAPACITY = pooling_capacity
     cfg = config_mod.from_args(MODEL)
     dataset = open_dataset("synthetic", tables=4, rows=500, num_dense=13, pooling=3, samples=4096, seed=0,
                            zipf=None, drift=0.0, preset=None, scale=1.0)
@@ -38,8 +42,9 @@ def _predict(rank: int, world: int, bound: int | None, straggler: str | None) ->
 
 def test_every_bound_predicts_what_the_synchronous_run_does() -> None:
     synchronous = run_ranks(2, _predict, None, None)
-    for bound in (0, 1, 3):
-        lagged = run_ranks(2, _predict, bound, "0.3:5")
+    # bound 3 with room for no ids in a request's first message: every request takes two
+    for bound, capacity in ((0, None), (1, None), (3, 0)):
+        lagged = run_ranks(2, _predict, bound, "0.3:5", capacity)
         for rank in range(2):
             assert torch.equal(lagged[rank], synchronous[rank]), (bound, rank)
 
@@ -59,6 +64,7 @@ def _recorded(tmp_path: Path, *extra: str) -> tuple[dict, dict[int, list[tuple[i
 def test_no_rank_finishes_more_than_bound_iterations_ahead(tmp_path: Path, bound: int) -> None:
     manifest, windows = _recorded(tmp_path, "--lag-bound", str(bound), "--straggler", "0.4:15")
     assert manifest["metrics"]["makespan_s"] > 0 and manifest["metrics"]["eval_auc"] is not None
+    assert 0 < manifest["metrics"]["exchange_s"] < manifest["metrics"]["makespan_s"] / STEPS
     assert all(len(w) == STEPS for w in windows.values())
     ahead = 0
     for r, mine in windows.items():
@@ -74,6 +80,24 @@ def test_no_rank_finishes_more_than_bound_iterations_ahead(tmp_path: Path, bound
         assert ahead > 0  # with stragglers, a bound above 0 lets ranks run ahead
 
 
+def test_the_synchronous_runs_exchange_and_waiting_reach_the_timeline(tmp_path: Path) -> None:
+    # inference runs under no_grad, where the collectors would book the collectives to `eval` and
+    # the timeline (training steps) would count neither the exchange nor the waiting: the lag
+    # recurrence would take the waits for work
+    from analyses.context import open_context
+    from analyses.policies import lag
+    from analyses.timeline import compute as timeline
+
+    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(REPO / "train.py"), *MODEL, "--json", "--straggler", "0.4:15")
+    assert code == 0
+    frame = timeline(open_context(run_dir)).tables["timeline"]
+    assert frame["wait_s"].sum() > 0.015  # at least one delay waited for
+    c, x, ranks, steps = lag.work_matrix(frame)
+    assert ranks == [0, 1] and len(steps) == STEPS - 1 and (x > 0).all()
+    assert lag.replay(c, None, x) < lag.replay(c, 0, x)
+
+
 def test_a_failing_rank_ends_the_run(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(f"""
@@ -81,10 +105,10 @@ import os, sys
 sys.path.insert(0, {str(REPO)!r})
 from tracekit.dlrm import inference
 original = inference._BoundedLag._serve
-def serve(self, q):
+def serve(self):
     if self.rank == 1:
         raise RuntimeError("rank 1 fails")
-    original(self, q)
+    original(self)
 inference._BoundedLag._serve = serve
 from tracekit.dlrm.train import main
 sys.exit(main(sys.argv[1:]))

@@ -13,6 +13,7 @@ import pytest
 
 from analyses.context import open_context
 from analyses.policies import compression, lag
+from analyses.timeline import compute as timeline
 from tests.test_traffic import MS, bsp_run, comm, make_run
 from tracekit.policy import new_policy, validate
 
@@ -44,11 +45,31 @@ def test_the_lag_recurrence_equals_a_discrete_event_simulation() -> None:
     rng = np.random.default_rng(7)
     for ranks, steps in ((2, 10), (3, 12), (5, 7)):
         c = rng.exponential(1.0, size=(ranks, steps)) + 0.1
+        x = rng.uniform(0.0, 0.5, size=(ranks, steps))
         for bound in (0, 1, 2, 4, None):
-            assert lag.replay(c, bound) == pytest.approx(simulate(c, bound), rel=1e-12), (ranks, steps, bound)
+            # a rank's exchange blocks it for x after its compute, whatever its peers are doing
+            assert lag.replay(c, bound, x) == pytest.approx(simulate(c + x, bound), rel=1e-12), (ranks, steps, bound)
+            assert lag.replay(c, bound, 0.3) == pytest.approx(simulate(c + 0.3, bound), rel=1e-12)
     c = rng.exponential(1.0, size=(3, 9))
     assert lag.replay(c, 0) == pytest.approx(c.max(axis=0).sum())  # bulk-synchronous
     assert lag.replay(c, None) == pytest.approx(c.sum(axis=1).max())  # every rank alone
+    assert lag.replay(c, 0, 0.2) == pytest.approx((c.max(axis=0) + 0.2).sum())
+    assert lag.replay(c, None, 0.2) == pytest.approx(c.sum(axis=1).max() + 9 * 0.2)  # the slowest's own total
+
+
+def test_the_exchange_is_apart_from_the_compute(tmp_path: Path) -> None:
+    # compute work[p][t], then an all-to-all whose transfer takes 2 ms after the last rank entered
+    work = np.array([[3, 4, 9, 4, 3], [4, 3, 3, 4, 9]]) * MS
+    frame = timeline(open_context(bsp_run(tmp_path / "run", work, transfer_ns=2 * MS))).tables["timeline"]
+    c, x, ranks, steps = lag.work_matrix(frame)
+    assert ranks == [0, 1] and steps == [1, 2, 3, 4]  # step 0 is warm-up
+    np.testing.assert_allclose(c, work[:, 1:] / 1e9, atol=1e-12)
+    np.testing.assert_allclose(x, 2e-3, atol=1e-12)
+    # bound 0 replays the recorded run; a cheaper exchange (1 ms) and a bound hide the stragglers
+    assert lag.replay(c, 0, x) == pytest.approx(sum(np.max(work[:, 1:], axis=0) + 2 * MS) / 1e9)
+    assert lag.replay(c, 0, 1e-3) == pytest.approx((5 + 10 + 5 + 10) * MS / 1e9)
+    assert lag.replay(c, 1, 1e-3) == pytest.approx(25 * MS / 1e9)  # rank 1 starts its last step at 15 ms, not 13
+    assert lag.replay(c, None, 1e-3) == pytest.approx((20 + 4) * MS / 1e9)  # rank 0's own total
 
 
 def policy_with(section: dict, name: str) -> dict:
@@ -72,10 +93,12 @@ def test_per_rank_jitter_gets_a_bound_and_its_replayed_gain(tmp_path: Path) -> N
     rng = np.random.default_rng(3)
     work = (2 * MS + rng.exponential(3 * MS, size=(2, 30))).astype(np.int64)
     derived = lag.derive(open_context(bsp_run(tmp_path / "run", work)))
-    c = (work[:, 1:] + MS) / 1e9  # step - wait = work + transfer; step 0 is warm-up
+    c, x = work[:, 1:] / 1e9, MS / 1e9  # compute, and the all-to-all's transfer; step 0 is warm-up
     table = derived.tables["lag_makespan"]
     assert table["bound"].to_list() == [*range(9), None]
-    assert table["makespan_s"].to_list() == pytest.approx([lag.replay(c, b) for b in [*range(9), None]])
+    assert table["makespan_s"].to_list() == pytest.approx([lag.replay(c, b, x) for b in [*range(9), None]])
+    assert derived.evidence["exchange_per_step_s"] == pytest.approx(x)
+    c = c + x  # from here on the exchange folded into the work: the same replay
     bound = derived.section["bound"]
     best = table["makespan_s"].min()
     assert bound >= 1 and lag.replay(c, bound) <= best * 1.01 < lag.replay(c, bound - 1)

@@ -1,16 +1,25 @@
 """The BLS lag bound (research/papers.md §6, B.7): how far a fast rank may run ahead of the slowest
 before it blocks, chosen by replaying the run's own per-rank step times.
 
-Per rank p and training step t the local work is the step's duration less its blocking wait
-(analyses/timeline.py): c[p][t] = step_s − wait_s, over the steps every rank completed, the first
-WARMUP_STEPS left out (start-up, not training). With lag bound L, rank p starts step t once it
-has finished t−1 and every rank has finished t−1−L:
+Per rank p and step t the step splits into the rank's own compute, its exchange, and its blocking
+wait (analyses/timeline.py), over the steps every rank completed, the first WARMUP_STEPS left out
+(start-up, not training):
+
+    c[p][t] = compute_s = step_s − comm_s       (neither waiting nor communicating)
+    x[p][t] = comm_s − wait_s                   (the exchange's own cost: its transfer, no waiting)
+
+With lag bound L, rank p starts step t once it has finished t−1 and every rank has finished
+t−1−L; it then computes and exchanges (the point-to-point exchange of tracekit/dlrm/inference.py
+blocks the rank for x; it does not wait for a peer's progress):
 
     S[p][t] = max(F[p][t−1], max_q F[q][t−1−L])      (F[·][t'] = 0 for t' < 0)
-    F[p][t] = S[p][t] + c[p][t]
+    F[p][t] = S[p][t] + c[p][t] + x[p][t]
     makespan(L) = max_p F[p][T−1]
 
-L = 0 is today's bulk-synchronous run; L = ∞ lets each rank run alone (makespan max_p Σ_t c[p][t]).
+L = 0 is the bulk-synchronous run, Σ_t max_p (c + x); L = ∞ lets each rank run alone: the ideal
+without synchronisation, the slowest rank's own total max_p Σ_t (c + x). x may be the trace's
+(the collectives' transfer, so makespan(0) replays the recorded run) or a measured constant (the
+point-to-point exchange's per-iteration cost, `exchange_s` of a bounded-lag run's metrics).
 The recurrence is replayed for L = 0..MAX_BOUND and ∞ (table `lag_makespan`: bound (null for ∞),
 makespan_s, step_time_s = makespan / T, gain = 1 − makespan(L) / makespan(0)), and the policy takes
 the smallest L whose makespan is within TOLERANCE of the best (the best finite L if none is). On a
@@ -36,35 +45,41 @@ MAX_BOUND = 8
 TOLERANCE = 0.01
 
 
-def replay(c: np.ndarray, bound: int | None) -> float:
-    """makespan of the recurrence for work c[p][t] (ranks × steps) and lag bound `bound` (None: ∞)."""
+def replay(c: np.ndarray, bound: int | None, x: np.ndarray | float = 0.0) -> float:
+    """makespan of the recurrence for compute c[p][t] (ranks × steps), exchange x (ranks × steps, or
+    one number for every rank and step) and lag bound `bound` (None: ∞)."""
     ranks, steps = c.shape
+    work = c + np.broadcast_to(np.asarray(x, dtype=float), c.shape)
     finish = np.zeros(ranks)
     slowest = np.zeros(steps)  # max_q F[q][t]
     for t in range(steps):
         gate = slowest[t - 1 - bound] if bound is not None and t - 1 - bound >= 0 else 0.0
-        finish = np.maximum(finish, gate) + c[:, t]
+        finish = np.maximum(finish, gate) + work[:, t]
         slowest[t] = finish.max()
     return float(slowest[-1]) if steps else 0.0
 
 
-def work_matrix(frame: pl.DataFrame) -> tuple[np.ndarray, list[int], list[int]]:
-    """c[p][t] = step_s − wait_s from a timeline frame: ranks × steps completed by every rank,
-    after the warm-up steps; with the ranks and steps it covers."""
+def work_matrix(frame: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+    """c[p][t] = compute_s and x[p][t] = comm_s − wait_s from a timeline frame: ranks × steps
+    completed by every rank, after the warm-up steps; with the ranks and steps they cover."""
     ranks = sorted(frame["rank"].unique().to_list())
     complete = frame.group_by("step").agg(pl.len()).filter(pl.col("len") == len(ranks))["step"]
     first = frame["step"].min()
     kept = frame.filter(pl.col("step").is_in(complete.implode()) & (pl.col("step") >= first + WARMUP_STEPS))
-    wide = (kept.with_columns((pl.col("step_s") - pl.col("wait_s")).clip(lower_bound=0).alias("c"))
-            .pivot(on="rank", index="step", values="c").sort("step"))
-    steps = wide["step"].to_list()
-    c = wide.select([str(r) for r in ranks]).to_numpy().T if steps else np.zeros((len(ranks), 0))
-    return c, ranks, steps
+    kept = kept.with_columns(pl.col("compute_s").clip(lower_bound=0).alias("c"),
+                             (pl.col("comm_s") - pl.col("wait_s")).clip(lower_bound=0).alias("x"))
+    steps = sorted(kept["step"].unique().to_list())
+    if not steps:
+        empty = np.zeros((len(ranks), 0))
+        return empty, empty, ranks, steps
+    c, x = ([kept.pivot(on="rank", index="step", values=name).sort("step").select([str(r) for r in ranks])
+             .to_numpy().T for name in ("c", "x")])
+    return c, x, ranks, steps
 
 
-def sweep(c: np.ndarray) -> pl.DataFrame:
+def sweep(c: np.ndarray, x: np.ndarray | float = 0.0) -> pl.DataFrame:
     bounds: list[int | None] = [*range(MAX_BOUND + 1), None]
-    makespans = [replay(c, b) for b in bounds]
+    makespans = [replay(c, b, x) for b in bounds]
     steps = max(c.shape[1], 1)
     return pl.DataFrame({"bound": bounds, "makespan_s": makespans}, schema={"bound": pl.Int64, "makespan_s": pl.Float64}
                         ).with_columns((pl.col("makespan_s") / steps).alias("step_time_s"),
@@ -87,7 +102,7 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     if frame is None or frame.height == 0:
         result.reason = "no steps table: the per-rank step times BLS replays were not recorded"
         return result
-    c, ranks, steps = work_matrix(frame)
+    c, x, ranks, steps = work_matrix(frame)
     if len(ranks) < 2:
         result.reason = f"a lag bound needs at least 2 ranks; the run has {len(ranks)}"
         return result
@@ -95,24 +110,26 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
         result.reason = (f"a lag bound needs at least 2 steps completed by every rank after the {WARMUP_STEPS} "
                          f"warm-up step(s); the run has {len(steps)}")
         return result
-    table = sweep(c)
+    table = sweep(c, x)
     bound = choose(table)
     row = table.filter(pl.col("bound") == bound).row(0, named=True)
     unbounded = table.filter(pl.col("bound").is_null()).row(0, named=True)
-    totals = c.sum(axis=1)
+    totals = (c + x).sum(axis=1)
     spread = float((c.max(axis=0) - c.min(axis=0)).mean())
     result.tables["lag_makespan"] = table
     result.section = {
         "bound": bound,
         "predicted": {"step_time_s": row["step_time_s"], "makespan_s": row["makespan_s"], "gain": row["gain"],
                       "sync_step_time_s": table["step_time_s"][0], "unbounded_gain": unbounded["gain"]},
-        "why": _why(bound, row["gain"], unbounded["gain"], spread, float(c.mean())),
+        "why": _why(bound, row["gain"], unbounded["gain"], spread, float((c + x).mean())),
     }
     result.evidence = {
         "ranks": ranks, "steps": [steps[0], steps[-1]], "steps_replayed": len(steps),
         "warmup_steps_excluded": WARMUP_STEPS,
-        "work": "c[p][t] = step_s - wait_s (timeline: blocking wait in synchronous collectives)",
-        "recurrence": "F[p][t] = max(F[p][t-1], max_q F[q][t-1-L]) + c[p][t]; makespan = max_p F[p][T-1]",
+        "work": "c[p][t] = compute_s = step_s - comm_s (timeline)",
+        "exchange": "x[p][t] = comm_s - wait_s (the collectives' transfer, without blocking wait)",
+        "exchange_per_step_s": float(x.mean()),
+        "recurrence": "F[p][t] = max(F[p][t-1], max_q F[q][t-1-L]) + c[p][t] + x[p][t]; makespan = max_p F[p][T-1]",
         "rule": f"smallest L in 0..{MAX_BOUND} within {TOLERANCE:.0%} of the best makespan (L = inf included)",
         "work_per_rank_s": {str(r): float(t) for r, t in zip(ranks, totals)},
         "mean_step_spread_s": spread,

@@ -3,11 +3,14 @@ exchange either synchronous (the trainer's collectives) or bounded-lag (BLS, res
 
 Inference reads the tables and never writes them, so an owner can serve a peer's lookups for any
 iteration at any time. Under a lag bound L the exchange is point to point: each rank sends every
-owner its iteration-t ids (lengths, then ids, as the input dist orders them), a thread per peer on
-the owner pools them and sends the rows back, and each rank, when it has its rows, finishes t and
-tells every peer so. A rank starts iteration t only once every peer has finished t − 1 − L:
+owner one request for iteration t (lengths and ids together, with "I finished t − 1" in its
+header), one serving thread per rank pools the requests of every peer and sends the rows back, and
+each rank, once it has its rows, computes and finishes t. A rank starts iteration t only once
+every peer has finished t − 1 − L. With c the rank's own work (compute, straggler delay) and x
+the time its main thread spends on the exchange (posting requests, waiting for rows; the own
+tables' lookup overlaps the transfer), analyses/policies/lag.py's recurrence:
 
-    S_{p,t} = max(F_{p,t−1}, max_q F_{q,t−1−L})         F_{p,t} = S_{p,t} + c_{p,t}
+    S_{p,t} = max(F_{p,t−1}, max_q F_{q,t−1−L})         F_{p,t} = S_{p,t} + c_{p,t} + x_{p,t}
 
 L = 0 is bulk-synchronous; the larger L, the more a slow iteration on one rank is hidden behind
 the others' progress. The predictions do not depend on L: each sample meets the same rows and the
@@ -22,6 +25,7 @@ seeded, so runs repeat.
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from tracekit.dlrm.model import DenseArch
 from tracekit.dlrm.optim import sparse_optimizer
 from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan
 from tracekit.errors import ConfigError
+from tracekit.phases import TRAIN
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class InferenceResult:
     logloss: float | None
     predictions: torch.Tensor  # this rank's logits, in sample order
     bound: int | None
+    exchange_s: float | None = None  # bounded lag: time per iteration blocked on the exchange (mean of the ranks)
 
 
 def run(cfg, dataset: Dataset, *, rank: int, world_size: int, device: torch.device, tables,
@@ -94,17 +100,21 @@ def run(cfg, dataset: Dataset, *, rank: int, world_size: int, device: torch.devi
                           f"{dataset.num_samples}")
     exchange = _BoundedLag(embeddings, rank, world_size, bound, steps, b) if bound is not None and world_size > 1 else None
     rng = random.Random(cfg.seed * 1_000_003 + rank)
+    pauses = [straggler.delay(rng, rank) if straggler is not None else 0.0 for _ in range(steps)]
     sizes = [b] * world_size
     logits, labels = [], []
     if world_size > 1:
         dist.barrier()
     start = time.perf_counter()
-    with torch.no_grad():
+    # the iterations are this run's steps: book their lookups and collectives to them (phase
+    # `train`; under no_grad the collectors would say `eval`), or the timeline sees no exchange
+    # and no waiting in them and the lag recurrence takes the waits for work
+    with torch.no_grad(), tracekit.phase(TRAIN):
         for t in range(steps):
             if exchange is not None:
                 exchange.wait_for_peers(t)
-            if straggler is not None and (pause := straggler.delay(rng, rank)):
-                time.sleep(pause)
+            if pauses[t]:
+                time.sleep(pauses[t])
             lo = t * b * world_size + rank * b
             batch = dataset.batch(lo, lo + b).to(device)
             if exchange is None:
@@ -114,11 +124,19 @@ def run(cfg, dataset: Dataset, *, rank: int, world_size: int, device: torch.devi
             logits.append(dense(batch.dense, embedded))
             labels.append(batch.labels)
             if exchange is not None:
-                exchange.finished(t)
+                exchange.finished(t, next_delayed=t + 1 < steps and pauses[t + 1] > 0)
             tracekit.step()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    exchange_s = None
     if exchange is not None:
         exchange.close()
+        # the main thread's time on the exchange per iteration, the ranks' mean: the recurrence's x
+        # (the first iteration left out where there are others: start-up, as in the timeline)
+        times = exchange.exchange_s[1:] or exchange.exchange_s
+        per_rank = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
+        dist.all_reduce(per_rank)
+        exchange_s = float(per_rank) / world_size
+        tracekit.metrics(exchange_s=exchange_s)
     predictions, local_labels = torch.cat(logits), torch.cat(labels)
     both = torch.stack([predictions, local_labels]).float()
     if world_size > 1:
@@ -127,25 +145,36 @@ def run(cfg, dataset: Dataset, *, rank: int, world_size: int, device: torch.devi
         dist.all_gather(gathered, both)
         both = torch.cat(gathered, dim=1)
     auc, ll = roc_auc(both[0], both[1]), log_loss(both[0], both[1])
-    return InferenceResult(steps, steps * b * world_size, float(elapsed), auc, ll, predictions, bound)
+    return InferenceResult(steps, steps * b * world_size, float(elapsed), auc, ll, predictions, bound, exchange_s)
 
 
 class _BoundedLag:
-    """The point-to-point exchange of `run` under a lag bound (module docstring). Three groups keep
-    the kinds of message apart: requests (lengths and ids), responses (rows), and `finished` notes."""
+    """The point-to-point exchange of `run` under a lag bound (module docstring).
+
+    Per peer and iteration one request goes out and one response comes back:
+    - request, owner ← rank: int64 [t, finished, n, lengths (owner's tables × b), ids (n)], where
+      `finished` is the last iteration the sender finished (t − 1): the "finished" note rides on
+      the next request. A note alone, [NOTE, finished, 0], goes out only when the next request
+      would leave late (`finished` says when). A request longer than the owner's buffer (more
+      than POOLING_CAPACITY ids a bag) sends its last ids in a second message.
+    - response, owner → rank: the pooled rows, table by table (their count the rank knows from
+      its routing).
+    Requests and notes travel in one group, responses in another, so that one thread per rank,
+    receiving from any peer, serves every peer and tracks how far each has finished.
+    """
 
     def __init__(self, embeddings: ShardedEmbeddings, rank: int, world: int, bound: int, steps: int, b: int) -> None:
         self.embeddings, self.rank, self.world, self.bound, self.steps, self.b = embeddings, rank, world, bound, steps, b
-        self.requests, self.responses, self.notes = dist.new_group(), dist.new_group(), dist.new_group()
+        self.requests, self.responses = dist.new_group(), dist.new_group()
         self.peers = [q for q in range(world) if q != rank]
-        self.done = {q: -1 for q in self.peers}
+        self.done = {q: -1 for q in self.peers}  # the last iteration each peer finished, as far as we know
+        self.finished_t = -1  # ours
         self.changed = threading.Condition()
-        self.sends: list[dist.Work] = []
+        self.sending: list[tuple[dist.Work, torch.Tensor]] = []  # main thread: requests and notes in flight
         self.errors: list[BaseException] = []
-        self.threads = [threading.Thread(target=self._guard, args=(f, q), daemon=True)
-                        for q in self.peers for f in (self._serve, self._listen)]
-        for thread in self.threads:
-            thread.start()
+        self.exchange_s: list[float] = []  # per iteration, the main thread's time posting requests and waiting for rows
+        self.server = threading.Thread(target=self._guard, daemon=True)
+        self.server.start()
 
     # the main thread ------------------------------------------------------------------------
 
@@ -161,65 +190,90 @@ class _BoundedLag:
         """This rank's embeddings [b, T, D] for iteration t, its lookups served by their owners."""
         e = self.embeddings
         T = batch.lengths.shape[0]
-        routing = e._route(batch.lengths, batch.values, None)
+        routing = e.route(batch.lengths, batch.values)
         lengths = routing.lengths.split(routing.lengths_splits)
         values = routing.values.split(routing.values_splits)
+        began = time.perf_counter()
+        rows = {q: torch.empty(routing.rows_back[q], e.plan.tables[0].dim) for q in self.peers}
+        receiving = [dist.irecv(rows[q], q, group=self.responses) for q in self.peers]
         for q in self.peers:
-            self.sends.append(dist.isend(lengths[q].contiguous(), q, group=self.requests))
-            self.sends.append(dist.isend(values[q].contiguous(), q, group=self.requests))
-        pieces = []
-        for q in range(self.world):
-            if q == self.rank:
-                pieces.append(self._pool(self.rank, lengths[q], values[q]))
-            else:
-                rows = torch.empty(routing.rows_back[q], e.plan.tables[0].dim)
-                dist.recv(rows, q, group=self.responses)
-                pieces.append(rows)
-        returned = torch.cat(pieces)
+            header = torch.tensor([t, self.finished_t, values[q].numel()], dtype=torch.int64)
+            request = torch.cat([header, lengths[q].to(torch.int64), values[q]])
+            cut = _capacity(len(e.plan.tables_on(q)), self.b)
+            for piece in (request[:cut], request[cut:]):
+                if piece.numel():
+                    self._send(piece, q)
+        posted = time.perf_counter()
+        own = e.lookup_owned(lengths[self.rank], values[self.rank], source=self.rank, batch_size=self.b)
+        waited = time.perf_counter()
+        for work in receiving:
+            work.wait()
+        self.exchange_s.append((posted - began) + (time.perf_counter() - waited))
+        returned = torch.cat([own if q == self.rank else rows[q] for q in range(self.world)])
         out = returned.new_zeros(self.b * T, returned.shape[1]).index_add_(0, routing.slots_back, returned)
         return out.view(self.b, T, -1)
 
-    def finished(self, t: int) -> None:
-        for q in self.peers:
-            self.sends.append(dist.isend(torch.tensor([t], dtype=torch.int64), q, group=self.notes))
+    def finished(self, t: int, *, next_delayed: bool) -> None:
+        """Iteration t is done. Its note rides on the next request when that leaves at once; a note
+        goes to every peer now when it would not: the next iteration must wait for a peer (its
+        gate is closed; with bound 0 the peers wait for this very note) or opens with a straggler
+        delay (`next_delayed`). Nobody waits for the last iteration's note."""
+        self.finished_t = t
+        if t + 1 >= self.steps:
+            return
+        with self.changed:
+            gate_open = all(self.done[q] >= t - self.bound for q in self.peers)
+        if next_delayed or not gate_open:
+            for q in self.peers:
+                self._send(torch.tensor([NOTE, t, 0], dtype=torch.int64), q)
 
     def close(self) -> None:
-        for work in self.sends:
+        for work, _ in self.sending:
             work.wait()
-        for thread in self.threads:
-            thread.join()
+        self.server.join()
         self._raise()
 
-    # the peers' threads ---------------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, q: int) -> None:
+        self.sending.append((dist.isend(tensor, q, group=self.requests), tensor))
+        if len(self.sending) > IN_FLIGHT * len(self.peers):  # keep the buffers of a few iterations alive, not all
+            self.sending.pop(0)[0].wait()
 
-    def _serve(self, q: int) -> None:
-        """Pool peer q's lookups of every iteration, in order, and send the rows back."""
+    # the serving thread ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """Every peer's requests and notes, in arrival order: note how far the sender has finished,
+        pool its lookups and send the rows back, until each peer has sent its `steps` requests."""
         mine = len(self.embeddings.local_tables)
-        for _ in range(self.steps):
-            lengths = torch.empty(mine * self.b, dtype=torch.int32)
-            dist.recv(lengths, q, group=self.requests)
-            values = torch.empty(int(lengths.sum()), dtype=torch.int64)
-            dist.recv(values, q, group=self.requests)
-            dist.send(self._pool(q, lengths, values), q, group=self.responses)
-
-    def _listen(self, q: int) -> None:
-        note = torch.empty(1, dtype=torch.int64)
-        for _ in range(self.steps):
-            dist.recv(note, q, group=self.notes)
+        bags = mine * self.b
+        buffer = torch.empty(_capacity(mine, self.b), dtype=torch.int64)
+        left = {q: self.steps for q in self.peers}
+        replies: list[tuple[dist.Work, torch.Tensor]] = []
+        while any(left.values()):
+            source = dist.recv(buffer, group=self.requests)  # from any peer
+            t, finished, n = buffer[:HEADER].tolist()
             with self.changed:
-                self.done[q] = int(note)
+                self.done[source] = max(self.done[source], finished)
                 self.changed.notify_all()
+            if t == NOTE:
+                continue
+            inline = min(n, buffer.numel() - HEADER - bags)
+            lengths = buffer[HEADER:HEADER + bags].to(torch.int32)
+            ids = buffer[HEADER + bags:HEADER + bags + inline].clone()
+            if inline < n:
+                rest = torch.empty(n - inline, dtype=torch.int64)
+                dist.recv(rest, source, group=self.requests)
+                ids = torch.cat([ids, rest])
+            rows = self.embeddings.lookup_owned(lengths, ids, source=source, batch_size=self.b)
+            replies.append((dist.isend(rows, source, group=self.responses), rows))
+            if len(replies) > IN_FLIGHT * len(self.peers):
+                replies.pop(0)[0].wait()
+            left[source] -= 1
+        for work, _ in replies:
+            work.wait()
 
-    def _pool(self, source: int, lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """The rows this rank returns for `source`'s lookups (its tables in order)."""
-        sizes = [self.b if q == source else 0 for q in range(self.world)]
-        with torch.no_grad():
-            outputs, _ = self.embeddings._lookup(lengths, values, sizes)
-        return torch.cat(outputs) if outputs else torch.empty(0, self.embeddings.plan.tables[0].dim)
-
-    def _guard(self, target, q: int) -> None:
+    def _guard(self) -> None:
         try:
-            target(q)
+            self._serve()
         except BaseException as err:  # surfaced on the main thread; never a silent hang
             with self.changed:
                 self.errors.append(err)
@@ -228,3 +282,14 @@ class _BoundedLag:
     def _raise(self) -> None:
         if self.errors:
             raise RuntimeError(f"bounded-lag exchange failed: {self.errors[0]}") from self.errors[0]
+
+
+HEADER = 3  # a request's iteration, the sender's last finished iteration, its number of ids
+NOTE = -1  # the iteration field of a note: no lookups
+POOLING_CAPACITY = 4  # ids per bag that one request message holds; longer requests take two messages
+IN_FLIGHT = 4  # sends per peer kept in flight before the oldest is waited for
+
+
+def _capacity(tables: int, b: int) -> int:
+    """int64 elements of the first message of a request to an owner of `tables` tables."""
+    return HEADER + tables * b * (1 + POOLING_CAPACITY)

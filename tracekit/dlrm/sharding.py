@@ -93,7 +93,7 @@ class ShardingPlan:
 
 
 @dataclass
-class _Routing:
+class Routing:
     """What rank r sends in the input dist, and how to read what comes back in the output dist."""
 
     lengths: torch.Tensor  # int32, ordered (dest, table on dest, sample)
@@ -230,6 +230,24 @@ class ShardedEmbeddings(nn.Module):
             out = out.index_add(0, *hot)
         return out.view(b, T, returned.shape[1])
 
+    # point to point (bounded-lag inference, tracekit/dlrm/inference.py) ----------------------
+
+    def route(self, lengths: torch.Tensor, values: torch.Tensor) -> Routing:
+        """lengths [T, b], values (table, sample, pos) -> this rank's lengths and ids ordered by the
+        rank that owns their rows (split by `lengths_splits`, `values_splits`), with where the rows
+        each owner returns belong. No hot-row replicas: every id goes to its owner."""
+        return self._route(lengths, values, None)
+
+    def lookup_owned(self, lengths: torch.Tensor, values: torch.Tensor, *, source: int,
+                     batch_size: int) -> torch.Tensor:
+        """The rows this rank returns for `source`'s lookups in its tables: `lengths` and `values`
+        are `source`'s piece for this rank from `route` (lengths [local tables × batch_size]).
+        Rows come table by table, as `route`'s `slots_back` expects; no gradient."""
+        sizes = [batch_size if q == source else 0 for q in range(self.plan.world_size)]
+        with torch.no_grad():
+            outputs, _ = self._lookup(lengths, values, sizes)
+        return torch.cat(outputs) if outputs else torch.empty(0, self.plan.tables[0].dim, device=self.anchor.device)
+
     def synchronise(self) -> None:
         """After backward: bring every rank's replica rows to the same updated values."""
         if self.replicas is not None:
@@ -274,7 +292,7 @@ class ShardedEmbeddings(nn.Module):
 
     # input dist ---------------------------------------------------------------------------
 
-    def _route(self, lengths: torch.Tensor, values: torch.Tensor, served: torch.Tensor | None) -> _Routing:
+    def _route(self, lengths: torch.Tensor, values: torch.Tensor, served: torch.Tensor | None) -> Routing:
         """Order this rank's ids by destination rank, and note where returned rows belong.
 
         A returned row's slot is `sample * T + table` in the [b, T, D] output. `served` [T, b]
@@ -336,10 +354,10 @@ class ShardedEmbeddings(nn.Module):
                     rows += n
                 offset += n
             rows_back.append(rows)
-        return _Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
-                        rows_back, torch.cat(slots_back))
+        return Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
+                       rows_back, torch.cat(slots_back))
 
-    def _input_dist(self, routing: _Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _input_dist(self, routing: Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows."""
         if self.plan.world_size == 1:
             return routing.lengths, routing.values
