@@ -35,8 +35,9 @@ At each module's first call, `handle.tables` gets an entry with what the manifes
 
 Lookups that go through no `nn.Embedding`/`nn.EmbeddingBag` come in through the handle: another
 source lists a table with `add_table(entry, ...)` and keeps each call with `record_call(table, ids,
-offsets, phase)`, and `name_table(module, name)` names a module's table (collectors/torchrec_tables.py
-does all three for TorchRec and FBGEMM).
+offsets, phase)`; `name_table(module, name)` names a module's table, and `expect_bags(module, offsets)`
+gives the bags of the next calls of a module whose 1-D input holds several sequences
+(collectors/torchrec_tables.py does all of it for TorchRec and FBGEMM).
 
 Every call carries its `phase`, `train` or `eval`, decided at the call (collectors/phase.py).
 A step's calls are written once the clock has moved past it, so each (step, phase, table, row) is
@@ -214,6 +215,7 @@ class EmbeddingHandle:
         self.tables: list[dict] = []  # one entry per module seen, in first-call order (module docstring)
         self._tables: weakref.WeakKeyDictionary[nn.Module, Table] = weakref.WeakKeyDictionary()
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # name_table()
+        self._bags: weakref.WeakKeyDictionary[nn.Module, collections.deque] = weakref.WeakKeyDictionary()
         self._module_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self._calls: collections.deque[Call] = collections.deque()  # appended here, popped by the writer
         self._ids_added = 0  # written by the training thread only
@@ -252,6 +254,9 @@ class EmbeddingHandle:
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         table = self._tables.get(module) or self._first_call(module)
         ids, offsets = lookup_ids(module, args, kwargs)
+        if offsets is None and self._bags:
+            expected = self._bags.get(module)
+            offsets = expected.popleft() if expected else None
         self.record_call(table, ids, offsets, phase.of_call(module))
 
     def record_call(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str) -> None:
@@ -276,6 +281,12 @@ class EmbeddingHandle:
         from `first_row` on."""
         self.tables.append(entry)
         return Table(entry["table"], num_rows, padding_idx, first_row)
+
+    def expect_bags(self, module: nn.Module, offsets: list[torch.Tensor]) -> None:
+        """The bags of `module`'s next calls, one offsets tensor each, where a 1-D input holds several
+        samples' sequences (a TorchRec EmbeddingCollection's feature): their lookups get `sample` and
+        `pos` from them. Replaces what was expected before."""
+        self._bags[module] = collections.deque(offsets)
 
     def name_table(self, module: nn.Module, name: str) -> None:
         """Name `module`'s table `name` instead of its module path (a TorchRec table config's name);

@@ -34,15 +34,22 @@ are written as global rows, from the shard's offsets in the plan (`ShardMetadata
 
 so one table recorded under two plans gives the same `accesses`. An unsharded TorchRec collection
 looks up `nn.EmbeddingBag` / `nn.Embedding` modules, which the embedding collector records itself;
-they are named by the table config's name too (`t0`, not `embedding_bags.t0`).
+they are named by the table config's name too (`t0`, not `embedding_bags.t0`), and an
+`EmbeddingCollection`'s forward pre-hook hands the collector each feature's bags, which its 1-D
+`nn.Embedding` call of all the feature's ids does not show.
 
 Each TBE table shard adds one entry to the manifest's `tables` at its TBE's first call, with the
 embedding collector's keys plus `sharding_type`, `compute_kernel`, `first_col` and `num_cols`.
 A call whose offsets do not split into its features is skipped, its ids counted as dropped
 `accesses`.
 
-Checked on torchrec 1.8.0 and fbgemm-gpu-cpu 1.8.0 (tests/test_torchrec_record.py); the private
-attributes read (`_emb_module`, `_config`, `_feature_table_map`) are read in `_torchrec_shards` only.
+A row-wise shard receives only the ids of a bag that fall in its rows, so a lookup's `pos` counts
+those (as in tracekit's own trainer); `sample` and `row` are the bag's and the table's.
+
+Checked on torchrec 1.8.0 and fbgemm-gpu-cpu 1.8.0, CPU, with every plan above
+(tests/test_torchrec_record.py; row_wise and table_row_wise from a hand-built plan, which the
+planner refuses on CPU). The private attributes read (`_config`, `_feature_table_map`,
+`_emb_module`) are read in `_torchrec_shards` and `_adopt_existing` only.
 
     handle = torchrec_tables.install(embedding_handle)
     ...
@@ -55,7 +62,7 @@ import gc
 import importlib.abc
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -102,7 +109,6 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name not in self.pending:
             return None
-        self.pending.discard(name)
         for finder in sys.meta_path:  # the finder that would have found it, had we not been asked
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -117,6 +123,7 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
+            self.pending.discard(name)  # only now: a find_spec that imports nothing (a probe) must not count
             self.on_import(name)
 
         spec.loader.exec_module = exec_module
@@ -175,11 +182,11 @@ def _torchrec_shards(kernel: nn.Module, plans: dict[str, Any]) -> tuple[list[Tab
                            dtype=DTYPES.get(cfg.data_type.value, cfg.data_type.value.lower()),
                            sharding_type="", compute_kernel=str(getattr(cfg.compute_kernel, "value", cfg.compute_kernel)))
         plan = plans.get(cfg.name)
-        sharding_type = (plan.sharding_type if plan is not None else
-                         infer_sharding_type(shard, sharded=cfg.local_metadata is not None))
-        compute_kernel = plan.compute_kernel if plan is not None else shard.compute_kernel
-        shards.append(TableShard(**{**shard.__dict__, "sharding_type": str(sharding_type),
-                                    "compute_kernel": str(compute_kernel)}))
+        if plan is not None:
+            shard = replace(shard, sharding_type=str(plan.sharding_type), compute_kernel=str(plan.compute_kernel))
+        else:
+            shard = replace(shard, sharding_type=infer_sharding_type(shard, sharded=cfg.local_metadata is not None))
+        shards.append(shard)
     return shards, list(kernel._feature_table_map)
 
 
@@ -210,6 +217,7 @@ class TorchRecHandle:
         self._owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
         self._features: weakref.WeakKeyDictionary[nn.Module, list[Table | None]] = weakref.WeakKeyDictionary()
         self._collection_dicts: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._collection_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self._plans: dict[str, Any] = {}  # table name -> ParameterSharding, from the sharded collections
         self._tbe_types: tuple[type, ...] = ()
         self._kernel_types: tuple[type, ...] = ()
@@ -223,10 +231,11 @@ class TorchRecHandle:
         global _installed
         if self._watcher in sys.meta_path:
             sys.meta_path.remove(self._watcher)
-        for hook in [*self._hooks, *self._tbe_hooks.values()]:
+        for hook in [*self._hooks, *self._tbe_hooks.values(), *self._collection_hooks.values()]:
             hook.remove()
         self._hooks = []
         self._tbe_hooks = weakref.WeakKeyDictionary()
+        self._collection_hooks = weakref.WeakKeyDictionary()
         if _installed is self:
             _installed = None
 
@@ -246,7 +255,9 @@ class TorchRecHandle:
             elif issubclass(type(obj), self._kernel_types) and isinstance(getattr(obj, "_emb_module", None), nn.Module):
                 self._owners[obj._emb_module] = weakref.ref(obj)
             elif issubclass(type(obj), self._collection_types):
-                for table, module in getattr(obj, COLLECTIONS[type(obj).__name__]).items():
+                tables = getattr(obj, COLLECTIONS[type(obj).__name__])
+                self._collection(obj, tables)
+                for table, module in tables.items():
                     self.tables.name_table(module, table)
 
     # --- registration hooks: they return None, so nothing registered changes ---
@@ -264,13 +275,37 @@ class TorchRecHandle:
         if isinstance(child, self._tbe_types) and isinstance(parent, self._kernel_types):
             self._owners[child] = weakref.ref(parent)
         elif isinstance(parent, self._collection_types) and attr == COLLECTIONS.get(type(parent).__name__):
-            self._collection_dicts.add(child)  # the ModuleDict of tables, keyed by table name
+            self._collection(parent, child)
         elif parent in self._collection_dicts and isinstance(child, (nn.Embedding, nn.EmbeddingBag)):
             self.tables.name_table(child, attr)
         elif type(child).__module__.startswith("torchrec.distributed"):
             plan = getattr(child, "module_sharding_plan", None)  # ShardedEmbedding(Bag)Collection's
             if isinstance(plan, dict):
                 self._plans.update(plan)
+
+    def _on_collection_forward(self, collection: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.guard.run(self._expect_bags, collection, args, kwargs)  # returns None: the inputs are unchanged
+
+    def _expect_bags(self, collection: nn.Module, args: tuple, kwargs: dict) -> None:
+        """An unsharded EmbeddingCollection looks each feature up as one 1-D `nn.Embedding` call of
+        all its ids: tell the embedding collector the feature's bags (fixed batch only)."""
+        features = args[0] if args else kwargs["features"]
+        if not hasattr(features, "offsets") or features.variable_stride_per_key():
+            return  # a TensorDict, or a variable batch: the lookups' `sample` stays the id's index
+        offsets, batch = features.offsets(), features.stride()
+        index = {key: i for i, key in enumerate(features.keys())}
+        tables = getattr(collection, COLLECTIONS[type(collection).__name__])
+        for config in collection.embedding_configs():
+            bags = [offsets[index[f] * batch:(index[f] + 1) * batch + 1] for f in config.feature_names]
+            self.tables.expect_bags(tables[config.name], bags)
+
+    def _collection(self, collection: nn.Module, tables: nn.Module) -> None:
+        """Note an unsharded collection and the ModuleDict of its tables, keyed by table name; an
+        EmbeddingCollection gets a forward pre-hook for its features' bags."""
+        self._collection_dicts.add(tables)
+        if hasattr(collection, "embedding_configs") and collection not in self._collection_hooks:
+            self._collection_hooks[collection] = collection.register_forward_pre_hook(self._on_collection_forward,
+                                                                                      with_kwargs=True)
 
     def _hook(self, tbe: nn.Module) -> None:
         self._tbe_hooks[tbe] = tbe.register_forward_pre_hook(self._on_forward, with_kwargs=True)

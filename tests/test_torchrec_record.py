@@ -29,26 +29,28 @@ JOB = REPO / "tests" / "torchrec_job.py"
 TABLES = {"t0": ["f0", "f1"], "t1": ["f2"], "t2": ["f3"]}  # as in the job
 BATCH, STEPS, EVAL_AFTER, ROWS, DIM = 8, 4, 1, 200, 16
 LOOKUP_EVERY = 2
-PLANS = ["table_wise", "column_wise", "table_column_wise", "row_wise", "data_parallel"]
+PLANS = ["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "data_parallel"]
+ROW_SHARDED = {"row_wise", "table_row_wise"}  # rows [0, 100) on rank 0, [100, 200) on rank 1
 
 
 @pytest.fixture(scope="module")
 def recorded(torchrec_python: Path, tmp_path_factory: pytest.TempPathFactory):
-    """recorded(sharding) -> (run_dir, what each rank fed), each plan recorded once."""
-    runs: dict[str, tuple[Path, list[dict]]] = {}
+    """recorded(sharding, kind) -> (run_dir, what each rank fed), each recorded once; "none" is the
+    unsharded collection on one rank."""
+    runs: dict[tuple[str, str], tuple[Path, list[dict]]] = {}
 
-    def get(sharding: str) -> tuple[Path, list[dict]]:
-        if sharding not in runs:
-            tmp = tmp_path_factory.mktemp(sharding)
+    def get(sharding: str, kind: str = "pooled") -> tuple[Path, list[dict]]:
+        if (sharding, kind) not in runs:
+            tmp = tmp_path_factory.mktemp(f"{sharding}-{kind}")
             ranks = 1 if sharding == "none" else 2
             code, run_dir = record(tmp, str(torchrec_python), "-m", "torch.distributed.run", "--standalone",
-                                   "--nproc-per-node", str(ranks), str(JOB), "--sharding", sharding,
+                                   "--nproc-per-node", str(ranks), str(JOB), "--sharding", sharding, "--kind", kind,
                                    "--out", str(tmp / "fed"), options=("--lookup-every", str(LOOKUP_EVERY)))
             manifest = json.loads((run_dir / "manifest.json").read_text())
             assert code == 0 and manifest["status"] == "completed", manifest
             fed = [json.loads((tmp / "fed" / f"rank={r}.json").read_text()) for r in range(ranks)]
-            runs[sharding] = run_dir, fed
-        return runs[sharding]
+            runs[(sharding, kind)] = run_dir, fed
+        return runs[(sharding, kind)]
 
     return get
 
@@ -119,13 +121,14 @@ def test_every_plan_gives_the_same_accesses(recorded) -> None:
 def test_lookups_at_sampled_steps_are_the_keyed_jagged_tensors(recorded, sharding: str) -> None:
     run_dir, fed = recorded(sharding)
     rows = open_run(run_dir).scan("lookups").select("step", "phase", "table_name", "sample", "pos", "row")
-    block = ROWS // 2 if sharding == "row_wise" else ROWS
+    block = ROWS // 2 if sharding in ROW_SHARDED else ROWS
     assert Counter(rows.collect().rows()) == fed_lookups(fed, own_batch=sharding == "data_parallel", block=block)
 
 
 @pytest.mark.slow
-def test_each_rank_reads_only_the_rows_and_shards_it_holds(recorded) -> None:
-    run_dir, _ = recorded("row_wise")
+@pytest.mark.parametrize("sharding", sorted(ROW_SHARDED))
+def test_each_rank_reads_only_the_rows_it_holds(recorded, sharding: str) -> None:
+    run_dir, _ = recorded(sharding)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     held = {(t["name"], s["rank"]): range(s["first_row"], s["first_row"] + s["num_rows"])
             for t in manifest["tables"] for s in t["shards"]}
@@ -148,6 +151,7 @@ def test_one_step_per_iteration_with_the_embedding_optimizer_fused_into_backward
     ("table_wise", {"t0": [(0, 0, 200, 0, 16)], "t1": [(1, 0, 200, 0, 16)], "t2": [(0, 0, 200, 0, 16)]}),
     ("column_wise", {t: [(1, 0, 200, 0, 8), (0, 0, 200, 8, 8)] for t in TABLES}),  # column 0 on rank 1
     ("row_wise", {t: [(0, 0, 100, 0, 16), (1, 100, 100, 0, 16)] for t in TABLES}),
+    ("table_row_wise", {t: [(0, 0, 100, 0, 16), (1, 100, 100, 0, 16)] for t in TABLES}),
     ("data_parallel", {t: [(0, 0, 200, 0, 16), (1, 0, 200, 0, 16)] for t in TABLES}),
 ])
 def test_the_manifest_lists_the_plan(recorded, sharding: str, shards: dict) -> None:
@@ -172,6 +176,19 @@ def test_an_unsharded_collection_names_its_tables_by_their_config(recorded) -> N
     assert Counter(rows.collect().rows()) == fed_lookups(fed, own_batch=True)
     tables = json.loads((run_dir / "manifest.json").read_text())["tables"]
     assert [(t["name"], t["placement"]) for t in tables] == [(name, "local") for name in TABLES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["table_wise", "none"])
+def test_sequence_tables_are_recorded_per_sample_and_position(recorded, sharding: str) -> None:
+    """An EmbeddingCollection: sharded, FBGEMM's TBE without pooling; unsharded, one nn.Embedding call
+    of all of a feature's ids, whose bags come from the KeyedJaggedTensor."""
+    run_dir, fed = recorded(sharding, "sequence")
+    assert accesses(run_dir) == fed_accesses(fed)
+    rows = open_run(run_dir).scan("lookups").select("step", "phase", "table_name", "sample", "pos", "row")
+    assert Counter(rows.collect().rows()) == fed_lookups(fed, own_batch=sharding == "none")
+    tables = json.loads((run_dir / "manifest.json").read_text())["tables"]
+    assert [(t["name"], t["kind"]) for t in tables] == [(name, "sequence") for name in TABLES]
 
 
 def test_the_recorded_script_knows_nothing_of_tracekit() -> None:
