@@ -27,6 +27,7 @@ ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     "timeline": ("analyses.timeline", ("steps",)),
     "cache": ("analyses.cache", ("accesses",)),
     "costmodel": ("analyses.costmodel", ("lookups", "comms")),
+    "planner": ("analyses.planner", ("accesses",)),  # after cache: reads its curves
 }
 POLICIES: dict[str, str] = {
     "replication": "analyses.policies.replication",
@@ -70,6 +71,20 @@ def _cluster_step_times(ctx: Context, policy: dict, path: Path) -> None:
             body["predicted"]["comm_time_s"] = rows[name]["comm_s"]
             body["why"] += (f"; step time from the link model of the recorded cluster ({target.name} at "
                             f"{topology.get('link')}, analyses.simulate)")
+
+
+def planner(path: str | os.PathLike) -> dict[str, Any]:
+    """The TorchRec planner inputs of the run at `path` alone (analyses.planner): writes
+    analysis/planner.parquet and analysis/torchrec_constraints.json, reusing the cache curves of an
+    earlier `analyze`; returns its summary with the frame's rows and the snippet that loads them."""
+    from analyses import planner as inputs
+
+    ctx = open_context(path)
+    result = inputs.compute(ctx)
+    written = [str(ctx.write(table, frame)) for table, frame in result.tables.items()]
+    return {"run": str(ctx.path), **result.summary, "notes": result.notes, "written": written,
+            "rows": result.tables["planner"].to_dicts() if "planner" in result.tables else [],
+            "snippet": inputs.snippet(result.summary["constraints"]) if result.summary else None}
 
 
 def analyze(path: str | os.PathLike, options: Options | None = None,

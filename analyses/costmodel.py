@@ -3,11 +3,12 @@ time per training step of every collective, under the recorded layout and under 
 policy, from the formulas and from an exact replay of the recorded `lookups`.
 
 The exchange (DESIGN.md §4, tracekit/dlrm/sharding.py; TorchRec's input and output dist), per step,
-from source rank q (b_q samples) to owner o (T_o tables with a shard on o, P_o of them pooled):
+from source rank q (b_q samples) to owner o (T_o tables with a shard on o, P_o of them pooled;
+F_t the features looking table t up, 1 but for a TorchRec table: analyses.sources.features):
 
-    input_lengths  q -> o   len_bytes · T_o · b_q              (one int32 per (table, sample))
+    input_lengths  q -> o   len_bytes · Σ_{t on o} F_t · b_q   (one int32 per (feature, sample))
     input_ids      q -> o   id_bytes · n_qo                    (n_qo: ids of q's samples held by o)
-    output_fwd     o -> q   Σ_pooled rb_t · b_q + Σ_seq rb_t · n_qot    (rb_t = dim · dtype bytes)
+    output_fwd     o -> q   Σ_pooled F_t · rb_t · b_q + Σ_seq rb_t · n_qot    (rb_t = dim · dtype bytes)
     output_bwd     q -> o   the same as output_fwd
 
 Bytes are summed over ranks' `bytes_out`, self-splits included, so they compare with `comms`
@@ -150,8 +151,8 @@ def _elem(ctx: Context, k: int, default: int) -> int:
 def _pairs(ctx: Context, len_bytes: int, id_bytes: int) -> None:
     """tk_pairs (step, collective, sender, receiver, bytes): the baseline exchange on sampled steps."""
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_owner_consts AS
-               SELECT s.rank AS owner, count(*) AS n_tables,
-                      coalesce(sum(n.rb) FILTER (WHERE n.kind = 'pooled'), 0)::BIGINT AS pooled_rb
+               SELECT s.rank AS owner, sum(n.n_features) AS n_tables,
+                      coalesce(sum(n.rb * n.n_features) FILTER (WHERE n.kind = 'pooled'), 0)::BIGINT AS pooled_rb
                FROM tk_shards s JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY s.rank""")
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_pairs AS
         WITH counts AS (

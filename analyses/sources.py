@@ -5,9 +5,12 @@
 sample lives on (`src`): a bag looked up on its own rank never crossed the network, and SCARS's
 E[U] is per device batch. The rule (DESIGN.md §4 layout, TorchRec's input dist):
 
-- The owner's first `all_to_all_single` of a training step (phase 'train', in `seq` order) carries
-  the bag lengths: `T_o × b_q` elements from each source q, T_o the tables with a shard on the
-  owner o (manifest `shards`), so `b_q = splits_in[q] / elem_bytes / T_o` is q's local batch.
+- The owner's first `all_to_all_single` of a training step (phase 'train', in `seq` order;
+  TorchRec's `SplitsAllToAll`, which sends the next exchange's split sizes first, not counted)
+  carries the bag lengths: `F_o × b_q` elements from each source q, F_o the features looked up in
+  the tables with a shard on the owner o (manifest `shards`), so `b_q = splits_in[q] / elem_bytes /
+  F_o` is q's local batch. A reference-trainer table is one feature; a TorchRec table may serve
+  several (`features`).
   The owner concatenates each table's bags by source, so a *pooled* bag at owner position
   `sample` came from the q with `B_q <= sample < B_q + b_q`, `B_q = sum_{q' < q} b_q'`, and is
   sample `sample - B_q` of q's batch. Exact.
@@ -50,6 +53,7 @@ import polars as pl
 
 from analyses.context import Context
 
+SPLITS_TAG = "SplitsAllToAllAwaitable"  # TorchRec's all-to-all of the KJT exchange's split sizes (torchrec 1.8.0)
 ELEM_BYTES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
               "float32": 4, "float64": 8}
 
@@ -77,11 +81,31 @@ def elem_bytes(dtype: str) -> int:
 
 def table_ids(ctx: Context) -> pl.DataFrame:
     """One row per manifest table: tid (its index), table_name, kind, sharded (placement
-    'sharded'), n_shards, rb (row bytes)."""
+    'sharded'), n_shards, rb (row bytes), n_features (`features`)."""
+    per_table = features(ctx)
     rows = [{"tid": i, "table_name": t.name, "kind": t.kind, "sharded": t.placement in (None, "sharded"),
-             "n_shards": len(t.shards), "rb": t.row_bytes} for i, t in enumerate(ctx.model.tables)]
+             "n_shards": len(t.shards), "rb": t.row_bytes, "n_features": per_table.get(t.name, 1)}
+            for i, t in enumerate(ctx.model.tables)]
     return pl.DataFrame(rows, schema={"tid": pl.Int32, "table_name": pl.String, "kind": pl.String,
-                                      "sharded": pl.Boolean, "n_shards": pl.Int64, "rb": pl.Int64})
+                                      "sharded": pl.Boolean, "n_shards": pl.Int64, "rb": pl.Int64,
+                                      "n_features": pl.Int64})
+
+
+def features(ctx: Context) -> dict[str, int]:
+    """Per table, the features (bags per sample) that look it up. A reference-trainer table is one
+    feature. A TorchRec table (manifest `sharding_type`) may be looked up by several (`t0` by `f0`
+    and `f1`), whose lookups share `sample`, a bag's index within its feature (collectors/
+    torchrec_tables.py), so the most ids at one (step, rank, sample, pos) is how many features fed
+    it: a lower bound, exact once one sample had an id at one position in every feature."""
+    torchrec = [t["name"] for t in ctx.manifest.get("tables") or [] if t.get("sharding_type")]
+    if not torchrec or not ctx.has("lookups"):
+        return {}
+    names = ", ".join(f"'{name}'" for name in torchrec)
+    rows = ctx.sql(f"""SELECT table_name, max(n)::INTEGER FROM (
+                           SELECT table_name, count(*) AS n FROM train_lookups WHERE table_name IN ({names})
+                           GROUP BY step, rank, table_name, sample, pos)
+                       GROUP BY table_name""").fetchall()
+    return dict(rows)
 
 
 def shards(ctx: Context) -> pl.DataFrame:
@@ -149,10 +173,10 @@ def _a2a(ctx: Context) -> None:
                    dtype VARCHAR, bytes_out BIGINT, bytes_in BIGINT, splits_out BIGINT[], splits_in BIGINT[],
                    k BIGINT)""")
         return
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_a2a AS
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_a2a AS
                SELECT rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in,
                       row_number() OVER (PARTITION BY rank, step ORDER BY seq) AS k
-               FROM train_comms WHERE op = 'all_to_all_single'""")
+               FROM train_comms WHERE op = 'all_to_all_single' AND coalesce(tag, '') NOT LIKE '{SPLITS_TAG}%'""")
 
 
 def _split_counts(k: int, per: str) -> str:
@@ -160,7 +184,7 @@ def _split_counts(k: int, per: str) -> str:
     elem = "CASE replace(dtype, 'torch.', '') " + " ".join(
         f"WHEN '{name}' THEN {size}" for name, size in ELEM_BYTES.items()) + " ELSE 1 END"
     return f"""SELECT step, owner, src, bytes // ({elem}) // {per} AS n, bytes % (({elem}) * {per}) AS rest
-               FROM (SELECT a.step, a.rank AS owner, a.dtype, o.n_tables,
+               FROM (SELECT a.step, a.rank AS owner, a.dtype, o.n_features,
                             unnest(a.splits_in) AS bytes, unnest(generate_series(0, len(a.splits_in) - 1)) AS src
                      FROM tk_a2a a JOIN tk_owner_tables o ON o.rank = a.rank WHERE a.k = {k})"""
 
@@ -169,9 +193,9 @@ def _batches(ctx: Context, notes: list[str]) -> None:
     """tk_batches (step, src, b) and tk_bounds (step, owner, src, b, lo): each source's bag range
     in each owner's received batch; tk_ids (step, owner, src, n) ids received from each source."""
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_owner_tables AS
-               SELECT s.rank, count(*) AS n_tables FROM tk_shards s JOIN tk_names n USING (tid)
+               SELECT s.rank, sum(n.n_features) AS n_features FROM tk_shards s JOIN tk_names n USING (tid)
                WHERE n.sharded GROUP BY s.rank""")
-    ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_lengths AS {_split_counts(1, 'n_tables')}")
+    ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_lengths AS {_split_counts(1, 'n_features')}")
     ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_ids AS {_split_counts(2, '1')}")
     odd = ctx.sql("SELECT count(*) FROM tk_lengths WHERE rest <> 0").fetchall()[0][0]
     if odd:

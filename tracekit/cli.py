@@ -235,6 +235,42 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table and snippet.")
+def planner(run_dir: Path, as_json: bool) -> None:
+    """Print TorchRec planner inputs per table: pooling factors and UVM cache load factors.
+
+    Writes RUN/analysis/planner.parquet and RUN/analysis/torchrec_constraints.json (per table,
+    ParameterConstraints' pooling_factors and CacheParams' load_factor at a 90% LRU hit rate) and
+    prints the Python that hands them to EmbeddingShardingPlanner.
+
+    \b
+    Example:
+      tracekit planner runs/torchrec --json
+    """
+    from analyses.analyze import planner as planner_inputs
+    from tracekit.errors import TracekitError
+
+    try:
+        summary = planner_inputs(run_dir)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(summary, default=str))
+        return
+    if not summary["rows"]:
+        raise InputError(f"{run_dir}: no planner inputs ({'; '.join(summary['notes'])})")
+    for name, t in summary["tables"].items():
+        caches = ", ".join(f"{float(h):.0%}: {c['load_factor']:.3g} ({c['source']})"
+                           for h, c in t["cache_load_factor"].items() if c["load_factor"] is not None)
+        click.echo(f"{name}: {t['num_embeddings']:,} rows x {t['embedding_dim']}, {t['n_features']} feature(s), "
+                   f"pooling factor {t['pooling_factor'] if t['pooling_factor'] is None else round(t['pooling_factor'], 3)}, "
+                   f"cache load factor for an LRU hit rate of {caches or 'any: unknown'}")
+    click.echo(f"pooling factors: {summary['pooling_source']}; written: {summary['constraints']}")
+    click.echo(summary["snippet"])
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json", "parquet"]), default="table",
               show_default=True, help="Output format.")

@@ -32,7 +32,8 @@ compression.mp. The trace holds no activation statistics, so the keep ratio is t
 (MP_KEEP_RATIO = 5% per sample, its 20× fewer elements), not measured. The boundary tensor is the
 embedding output all-to-all: training all-to-all calls whose dtype is floating point (the input
 dist sends integer lengths and ids; the reference trainer tags the rest `_AllToAll.forward` and
-`.backward`), n = bytes_out / (value_bytes · D) rows of D values. As the trainer encodes them
+`.backward`, TorchRec `DefaultAll2AllSingle.__call__` and `All2All_Pooled_Wait.backward`: a tag
+ending in `backward` is the gradients'), n = bytes_out / (value_bytes · D) rows of D values. As the trainer encodes them
 (tracekit/dlrm/output_codec.py), a row keeps K = ⌈keep · D⌉ values (at least 1); forward it
 carries them and their positions, one uint8 each (int16 beyond D = 256) or a D-bit mask when that
 is fewer bytes; backward only the K gradient values:
@@ -215,7 +216,7 @@ def _derive_mp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
     k = max(1, min(dim, math.ceil(MP_KEEP_RATIO * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
     rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)
-    forward = pl.col("tag").str.ends_with("forward")
+    forward = ~pl.col("tag").str.ends_with("backward")  # TorchRec's forward is DefaultAll2AllSingle.__call__
     output = output.with_columns(
         (rows * (k * pl.col("value_bytes") + pl.when(forward).then(positions).otherwise(0)))
         .alias("predicted_bytes_per_step"))
