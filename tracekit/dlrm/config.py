@@ -15,6 +15,8 @@ SHARDINGS = ("table", "row")
 OPTIMIZERS = ("sgd", "adagrad")
 A2A_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 """--a2a-dtype: the embedding output all-to-all's value precision (tracekit/dlrm/output_codec.py)."""
+PRECISIONS = ("fp32", "bf16")
+"""--precision: the dense part's compute precision (tracekit/dlrm/model.py); weights stay fp32."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -49,6 +51,8 @@ class TrainConfig:
     top_mlp: list[int] = _opt(lambda: [512, 256, 1], 'top MLP widths; the last must be 1')
     pooling: int = _opt(1, 'ids per bag (synthetic data)')
     sequence_tables: int = _opt(0, 'the first N tables are sequence (unpooled) features')
+    precision: str = _opt("fp32", 'compute precision of the MLPs and the interaction: fp32 | bf16 (autocast; '
+                                  'fp32 weights, optimizer state, tables and loss)')
     # parallelism
     sharding: str = _opt("table", 'table-wise or row-wise model parallelism of the tables')
     a2a_dtype: str = _opt("fp32", 'precision of the embedding output all-to-all, forward and backward: fp32 | bf16 | '
@@ -109,6 +113,11 @@ class TrainConfig:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.a2a_dtype not in A2A_DTYPES:
             raise ConfigError(f"--a2a-dtype must be one of {', '.join(A2A_DTYPES)}, got {self.a2a_dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.precision != "fp32" and self.inference:
+            raise ConfigError(f"--precision {self.precision} applies to training; --inference runs the forward "
+                              "in fp32 (drop --precision)")
         if self.bottom_mlp is None:
             self.bottom_mlp = [512, 256, self.dim]
         if not self.bottom_mlp or not self.top_mlp or min(self.bottom_mlp + self.top_mlp) <= 0:

@@ -95,7 +95,9 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
 
     # model: dense part replicated under DDP, tables sharded over the ranks
     torch.manual_seed(cfg.seed)
-    dense = DenseArch(dataset.num_dense, cfg.bottom_mlp, cfg.top_mlp, len(plan.tables)).to(device)
+    # --precision bf16: the dense part computes in bf16 (autocast); weights, optimizer state, tables and loss stay fp32
+    dense = DenseArch(dataset.num_dense, cfg.bottom_mlp, cfg.top_mlp, len(plan.tables),
+                      precision=cfg.precision).to(device)
     if world_size > 1:
         # the only buffer is a constant index: broadcasting it every forward would add a collective
         dense = DistributedDataParallel(dense, device_ids=[device.index] if device.type == "cuda" else None,
