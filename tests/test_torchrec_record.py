@@ -47,7 +47,7 @@ def recorded(torchrec_python: Path, tmp_path_factory: pytest.TempPathFactory):
                                    "--nproc-per-node", str(ranks), str(JOB), "--sharding", sharding, "--kind", kind,
                                    "--out", str(tmp / "fed"), options=("--lookup-every", str(LOOKUP_EVERY)))
             manifest = json.loads((run_dir / "manifest.json").read_text())
-            assert code == 0 and manifest["status"] == "completed", manifest
+            assert code == 0 and manifest["status"] == "completed" and manifest["traced"], manifest
             fed = [json.loads((tmp / "fed" / f"rank={r}.json").read_text()) for r in range(ranks)]
             runs[(sharding, kind)] = run_dir, fed
         return runs[(sharding, kind)]
