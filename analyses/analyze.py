@@ -104,7 +104,8 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             report["notes"].append(f"{name}: not computed, the run has no {' or '.join(missing)} table")
             continue
         result: Result = importlib.import_module(module).compute(ctx)
-        report["analyses"][name] = result.summary
+        if result.summary:  # an analysis with nothing to compute says why in its notes
+            report["analyses"][name] = result.summary
         report["notes"].extend(f"{name}: {note}" for note in result.notes)
         for table, frame in result.tables.items():
             report["written"].append(str(ctx.write(table, frame)))

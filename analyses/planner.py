@@ -5,8 +5,9 @@ Per table t (F_t the features looking it up, analyses.sources.features; 1 for tr
 
 - pooling_factor = ids / (bags), bags = samples · F_t, over the training steps with `lookups`
   (ids: every rank's lookups of t there; samples: the `steps` table's `samples`, else the input
-  dist's batch per rank, analyses.sources.batches), else over every training step from
-  `accesses` (`pooling_source` says which). Empty bags count as 0 ids, as in TorchRec's mean
+  dist's batch per rank, analyses.sources.batches, else, without an exchange (data-parallel
+  tables, one rank), each rank's largest bag index + 1 in `lookups`), else over every training
+  step from `accesses` (`pooling_source` says which). Empty bags count as 0 ids, as in TorchRec's mean
   ids per sample per feature. The trace holds no feature names: every feature of a table gets the
   table's mean, so `pooling_factors` is `[pooling_factor] * F_t`.
 - cache_load_factor at a target hit rate h (TARGET_HIT_RATES): the smallest simulated load factor
@@ -106,6 +107,12 @@ def _samples(ctx: Context) -> tuple[pl.DataFrame | None, str]:
         frame = sources.batches(ctx).group_by("step").agg(pl.col("b").sum().cast(pl.Int64).alias("samples"))
         if frame.height:
             return frame, "the input dist's batch per rank"
+    if ctx.has("lookups"):  # no exchange: every rank looks its own batch up, bags numbered from 0
+        frame = ctx.frame("""SELECT step, sum(b)::BIGINT AS samples FROM (
+                                 SELECT step, rank, max(sample) + 1 AS b FROM train_lookups GROUP BY ALL)
+                             GROUP BY step""")
+        if frame.height:
+            return frame, "each rank's bags in lookups (a batch ending in empty bags counts short)"
     return None, ""
 
 
