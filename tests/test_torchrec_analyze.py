@@ -32,15 +32,29 @@ EMBEDDING_A2A = "op = 'all_to_all_single' AND tag NOT LIKE 'SplitsAllToAll%'"  #
 
 
 @pytest.fixture(scope="module")
-def analysed(torchrec_python: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], dict]:
-    """(run_dir, what each rank fed, analyze's summary) of one table-wise recording."""
-    tmp = tmp_path_factory.mktemp("torchrec_analyze")
-    code, run_dir = record(tmp, str(torchrec_python), "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(RANKS), str(JOB), "--sharding", "table_wise",
-                           "--out", str(tmp / "fed"), options=("--lookup-every", str(LOOKUP_EVERY)))
-    assert code == 0, json.loads((run_dir / "manifest.json").read_text())
-    fed = [json.loads((tmp / "fed" / f"rank={r}.json").read_text()) for r in range(RANKS)]
-    return run_dir, fed, analyze(run_dir)
+def recorded(torchrec_python: Path, tmp_path_factory: pytest.TempPathFactory):
+    """recorded(sharding) -> (run_dir, what each rank fed, analyze's summary), each plan recorded and
+    analysed once."""
+    runs: dict[str, tuple[Path, list[dict], dict]] = {}
+
+    def get(sharding: str) -> tuple[Path, list[dict], dict]:
+        if sharding not in runs:
+            tmp = tmp_path_factory.mktemp(sharding)
+            code, run_dir = record(tmp, str(torchrec_python), "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc-per-node", str(RANKS), str(JOB), "--sharding", sharding,
+                                   "--out", str(tmp / "fed"), options=("--lookup-every", str(LOOKUP_EVERY)))
+            assert code == 0, json.loads((run_dir / "manifest.json").read_text())
+            fed = [json.loads((tmp / "fed" / f"rank={r}.json").read_text()) for r in range(RANKS)]
+            runs[sharding] = run_dir, fed, analyze(run_dir)
+        return runs[sharding]
+
+    return get
+
+
+@pytest.fixture
+def analysed(recorded) -> tuple[Path, list[dict], dict]:
+    """The table-wise run most tests read."""
+    return recorded("table_wise")
 
 
 def sampled_steps(fed: list[dict]) -> list[str]:
@@ -99,6 +113,19 @@ def test_pooling_factors_are_what_the_job_fed(analysed) -> None:
     written = json.loads((run_dir / "analysis" / "torchrec_constraints.json").read_text())
     assert {t: c["pooling_factors"] for t, c in written.items()} == {
         t: [pytest.approx(expected[t], abs=1e-6)] * len(fs) for t, fs in TABLES.items()}
+
+
+@pytest.mark.slow
+def test_a_data_parallel_run_has_no_exchange_and_the_same_pooling_factors(recorded) -> None:
+    """Every table replicated: no input dist to count samples by, so each rank's bags in `lookups`
+    do; the cost model and the embedding policies say why they have nothing to model."""
+    run_dir, fed, report = recorded("data_parallel")
+    frame = pl.read_parquet(run_dir / "analysis" / "planner.parquet")
+    expected = fed_pooling(fed)
+    assert {t: p for t, p in frame.select("table_name", "pooling_factor").unique().iter_rows()} == {
+        t: pytest.approx(v) for t, v in expected.items()}
+    assert "costmodel" not in report["analyses"] and any("no sharded table" in n for n in report["notes"])
+    assert {"replication", "tiers"} <= report["not_derived"].keys()
 
 
 @pytest.mark.slow
