@@ -1,7 +1,7 @@
 """DCT-DP measured (issue 12): DDP's gradient bytes on the wire with and without compression.dp,
 and the eval AUC after the same steps.
 
-    .venv/bin/python bench/dct_dp.py [--steps 200] [--keep 0.005,0.001,0.005:10] [--refresh-every 1000]
+    .venv/bin/python bench/dct_dp.py [--steps 200] [--samples N] [--keep 0.005,0.001,0.005:10] [--refresh-every 1000]
         [--reuse] [--out DIR]
 
 Preset criteo-kaggle x 0.01, the default MLPs (512,256,64 and 512,256,1; ~0.5 M dense parameters),
@@ -42,6 +42,8 @@ BASE_TAG = "_sum_allreduce_hook"
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--samples", type=int, default=None,
+                   help="training samples to generate (the preset's ~0.95M last 231 steps of 4,096)")
     p.add_argument("--keep", default="0.005,0.001",
                    help="keep ratios to run, comma-separated; KEEP:REFRESH for another refresh_every")
     p.add_argument("--reuse", action="store_true", help="read runs already recorded under --out, do not re-run them")
@@ -49,6 +51,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-dct-dp"))
     args = p.parse_args()
     train_args = ["--preset", "criteo-kaggle", "--scale", "0.01", "--batch-size", "2048", "--steps", str(args.steps),
+                  *(["--samples", str(args.samples)] if args.samples else []),
                   "--log-every", "1000"]
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", "train.py",
              *train_args]

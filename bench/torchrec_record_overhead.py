@@ -1,0 +1,96 @@
+"""What `tracekit record` costs a TorchRec job (issue 13): samples/s of bench/torchrec_dlrm.py (TorchRec's
+DLRM, 8 tables x 100k rows x dim 64, FBGEMM's fused table-wise kernel, 2 gloo ranks) untraced and
+under `tracekit record` with its defaults, alternating, each a fresh torchrun; medians, the ratio of
+the medians and the run-by-run pairs, with the machine. Each traced run is checked to hold every
+lookup it made (`accesses` summed = steps x ranks x batch x tables x pooling, warm-up included).
+
+Needs the TorchRec venv with tracekit installed in it, as a user would (`bash
+bench/setup_torchrec_venv.sh`, then `bench/.venv-torchrec/bin/pip install .`). From the repo root:
+
+    .venv/bin/python bench/torchrec_record_overhead.py [--runs 5] [--steps 100] [--pooling 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tracekit.run import open_run  # noqa: E402
+
+PYTHON = ROOT / "bench" / ".venv-torchrec" / "bin" / "python"
+RANKS, TABLES = 2, 8
+
+
+def samples_per_s(command: list[str]) -> float:
+    """Rank 0's global samples/s, or NaN (with the run's stderr shown) if it failed."""
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-2000:]}", file=sys.stderr)
+        return math.nan
+    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=100, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--pooling", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--python", type=Path, default=PYTHON, help="the TorchRec venv's interpreter")
+    args = p.parse_args()
+    check = subprocess.run([str(args.python), "-c", "import torchrec, tracekit"], capture_output=True, text=True)
+    if check.returncode != 0:
+        sys.exit(f"{args.python} cannot import torchrec and tracekit ({check.stderr.strip().splitlines()[-1:]}): "
+                 "bash bench/setup_torchrec_venv.sh, then bench/.venv-torchrec/bin/pip install .")
+    job = ["bench/torchrec_dlrm.py", "--json", "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--pooling", str(args.pooling), "--batch-size", str(args.batch_size)]
+    torchrun = [str(args.python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)]
+    expected = (args.steps + args.warmup) * RANKS * args.batch_size * TABLES * args.pooling
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        variants = {"untraced": [*torchrun, *job],
+                    "tracekit record": [str(args.python), "-m", "tracekit", "record", "--force", "-o", str(run_dir),
+                                        "--", *torchrun, *job]}
+        results: dict[str, list[float]] = {name: [] for name in variants}
+        for i in range(args.runs):
+            for name, command in variants.items():
+                results[name].append(samples_per_s(command))
+            recorded = open_run(run_dir).scan("accesses").select("count").collect()["count"].sum()
+            if recorded < expected:
+                sys.exit(f"the traced run holds {recorded:,} lookups, expected at least {expected:,}: not traced?")
+            print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items())
+                  + f"; accesses {recorded:,}", file=sys.stderr, flush=True)
+
+    base = statistics.median(results["untraced"])
+    print(f"machine: {machine()}\ncpu, {RANKS} gloo ranks; TorchRec DLRM {TABLES} x 100k x 64, pooling "
+          f"{args.pooling}, batch {args.batch_size} per rank, {args.steps} timed steps; {args.runs} alternating runs")
+    print("| variant | median samples/s | runs | vs untraced |\n|---|---:|---|---:|")
+    for name, values in results.items():
+        med = statistics.median(values)
+        print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} |")
+    pairs = [t / u - 1 for u, t in zip(results["untraced"], results["tracekit record"])]
+    print(f"\ntraced vs untraced, run by run: {', '.join(f'{x:+.1%}' for x in pairs)}; "
+          f"median of the pairs {statistics.median(pairs):+.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
