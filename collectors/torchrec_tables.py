@@ -287,9 +287,28 @@ class TorchRecHandle:
             plan = getattr(child, "module_sharding_plan", None)  # ShardedEmbedding(Bag)Collection's
             if isinstance(plan, dict):
                 self._plans.update(plan)
+                if child not in self._collection_hooks:
+                    self._collection_hooks[child] = child.register_forward_pre_hook(self._on_sharded_forward,
+                                                                                    with_kwargs=True)
+
+    # --- forward pre-hooks of the collections: they return None, so the inputs are unchanged ---
+
+    def _on_sharded_forward(self, collection: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.guard.run(self._count_samples, collection, args, kwargs)
 
     def _on_collection_forward(self, collection: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.guard.run(self._expect_bags, collection, args, kwargs)  # returns None: the inputs are unchanged
+        self.guard.run(self._count_samples, collection, args, kwargs)
+        if hasattr(collection, "embedding_configs"):
+            self.guard.run(self._expect_bags, collection, args, kwargs)
+
+    def _count_samples(self, collection: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The step's samples on this rank, for `steps.samples`: the batch of the features the first
+        training call of the step passes a collection (before the input all-to-all), unless the
+        program named them."""
+        features = args[0] if args else kwargs.get("features")
+        clock = self.tables.clock
+        if clock.samples is None and hasattr(features, "stride") and phase.of_call(collection) == "train":
+            clock.samples = int(features.stride())
 
     def _expect_bags(self, collection: nn.Module, args: tuple, kwargs: dict) -> None:
         """An unsharded EmbeddingCollection looks each feature up as one 1-D `nn.Embedding` call of
@@ -305,10 +324,10 @@ class TorchRecHandle:
             self.tables.expect_bags(tables[config.name], bags)
 
     def _collection(self, collection: nn.Module, tables: nn.Module) -> None:
-        """Note an unsharded collection and the ModuleDict of its tables, keyed by table name; an
-        EmbeddingCollection gets a forward pre-hook for its features' bags."""
+        """Note an unsharded collection and the ModuleDict of its tables, keyed by table name, and
+        give it a forward pre-hook (its batch; an EmbeddingCollection's features' bags)."""
         self._collection_dicts.add(tables)
-        if hasattr(collection, "embedding_configs") and collection not in self._collection_hooks:
+        if collection not in self._collection_hooks:
             self._collection_hooks[collection] = collection.register_forward_pre_hook(self._on_collection_forward,
                                                                                       with_kwargs=True)
 

@@ -139,8 +139,8 @@ def test_each_rank_reads_only_the_rows_it_holds(recorded, sharding: str) -> None
 @pytest.mark.slow
 def test_one_step_per_iteration_with_the_embedding_optimizer_fused_into_backward(recorded) -> None:
     run_dir, _ = recorded("table_wise")
-    steps = open_run(run_dir).scan("steps").select("rank", "step").collect()
-    assert sorted(steps.rows()) == [(rank, step) for rank in (0, 1) for step in range(STEPS)]
+    steps = open_run(run_dir).scan("steps").select("rank", "step", "samples").collect()
+    assert sorted(steps.rows()) == [(rank, step, BATCH) for rank in (0, 1) for step in range(STEPS)]
     phases = Counter((r[0], r[1]) for r in open_run(run_dir).scan("accesses").select("step", "phase").collect().rows())
     assert {phase for (step, phase) in phases if step == EVAL_AFTER + 1} == {"train", "eval"}  # the eval forward
     assert {step for (step, phase) in phases if phase == "eval"} == {EVAL_AFTER + 1}
