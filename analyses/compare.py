@@ -45,7 +45,9 @@ another model is a warning, and what can be compared still is. Each section pres
 tiers, schedule, compression.dp/.mp, lag) gives rows of predicted against measured for the figures it
 predicts: a2a_bytes_per_step, a2a_remote_bytes_per_step, sync_bytes_per_step, dp_bytes_per_step, total_bytes_per_step
 (predicted: a2a + sync, sync 0 where the section predicts none), total_remote_bytes_per_step,
-step_time_s, and the savings against BASE's measured figures (the baseline used throughout):
+step_time_s, makespan_s (lag: the recurrence's, against an inference run's measured makespan in
+its manifest `metrics`), and the savings against BASE's measured figures (the baseline used
+throughout):
 
     saving         predicted 1 − predicted total / BASE total,  measured 1 − run total / BASE total
     remote_saving  the same with total_remote_bytes_per_step
@@ -430,6 +432,7 @@ def sections(policy: dict) -> list[tuple[str, dict]]:
 def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> list[dict]:
     """Predicted against measured for each section of `policy` and its baseline (module docstring)."""
     measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, "dp_bytes_per_step", "step_time_s")},
+                "makespan_s": (m.manifest.get("metrics") or {}).get("makespan_s"),  # inference runs
                 **savings(m.figures, base.figures)}
     rows = []
     present = sections(policy)
@@ -448,7 +451,7 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
 
 def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
     """The figures a section predicts, with totals and savings derived as the module docstring says."""
-    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], "dp_bytes_per_step", "step_time_s")
+    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], "dp_bytes_per_step", "step_time_s", "makespan_s")
            if _number(predicted.get(k))}
     sync = out.get("sync_bytes_per_step", 0.0)
     if "a2a_bytes_per_step" in out:

@@ -7,10 +7,12 @@ options are refused."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
 
@@ -96,6 +98,27 @@ def test_the_synchronous_runs_exchange_and_waiting_reach_the_timeline(tmp_path: 
     c, x, ranks, steps = lag.work_matrix(frame)
     assert ranks == [0, 1] and len(steps) == STEPS - 1 and (x > 0).all()
     assert lag.replay(c, None, x) < lag.replay(c, 0, x)
+
+
+def test_analyze_predicts_the_lag_makespan_and_compare_sets_it_beside_the_measured(tmp_path: Path) -> None:
+    from analyses.analyze import analyze
+    from analyses.compare import compare
+    from analyses.context import Options
+    from tracekit.policy import load_policy
+
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(REPO / "train.py"), *MODEL, "--json", "--straggler", "0.4:15"]
+    code, base = record(tmp_path / "base", *train)
+    assert code == 0
+    analyze(base, Options(policies=("lag",)))  # an inference run applies lag alone
+    section = load_policy(base / "policy.json")["lag"]
+    assert section["predicted"]["makespan_s"] > 0
+    code, run = record(tmp_path / "bls", *train, "--policy", str(base / "policy.json"))
+    assert code == 0
+    rows = compare(base, [run]).tables["compare_policy"].filter(pl.col("figure") == "makespan_s").to_dicts()
+    measured = json.loads((run / "manifest.json").read_text())["metrics"]["makespan_s"]
+    assert [(r["section"], r["predicted"], r["measured"]) for r in rows] == [
+        ("lag", section["predicted"]["makespan_s"], measured)]
 
 
 def test_a_failing_rank_ends_the_run(tmp_path: Path) -> None:
