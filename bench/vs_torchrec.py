@@ -42,11 +42,13 @@ SHAPE_ARGS = [
     "--bottom-mlp", "512,256,64", "--top-mlp", "512,256,1", "--batch-size", "512",
 ]
 # torchrec-pinned: TorchRec with each rank pinned to its own core, as our trainer pins itself,
-# so the ratio to it shows what is left of our lead without the pinning.
-IMPLS = ("ours", "torchrec", "torchrec-pinned")
+# so the ratio to it shows what is left of our lead without the pinning. ours-bf16: our trainer
+# with --precision bf16 (the MLPs and the interaction in bf16, fp32 master weights and tables).
+IMPLS = ("ours", "ours-bf16", "torchrec", "torchrec-pinned")
 TORCHREC_VENV = ROOT / "bench" / ".venv-torchrec"
-VENVS = {"ours": ROOT / ".venv", "torchrec": TORCHREC_VENV, "torchrec-pinned": TORCHREC_VENV}
-SETUP_HINT = {"ours": "make venv", "torchrec": "bash bench/setup_torchrec_venv.sh",
+VENVS = {"ours": ROOT / ".venv", "ours-bf16": ROOT / ".venv", "torchrec": TORCHREC_VENV,
+         "torchrec-pinned": TORCHREC_VENV}
+SETUP_HINT = {"ours": "make venv", "ours-bf16": "make venv", "torchrec": "bash bench/setup_torchrec_venv.sh",
               "torchrec-pinned": "bash bench/setup_torchrec_venv.sh"}
 STOP_GRACE_S = 30.0  # time torchrun gets to end its ranks after SIGTERM
 BUSY_WARN = 0.10  # warn when other processes used more than this fraction of the CPUs
@@ -60,9 +62,10 @@ def command(impl: str, pooling: int, steps: int) -> list[str]:
     """The torchrun command line for one run of `impl` (paths relative to the repo root)."""
     torchrun = str(VENVS[impl].relative_to(ROOT) / "bin" / "torchrun")
     launch = [torchrun, "--standalone", "--nproc-per-node", str(WORLD_SIZE)]
-    if impl == "ours":
+    if impl in ("ours", "ours-bf16"):
+        precision = ["--precision", "bf16"] if impl == "ours-bf16" else []
         return [*launch, "train.py", *SHAPE_ARGS, "--pooling", str(pooling), "--zipf", "0",
-                "--eval-fraction", "0", "--steps", str(steps), "--json"]
+                "--eval-fraction", "0", "--steps", str(steps), *precision, "--json"]
     pin = ["--pin"] if impl == "torchrec-pinned" else []
     return [*launch, "bench/torchrec_dlrm.py", *SHAPE_ARGS, "--pooling", str(pooling),
             "--steps", str(steps), *pin, "--json"]
