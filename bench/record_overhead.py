@@ -49,6 +49,19 @@ def machine(device: str) -> str:
     return text
 
 
+def report(results: dict[str, list[float]]) -> None:
+    """The Markdown table of samples/s per variant against "untraced" (medians), then the
+    "tracekit record" runs against the untraced ones run by run."""
+    base = statistics.median(results["untraced"])
+    print("| variant | median samples/s | runs | vs untraced |\n|---|---:|---|---:|")
+    for name, values in results.items():
+        med = statistics.median(values)
+        print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} |")
+    pairs = [t / u - 1 for u, t in zip(results["untraced"], results["tracekit record"])]
+    print(f"\ntraced vs untraced, run by run: {', '.join(f'{p:+.1%}' for p in pairs)}; "
+          f"median of the pairs {statistics.median(pairs):+.1%}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5)
@@ -87,18 +100,10 @@ def main() -> int:
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()),
                   file=sys.stderr, flush=True)
 
-        base = statistics.median(results["untraced"])
         print(f"machine: {machine(args.device)}\n{args.device}, {ranks} rank(s) "
               f"({'gloo, 1 core each' if args.device == 'cpu' else 'NCCL'}); "
               f"train.py {' '.join(train)}; {args.runs} alternating runs each")
-        print("| variant | median samples/s | runs | vs untraced |\n|---|---:|---|---:|")
-        for name, values in results.items():
-            med = statistics.median(values)
-            print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} |")
-
-        pairs = [t / u - 1 for u, t in zip(results["untraced"], results["tracekit record"])]
-        print(f"\ntraced vs untraced, run by run: {', '.join(f'{p:+.1%}' for p in pairs)}; "
-              f"median of the pairs {statistics.median(pairs):+.1%}")
+        report(results)
         if args.quick:
             return 0
 

@@ -13,11 +13,6 @@ bench/setup_torchrec_venv.sh`, then `bench/.venv-torchrec/bin/pip install .`). F
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,24 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.record_overhead import machine, report, samples_per_s  # noqa: E402
 from tracekit.run import open_run  # noqa: E402
 
 PYTHON = ROOT / "bench" / ".venv-torchrec" / "bin" / "python"
 RANKS, TABLES = 2, 8
-
-
-def samples_per_s(command: list[str]) -> float:
-    """Rank 0's global samples/s, or NaN (with the run's stderr shown) if it failed."""
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        print(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-2000:]}", file=sys.stderr)
-        return math.nan
-    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
-
-
-def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
 
 
 def main() -> int:
@@ -79,16 +61,9 @@ def main() -> int:
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items())
                   + f"; accesses {recorded:,}", file=sys.stderr, flush=True)
 
-    base = statistics.median(results["untraced"])
-    print(f"machine: {machine()}\ncpu, {RANKS} gloo ranks; TorchRec DLRM {TABLES} x 100k x 64, pooling "
+    print(f"machine: {machine('cpu')}\ncpu, {RANKS} gloo ranks; TorchRec DLRM {TABLES} x 100k x 64, pooling "
           f"{args.pooling}, batch {args.batch_size} per rank, {args.steps} timed steps; {args.runs} alternating runs")
-    print("| variant | median samples/s | runs | vs untraced |\n|---|---:|---|---:|")
-    for name, values in results.items():
-        med = statistics.median(values)
-        print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} |")
-    pairs = [t / u - 1 for u, t in zip(results["untraced"], results["tracekit record"])]
-    print(f"\ntraced vs untraced, run by run: {', '.join(f'{x:+.1%}' for x in pairs)}; "
-          f"median of the pairs {statistics.median(pairs):+.1%}")
+    report(results)
     return 0
 
 

@@ -4,8 +4,8 @@
 Only then, and only in a process that trains (not the torchrun launcher), does `activate()` open
 this rank's RunWriter and install the step, embedding (and its TorchRec/FBGEMM source, armed for
 when those are imported), comm, grads and gpu collectors. At exit it closes the writer and leaves
-`ranks/rank=R.json` for the manifest: what the rank wrote, dropped and failed, the tables it looked up, the GPU it sampled (or why none), its backend, host and clock
-anchor, the policy file and metrics it declared (collectors/declared.py), and `report_errors` naming
+`ranks/rank=R.json` for the manifest: what the rank wrote, dropped and failed, the tables it looked
+up, the GPU it sampled (or why none), its backend, host and clock anchor, the policy file and metrics it declared (collectors/declared.py), and `report_errors` naming
 any part of the report that could not be written. Settings come from TRACEKIT_* variables, read here
 once into `Settings`. The optional API (`tracekit.step()` and the rest) reaches the active collectors
 through the functions below; before activation, and in processes never traced, its calls do nothing.
@@ -14,8 +14,6 @@ through the functions below; before activation, and in processes never traced, i
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.util
 import json
 import numbers
 import os
@@ -24,6 +22,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from collectors.imports import ImportWatcher
 
 
 @dataclass(frozen=True)
@@ -61,33 +61,13 @@ def is_launcher(orig_argv: list[str]) -> bool:
     return False
 
 
-class _TorchImportWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; when `torch` is first imported, runs `activate` right after it."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            activate(Settings.from_env(os.environ))
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def arm() -> None:
     if is_launcher(sys.orig_argv):
         return
     if "torch" in sys.modules:
         activate(Settings.from_env(os.environ))
-    elif not any(isinstance(f, _TorchImportWatcher) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchImportWatcher())
+    elif not any(isinstance(f, ImportWatcher) and "torch" in f.pending for f in sys.meta_path):
+        sys.meta_path.insert(0, ImportWatcher(("torch",), lambda name: activate(Settings.from_env(os.environ))))
 
 
 _clock = None  # this process's step clock once activated: the process is traced once

@@ -63,11 +63,10 @@ planner refuses on CPU). The private attributes read (`_config`, `_feature_table
 from __future__ import annotations
 
 import gc
-import importlib.abc
 import sys
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,6 +75,7 @@ from torch.nn.modules import module as torch_module
 from collectors import phase
 from collectors.embedding import EmbeddingHandle, Table
 from collectors.guard import Guard
+from collectors.imports import ImportWatcher
 
 TBE_MODULE = "fbgemm_gpu.split_table_batched_embeddings_ops_training"
 TBE_CLASSES = ("SplitTableBatchedEmbeddingBagsCodegen", "DenseTableBatchedEmbeddingBagsCodegen")
@@ -102,37 +102,6 @@ class TableShard:
     dtype: str
     sharding_type: str
     compute_kernel: str
-
-
-class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; runs `on_import(name)` right after a module named in `names` loads."""
-
-    def __init__(self, names: tuple[str, ...], on_import: Callable[[str], None]) -> None:
-        self.pending = set(names)
-        self.on_import = on_import
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in self.pending:
-            return None
-        for finder in sys.meta_path:  # the finder that would have found it, had we not been asked
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            self.pending.discard(name)  # only now: a find_spec that imports nothing (a probe) must not count
-            self.on_import(name)
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 def _classes(module_name: str, names: tuple[str, ...]) -> tuple[type, ...]:
@@ -216,7 +185,7 @@ class TorchRecHandle:
     def __init__(self, tables: EmbeddingHandle) -> None:
         self.tables = tables
         self.guard = Guard("torchrec")
-        self._watcher = _ImportWatcher(WATCHED, lambda name: self.guard.run(self._on_import))
+        self._watcher = ImportWatcher(WATCHED, lambda name: self.guard.run(self._on_import))
         self._hooks: list[Any] = []  # the global registration hooks, once a watched module is imported
         self._tbe_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self._owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
