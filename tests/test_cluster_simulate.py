@@ -68,8 +68,8 @@ def projected(source: Path, nodes: int, per_node: int, policy: dict | None = Non
     return {r["policy"]: r for r in result.tables["simulate"].iter_rows(named=True)}
 
 
-@pytest.mark.parametrize("nodes, per_node", [(2, 1), (2, 2)])
-def test_simulate_matches_the_emulated_cluster(tmp_path: Path, nodes: int, per_node: int) -> None:
+def attempt(tmp_path: Path, nodes: int, per_node: int) -> dict[str, tuple[dict, dict]]:
+    """Record on loopback, project onto nodes × per_node, run there: {run: (projected, measured)}."""
     world = nodes * per_node
     source = loopback(tmp_path / "loopback", world)
     policy = None
@@ -80,18 +80,29 @@ def test_simulate_matches_the_emulated_cluster(tmp_path: Path, nodes: int, per_n
     options = {"baseline": ()}
     if policy is not None:
         options["replication"] = ("--policy", str(source / "policy.json"))
-    for name, extra in options.items():
-        got, want = measured(on_cluster(tmp_path / name, nodes, per_node, *extra)), projection[name]
-        if want["step_time_s"] != pytest.approx(got["step_time_s"], rel=0.15):
-            # a step time on 2 shared cores moves ±15% between runs: measure once more before judging
-            got = measured(on_cluster(tmp_path / f"{name}-again", nodes, per_node, *extra))
+    return {name: (projection[name], measured(on_cluster(tmp_path / name, nodes, per_node, *extra)))
+            for name, extra in options.items()}
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 1), (2, 2)])
+def test_simulate_matches_the_emulated_cluster(tmp_path: Path, nodes: int, per_node: int) -> None:
+    def close(runs: dict) -> bool:
+        return all(want["step_time_s"] == pytest.approx(got["step_time_s"], rel=0.15) for want, got in runs.values())
+
+    runs = attempt(tmp_path / "first", nodes, per_node)
+    if not close(runs):
+        # compute on 2 shared cores moves ±15% between runs, on either side (the loopback run the
+        # projection takes its compute from, or the cluster run): record both once more before judging
+        runs = attempt(tmp_path / "again", nodes, per_node)
+    for name, (want, got) in runs.items():
         assert got["a2a"] == pytest.approx(want["a2a_bytes_per_step"], abs=1e-6), name
         if name == "baseline":
             assert got["all_reduce"] == pytest.approx(want["allreduce_bytes_per_step"], abs=1e-6), name
         else:
             assert got["sync"] == pytest.approx(want["sync_bytes_per_step"], abs=1e-6), name
         assert want["comm_share"] > 0.5, want  # the check means something only where the link matters
-        print(f"{nodes}x{per_node} {name}: projected {want['step_time_s'] * 1e3:.1f} ms, measured {got['step_time_s'] * 1e3:.1f} ms")
+        print(f"{nodes}x{per_node} {name}: projected {want['step_time_s'] * 1e3:.1f} ms "
+              f"(compute {want['compute_s'] * 1e3:.1f} ms), measured {got['step_time_s'] * 1e3:.1f} ms")
         assert want["step_time_s"] == pytest.approx(got["step_time_s"], rel=0.15), (name, want, got)
 
 
