@@ -21,6 +21,7 @@ timing; --wait-idle SECONDS waits for quiet before each run.
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -44,14 +45,30 @@ SHAPE_ARGS = [
 # torchrec-pinned: TorchRec with each rank pinned to its own core, as our trainer pins itself,
 # so the ratio to it shows what is left of our lead without the pinning. ours-bf16: our trainer
 # with --precision bf16 (the MLPs and the interaction in bf16, fp32 master weights and tables).
-IMPLS = ("ours", "ours-bf16", "torchrec", "torchrec-pinned")
+# torchrec-tuned: TorchRec pinned and, on an AMD CPU with AVX-512, with MKL's AVX-512 GEMMs
+# (MKL_ENABLE_INSTRUCTIONS=AVX512), the two process-level settings our trainer makes
+# (tracekit/dlrm/runtime.py): the ratio to it is what our design alone is worth.
+IMPLS = ("ours", "ours-bf16", "torchrec", "torchrec-pinned", "torchrec-tuned")
 TORCHREC_VENV = ROOT / "bench" / ".venv-torchrec"
 VENVS = {"ours": ROOT / ".venv", "ours-bf16": ROOT / ".venv", "torchrec": TORCHREC_VENV,
-         "torchrec-pinned": TORCHREC_VENV}
+         "torchrec-pinned": TORCHREC_VENV, "torchrec-tuned": TORCHREC_VENV}
 SETUP_HINT = {"ours": "make venv", "ours-bf16": "make venv", "torchrec": "bash bench/setup_torchrec_venv.sh",
-              "torchrec-pinned": "bash bench/setup_torchrec_venv.sh"}
+              "torchrec-pinned": "bash bench/setup_torchrec_venv.sh",
+              "torchrec-tuned": "bash bench/setup_torchrec_venv.sh"}
 STOP_GRACE_S = 30.0  # time torchrun gets to end its ranks after SIGTERM
 BUSY_WARN = 0.10  # warn when other processes used more than this fraction of the CPUs
+
+
+@functools.lru_cache(maxsize=None)
+def avx512_gemm_on_amd() -> bool:
+    """Whether our trainer turns MKL's AVX-512 GEMMs on here (tracekit/dlrm/runtime.py's test,
+    run in a child so that this driver's own environment stays as it is)."""
+    probe = ("import os; from tracekit.dlrm.runtime import avx512_gemm_on_amd; "
+             "print(avx512_gemm_on_amd())")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_ENABLE_INSTRUCTIONS"}
+    out = subprocess.run([str(VENVS["ours"] / "bin" / "python"), "-c", probe], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    return out.stdout.strip() == "True"
 
 
 class RunFailed(Exception):
@@ -66,7 +83,7 @@ def command(impl: str, pooling: int, steps: int) -> list[str]:
         precision = ["--precision", "bf16"] if impl == "ours-bf16" else []
         return [*launch, "train.py", *SHAPE_ARGS, "--pooling", str(pooling), "--zipf", "0",
                 "--eval-fraction", "0", "--steps", str(steps), *precision, "--json"]
-    pin = ["--pin"] if impl == "torchrec-pinned" else []
+    pin = ["--pin"] if impl in ("torchrec-pinned", "torchrec-tuned") else []
     return [*launch, "bench/torchrec_dlrm.py", *SHAPE_ARGS, "--pooling", str(pooling),
             "--steps", str(steps), *pin, "--json"]
 
@@ -126,8 +143,11 @@ def run_once(impl: str, pooling: int, steps: int, timeout_s: float) -> dict:
     """Run one benchmark and return its JSON summary (the last stdout line)."""
     cmd = command(impl, pooling, steps)
     shown = " ".join(cmd)
+    env = dict(os.environ)
+    if impl == "torchrec-tuned" and avx512_gemm_on_amd():
+        env["MKL_ENABLE_INSTRUCTIONS"] = "AVX512"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except BaseException as e:  # TimeoutExpired or KeyboardInterrupt

@@ -1,4 +1,4 @@
-"""The trainer's runtime helpers: the prefetch thread, core pinning, the metrics."""
+"""The trainer's runtime helpers: the prefetch thread, core pinning, MKL's GEMM path, the metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tracekit.dlrm.metrics import log_loss, roc_auc
-from tracekit.dlrm.runtime import pin_to_cores
+from tracekit.dlrm.runtime import avx512_gemm_on_amd, pin_to_cores
 from tracekit.dlrm.schedule import prefetched
 
 BOUND_S = 60
@@ -82,3 +82,24 @@ def test_roc_auc_counts_ties_as_half() -> None:
     assert roc_auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0.0, 0.0, 1.0, 1.0])) == 0.75
     assert roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([0.0, 1.0])) == 0.5
     assert log_loss(torch.tensor([0.0]), torch.tensor([1.0])) == pytest.approx(0.693147, abs=1e-6)
+
+
+CPUINFO = "processor\t: {n}\nvendor_id\t: {vendor}\nflags\t\t: fpu sse2 avx2 {extra}\n\n"
+
+
+@pytest.mark.parametrize(("vendor", "extra", "set_before", "expected"), [
+    ("AuthenticAMD", "avx512f avx512bw", None, "AVX512"),  # Zen 4: MKL told to use AVX-512
+    ("AuthenticAMD", "", None, None),  # no AVX-512 on the CPU: left alone
+    ("GenuineIntel", "avx512f", None, None),  # MKL picks AVX-512 (or AMX) itself on Intel
+    ("AuthenticAMD", "avx512f", "AVX2", "AVX2"),  # the user's own setting wins
+])
+def test_avx512_gemm_only_on_amd_with_avx512(tmp_path, monkeypatch, vendor, extra, set_before, expected) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("".join(CPUINFO.format(n=n, vendor=vendor, extra=extra) for n in range(2)))
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    if set_before:
+        monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", set_before)
+    assert avx512_gemm_on_amd(str(cpuinfo)) == (expected is not None and set_before is None)
+    assert os.environ.get("MKL_ENABLE_INSTRUCTIONS") == expected
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    assert avx512_gemm_on_amd(str(tmp_path / "missing")) is False  # no /proc/cpuinfo: left alone

@@ -36,7 +36,7 @@ from tracekit.dlrm.optim import dense_optimizer, sparse_optimizer
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.policies import AppliedPolicy
 from tracekit.dlrm.replicas import Replicas
-from tracekit.dlrm.runtime import keep_freed_memory, pin_to_cores
+from tracekit.dlrm.runtime import avx512_gemm_on_amd, keep_freed_memory, pin_to_cores
 from tracekit.dlrm.schedule import make_schedule, prefetched
 from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec, init_rows
 from tracekit.errors import TracekitError
@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = _device(cfg)
     keep_freed_memory()
+    avx512_gemm_on_amd()
     pin_to_cores(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if "RANK" in os.environ:
         if device.type == "cuda":
