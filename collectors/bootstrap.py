@@ -5,7 +5,8 @@ Only then, and only in a process that trains (not the torchrun launcher), does `
 this rank's RunWriter and install the step, embedding (and its TorchRec/FBGEMM source, armed for
 when those are imported), comm, grads and gpu collectors. At exit it closes the writer and leaves
 `ranks/rank=R.json` for the manifest: what the rank wrote, dropped and failed, the tables it looked
-up, the GPU it sampled (or why none), its backend, host and clock anchor, the policy file and metrics it declared (collectors/declared.py), and `report_errors` naming
+up, the GPU it sampled (or why none), its backend, host and clock anchor, the policy file and metrics it declared (collectors/declared.py), the writer thread's CPU
+time (`writer_cpu_s`), and `report_errors` naming
 any part of the report that could not be written. Settings come from TRACEKIT_* variables, read here
 once into `Settings`. The optional API (`tracekit.step()` and the rest) reaches the active collectors
 through the functions below; before activation, and in processes never traced, its calls do nothing.
@@ -165,7 +166,7 @@ def activate(settings: Settings) -> None:
         parts = {"rank": lambda: settings.rank, "pid": os.getpid, "host": socket.gethostname,
                  "clock_anchor": lambda: anchor, "backend": lambda: comms.backend, "steps": lambda: clock.step,
                  "written_rows": lambda: dict(writer.written), "dropped_rows": lambda: dict(writer.dropped),
-                 "errors": lambda: writer.errors,
+                 "errors": lambda: writer.errors, "writer_cpu_s": lambda: writer.cpu_s,
                  "settings": lambda: {**asdict(settings), "run_dir": str(settings.run_dir)},
                  "tables": lambda: tables.tables, "gpu": sampler.status,
                  "policy": lambda: facts.policy, "metrics": lambda: facts.metrics}

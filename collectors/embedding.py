@@ -128,7 +128,7 @@ def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Te
 
 def count_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step, row, count) with unique (step, row), sorted, of one table's calls: one sort of
-    (step - first step) * num_rows + row, with numpy on CPU, with torch on the ids' device."""
+    (step - first step) * num_rows + row, on the ids' device."""
     table = calls[0].table
     rows = torch.cat([c.ids.reshape(-1) for c in calls]).to(torch.int64)
     step_of = torch.tensor([c.step for c in calls], device=rows.device)
@@ -139,10 +139,8 @@ def count_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows, steps = rows[keep], steps[keep]
     first = calls[0].step
     key = (steps - first) * table.num_rows + rows
-    if key.is_cuda:
-        unique, counts = (t.cpu().numpy() for t in torch.unique(key, return_counts=True))
-    else:
-        unique, counts = np.unique(key.numpy(), return_counts=True)
+    # torch's sort-based unique: 1.9 ms for 135k int64 keys on one core here, numpy's 8.0 (RESULTS §14)
+    unique, counts = (t.cpu().numpy() for t in torch.unique(key, return_counts=True))
     step, row = np.divmod(unique, table.num_rows)
     return step + first, row + table.first_row, counts.astype(np.int32)
 

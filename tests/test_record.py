@@ -60,6 +60,7 @@ def test_torchrun_two_ranks_are_recorded_exactly(tmp_path: Path, sharding: str, 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "completed" and manifest["ranks"] == [0, 1], manifest  # not the launcher
     assert manifest["tables"] == expected_tables(2, sharding, sequence_tables)
+    assert set(manifest["writer_cpu_s"]) == {"0", "1"} and all(s > 0 for s in manifest["writer_cpu_s"].values())
     expected = expected_accesses(2, 4)
     assert recorded_accesses(run_dir) == expected  # global rows: row-wise shards are looked up with local ids
     run = open_run(run_dir)

@@ -136,6 +136,9 @@ def _describe(s: dict) -> str:
         lines = [f"tracekit: {s['status']} after {elapsed} s: {len(s['ranks'])} rank(s), "
                  f"{s['bytes'] / 1e6:.1f} MB in {s['run_dir']}", exits,
                  f"  steps per rank: {steps}", f"  rows: {rows}", f"  dropped rows: {dropped:,}; gpu: {s['gpu']}"]
+        if s["writer_cpu_s"]:
+            cpu = ", ".join(f"{rank}: {seconds:.2f} s" for rank, seconds in sorted(s["writer_cpu_s"].items()))
+            lines.append(f"  trace writer CPU per rank (counting, encoding, writing): {cpu}")
     lines += [f"  manifest incomplete: {error}" for error in s["finalise_errors"]]
     return "\n".join(lines)
 

@@ -180,6 +180,7 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
         "written_rows": lambda: dict(sum((Counter(rows) for rows in each("written_rows").values()), Counter())),
         "dropped_rows": lambda: {rank: rows for rank, rows in each("dropped_rows").items() if rows},
         "writer_errors": lambda: sum(each("errors").values()),
+        "writer_cpu_s": lambda: each("writer_cpu_s"),
         "tables": lambda: merge_tables(having("tables")),
         "gpu": lambda: gpu_outcome(manifest["gpu"], having("gpu", "written_rows"),
                                    manifest["collector_settings"]["gpu_interval_s"]),
@@ -247,6 +248,7 @@ def summary(run_dir: Path, manifest: dict) -> dict:
             "rows": manifest.get("written_rows") or {}, "dropped_rows": manifest.get("dropped_rows") or {},
             "bytes": sum(p.stat().st_size for p in run_dir.rglob("*.parquet")),
             "gpu": gpu.get("reason") or ("sampled" if gpu.get("samples") else "unknown"),
+            "writer_cpu_s": manifest.get("writer_cpu_s") or {},
             "finalise_errors": manifest.get("finalise_errors", [])}
 
 

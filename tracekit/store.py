@@ -104,7 +104,8 @@ class RunWriter:
         and counts its rows in `dropped`, so a slow disk never blocks or bloats the training loop.
 
     `written` counts rows on disk per table; `dropped` counts rows lost per table (queue full, writer
-    closed, or a failed write). `errors` counts failed writes and `first_error` keeps the first
+    closed, or a failed write); `cpu_s` is the CPU time the writer thread has used (draining its
+    sources, counting, encoding and writing), what recording costs the rank beyond its hooks. `errors` counts failed writes and `first_error` keeps the first
     one's message: the thread never raises into the caller.
     """
 
@@ -125,6 +126,7 @@ class RunWriter:
         self.dropped: Counter[str] = Counter()
         self.written: Counter[str] = Counter()
         self.errors = 0
+        self.cpu_s = 0.0
         self.first_error: str | None = None
         self._cond = threading.Condition()
         self._pending: dict[str, list[pa.RecordBatch]] = {}
@@ -221,6 +223,7 @@ class RunWriter:
             with self._cond:
                 self._queued_rows -= appended
                 self._flush_done = flush_seen
+                self.cpu_s = time.thread_time()
                 self._cond.notify_all()
             if closing:
                 return
