@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def samples_per_s(command: list[str]) -> float:
+def samples_per_s(command: list[str], env: dict[str, str] | None = None) -> float:
     """The trainer's samples/s, or NaN (with its stderr shown) if the command failed."""
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if result.returncode != 0:
         print(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-2000:]}", file=sys.stderr)
         return math.nan
@@ -47,6 +47,12 @@ def machine(device: str) -> str:
 
         text += f"; {torch.cuda.get_device_name()} (torch {torch.__version__})"
     return text
+
+
+def writer_cpu_s(run_dir: Path) -> float:
+    """The trace writer threads' CPU seconds, mean over the ranks, of the run just recorded."""
+    per_rank = json.loads((run_dir / "manifest.json").read_text()).get("writer_cpu_s") or {}
+    return statistics.mean(per_rank.values()) if per_rank else math.nan
 
 
 def report(results: dict[str, list[float]]) -> None:
@@ -70,6 +76,8 @@ def main() -> int:
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter to run with")
     p.add_argument("--quick", action="store_true",
                    help="only untraced vs traced with the defaults (more runs in the same time), no size run")
+    p.add_argument("--writer-nice-0", action="store_true",
+                   help="also trace with the writer thread at the rank's own priority (TRACEKIT_WRITER_NICE=0)")
     args = p.parse_args()
     ranks = 2 if args.device == "cpu" else 1
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
@@ -93,10 +101,17 @@ def main() -> int:
         }
         if args.quick:
             variants = {name: variants[name] for name in ("untraced", "tracekit record")}
+        envs = {}
+        if args.writer_nice_0:
+            variants["tracekit record, writer at nice 0"] = traced(train)
+            envs["tracekit record, writer at nice 0"] = {"TRACEKIT_WRITER_NICE": "0"}
         results: dict[str, list[float]] = {name: [] for name in variants}
+        writer_cpu: dict[str, list[float]] = {name: [] for name, command in variants.items() if "record" in command}
         for i in range(args.runs):
             for name, command in variants.items():
-                results[name].append(samples_per_s(command))
+                results[name].append(samples_per_s(command, envs.get(name)))
+                if name in writer_cpu:
+                    writer_cpu[name].append(writer_cpu_s(run_dir))
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()),
                   file=sys.stderr, flush=True)
 
@@ -104,6 +119,9 @@ def main() -> int:
               f"({'gloo, 1 core each' if args.device == 'cpu' else 'NCCL'}); "
               f"train.py {' '.join(train)}; {args.runs} alternating runs each")
         report(results)
+        print("\ntrace writer thread CPU per rank (median over the runs): " + "; ".join(
+            f"{name} {statistics.median(v):.2f} s ({statistics.median(v) / args.steps * 1e3:.2f} ms a step)"
+            for name, v in writer_cpu.items()))
         if args.quick:
             return 0
 

@@ -37,6 +37,7 @@ class Settings:
     gpu_interval_s: float
     local_rank: int  # with cuda_visible_devices, which GPU the gpu collector samples
     cuda_visible_devices: str | None
+    writer_nice: int  # TRACEKIT_WRITER_NICE, default 10: the writer thread's niceness above the rank's (store.WRITER_NICE)
 
     @staticmethod
     def from_env(env: dict) -> "Settings":
@@ -45,7 +46,8 @@ class Settings:
                         grad_every=int(env.get("TRACEKIT_GRAD_EVERY", 100)),
                         flush_interval_s=float(env.get("TRACEKIT_FLUSH_INTERVAL_S", 1.0)),
                         gpu_interval_s=float(env.get("TRACEKIT_GPU_INTERVAL_S", 0.1)),
-                        local_rank=int(env.get("LOCAL_RANK", 0)), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"))
+                        local_rank=int(env.get("LOCAL_RANK", 0)), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                        writer_nice=int(env.get("TRACEKIT_WRITER_NICE", 10)))
 
 
 def is_launcher(orig_argv: list[str]) -> bool:
@@ -144,7 +146,8 @@ def activate(settings: Settings) -> None:
         return
     activate.done = True
     global _clock, _declared
-    writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s)
+    writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s,
+                       nice=settings.writer_nice)
     anchor = {"monotonic_ns": time.monotonic_ns(), "wall_ns": time.time_ns()}  # read together: aligns ranks' times
     clock = _clock = steps.StepClock()
     facts = _declared = declared.Declared()

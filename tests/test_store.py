@@ -358,3 +358,22 @@ def test_store_imports_neither_duckdb_nor_polars():
     code = "import sys, tracekit.store; print(sorted({m.split('.')[0] for m in sys.modules} & {'duckdb', 'polars'}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities are a POSIX/Linux feature")
+def test_the_writer_thread_runs_nicer_and_counts_its_cpu(tmp_path):
+    def own_nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base, seen = own_nice(), []
+
+    def source(final):
+        seen.append(own_nice())
+        return []
+
+    with RunWriter(tmp_path, 0, nice=5) as writer:
+        writer.add_source(source)
+        writer.flush()
+    assert seen and set(seen) == {min(19, base + 5)}  # the writer's own thread, read from inside it
+    assert own_nice() == base  # the training thread's stays as it was
+    assert writer.cpu_s > 0
