@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,13 +27,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def samples_per_s(command: list[str], env: dict[str, str] | None = None) -> float:
-    """The trainer's samples/s, or NaN (with its stderr shown) if the command failed."""
+def samples_per_s(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """The trainer's samples/s and the CPU seconds the command's processes used (every thread of every
+    rank, start-up included), or NaNs (with its stderr shown) if the command failed."""
+    before = _children_cpu_s()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    cpu_s = _children_cpu_s() - before
     if result.returncode != 0:
         print(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-2000:]}", file=sys.stderr)
-        return math.nan
-    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"]
+        return math.nan, math.nan
+    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"], cpu_s
+
+
+def _children_cpu_s() -> float:
+    """User and system CPU seconds of every process run and reaped below this one so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def trace_bytes(run_dir: Path) -> int:
@@ -55,14 +65,18 @@ def writer_cpu_s(run_dir: Path) -> float:
     return statistics.mean(per_rank.values()) if per_rank else math.nan
 
 
-def report(results: dict[str, list[float]]) -> None:
-    """The Markdown table of samples/s per variant against "untraced" (medians), then the
-    "tracekit record" runs against the untraced ones run by run."""
-    base = statistics.median(results["untraced"])
-    print("| variant | median samples/s | runs | vs untraced |\n|---|---:|---|---:|")
+def report(results: dict[str, list[float]], cpu: dict[str, list[float]]) -> None:
+    """The Markdown table of samples/s per variant against "untraced" (medians), with the CPU seconds
+    each run used (every process of it: start-up, the ranks' threads, and for a traced run its writer
+    threads and `record`'s own summary), then the "tracekit record" runs against the untraced ones
+    run by run."""
+    base, base_cpu = statistics.median(results["untraced"]), statistics.median(cpu["untraced"])
+    print("| variant | median samples/s | runs | vs untraced | median CPU s a run (all processes) | CPU vs untraced |\n"
+          "|---|---:|---|---:|---:|---:|")
     for name, values in results.items():
-        med = statistics.median(values)
-        print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} |")
+        med, med_cpu = statistics.median(values), statistics.median(cpu[name])
+        print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} "
+              f"| {med_cpu:.1f} | {med_cpu / base_cpu - 1:+.1%} |")
     pairs = [t / u - 1 for u, t in zip(results["untraced"], results["tracekit record"])]
     print(f"\ntraced vs untraced, run by run: {', '.join(f'{p:+.1%}' for p in pairs)}; "
           f"median of the pairs {statistics.median(pairs):+.1%}")
@@ -106,10 +120,13 @@ def main() -> int:
             variants["tracekit record, writer at nice 0"] = traced(train)
             envs["tracekit record, writer at nice 0"] = {"TRACEKIT_WRITER_NICE": "0"}
         results: dict[str, list[float]] = {name: [] for name in variants}
+        cpu: dict[str, list[float]] = {name: [] for name in variants}
         writer_cpu: dict[str, list[float]] = {name: [] for name, command in variants.items() if "record" in command}
         for i in range(args.runs):
             for name, command in variants.items():
-                results[name].append(samples_per_s(command, envs.get(name)))
+                speed, cpu_s = samples_per_s(command, envs.get(name))
+                results[name].append(speed)
+                cpu[name].append(cpu_s)
                 if name in writer_cpu:
                     writer_cpu[name].append(writer_cpu_s(run_dir))
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()),
@@ -118,7 +135,7 @@ def main() -> int:
         print(f"machine: {machine(args.device)}\n{args.device}, {ranks} rank(s) "
               f"({'gloo, 1 core each' if args.device == 'cpu' else 'NCCL'}); "
               f"train.py {' '.join(train)}; {args.runs} alternating runs each")
-        report(results)
+        report(results, cpu)
         print("\ntrace writer thread CPU per rank (median over the runs): " + "; ".join(
             f"{name} {statistics.median(v):.2f} s ({statistics.median(v) / args.steps * 1e3:.2f} ms a step)"
             for name, v in writer_cpu.items()))

@@ -52,9 +52,12 @@ def main() -> int:
                     "tracekit record": [str(args.python), "-m", "tracekit", "record", "--force", "-o", str(run_dir),
                                         "--", *torchrun, *job]}
         results: dict[str, list[float]] = {name: [] for name in variants}
+        cpu: dict[str, list[float]] = {name: [] for name in variants}
         for i in range(args.runs):
             for name, command in variants.items():
-                results[name].append(samples_per_s(command))
+                speed, cpu_s = samples_per_s(command)
+                results[name].append(speed)
+                cpu[name].append(cpu_s)
             recorded = open_run(run_dir).scan("accesses").select("count").collect()["count"].sum()
             if recorded < expected:
                 sys.exit(f"the traced run holds {recorded:,} lookups, expected at least {expected:,}: not traced?")
@@ -63,7 +66,7 @@ def main() -> int:
 
     print(f"machine: {machine('cpu')}\ncpu, {RANKS} gloo ranks; TorchRec DLRM {TABLES} x 100k x 64, pooling "
           f"{args.pooling}, batch {args.batch_size} per rank, {args.steps} timed steps; {args.runs} alternating runs")
-    report(results)
+    report(results, cpu)
     return 0
 
 
