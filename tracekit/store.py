@@ -321,12 +321,14 @@ def _renice_this_thread(nice: int) -> None:
 # Encodings per trace table, for size and for the writer's CPU time (bench/RESULTS.md): row ids
 # sorted within a (step, table) delta-encode to about a byte, low-cardinality columns take a
 # dictionary, the rest is zstd, and only `step` gets min/max statistics (a third of the encoding
-# time otherwise). The default dictionary-encodes every column and keeps every statistic.
+# time otherwise). The default dictionary-encodes every column and keeps every statistic. `phase`,
+# already a dictionary in Arrow, must be listed too, or its strings are decoded and re-encoded (1.3
+# of a 4.7 ms accesses flush, bench/RESULTS.md §16).
 PARQUET_OPTIONS: dict[str, dict[str, Any]] = {
-    "accesses": dict(use_dictionary=["step", "table_name", "count"], column_encoding={"row": "DELTA_BINARY_PACKED"},
-                     write_statistics=["step"]),
-    "lookups": dict(use_dictionary=["step", "table_name", "pos"], column_encoding={"sample": "DELTA_BINARY_PACKED"},
-                    write_statistics=["step"]),
+    "accesses": dict(use_dictionary=["step", "table_name", "count", "phase"],
+                     column_encoding={"row": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
+    "lookups": dict(use_dictionary=["step", "table_name", "pos", "phase"],
+                    column_encoding={"sample": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
 }
 
 
