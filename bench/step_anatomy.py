@@ -61,12 +61,17 @@ def thread_cpu_s() -> dict[str, float]:
     return dict(out)
 
 
-def report(*args, **kwargs):
-    phases = {name: {"calls": calls, "wall_ms": wall / calls * 1e3, "cpu_ms": cpu / calls * 1e3}
-              for name, (calls, wall, cpu) in PHASES.items() if calls}
-    line = {"step_anatomy": {"rank": int(os.environ.get("RANK", 0)), "phases": phases, "threads_cpu_s": thread_cpu_s()}}
-    print(json.dumps(line), file=sys.stderr, flush=True)
-    return destroy(*args, **kwargs)
+def reporting_first(destroy):
+    """`destroy_process_group` that first prints this rank's line (training and evaluation are done)."""
+    @functools.wraps(destroy)
+    def wrapper(*args, **kwargs):
+        phases = {name: {"calls": calls, "wall_ms": wall / calls * 1e3, "cpu_ms": cpu / calls * 1e3}
+                  for name, (calls, wall, cpu) in PHASES.items() if calls}
+        line = {"step_anatomy": {"rank": int(os.environ.get("RANK", 0)), "phases": phases,
+                                 "threads_cpu_s": thread_cpu_s()}}
+        print(json.dumps(line), file=sys.stderr, flush=True)
+        return destroy(*args, **kwargs)
+    return wrapper
 
 
 if __name__ == "__main__":
@@ -75,6 +80,5 @@ if __name__ == "__main__":
     torch.Tensor.backward = timed("backward (DDP's wait included)", torch.Tensor.backward)
     for optimizer in (torch.optim.SGD, torch.optim.Adagrad):  # train.py's dense optimizers
         optimizer.step = timed("dense optimizer step", optimizer.step)
-    destroy = dist.destroy_process_group
-    dist.destroy_process_group = report  # reached once training and evaluation are done
+    dist.destroy_process_group = reporting_first(dist.destroy_process_group)
     sys.exit(train.main())

@@ -112,6 +112,19 @@ def test_round_trip_polars_and_duckdb(tmp_path):
     assert dict(zip(rel.columns, rel.types))["table_name"] == "VARCHAR"
 
 
+def test_phases_of_batches_with_different_dictionaries_share_a_part_file_intact(tmp_path):
+    """`phase` is written as a dictionary (store.PARQUET_OPTIONS): batches whose dictionaries differ
+    (["train"], then ["eval", "train"]) still read back row for row."""
+    phases = [["train"] * 3, ["eval", "train", "eval"], ["train"] * 2]
+    write_manifest(tmp_path, {"status": STATUS_COMPLETED, "world_size": 1})
+    with RunWriter(tmp_path, 0, flush_interval_s=3600) as writer:
+        for step, batch in enumerate(phases):
+            writer.append("accesses", {**accesses(step, len(batch)), "phase": batch})
+    assert len(list((tmp_path / "accesses" / "rank=0").glob("part-*.parquet"))) == 1
+    rows = open_run(tmp_path).relation("accesses").order("step, row").project("phase").fetchall()
+    assert [phase for (phase,) in rows] == [p for batch in phases for p in batch]
+
+
 def test_relation_uses_the_given_connection(tmp_path):
     import duckdb
 
