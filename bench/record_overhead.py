@@ -92,6 +92,8 @@ def main() -> int:
                    help="only untraced vs traced with the defaults (more runs in the same time), no size run")
     p.add_argument("--writer-nice-0", action="store_true",
                    help="also trace with the writer thread at the rank's own priority (TRACEKIT_WRITER_NICE=0)")
+    p.add_argument("--writer-not-idle", action="store_true",
+                   help="also trace with the writer thread at nice +10 but never SCHED_IDLE (TRACEKIT_WRITER_IDLE=0)")
     args = p.parse_args()
     ranks = 2 if args.device == "cpu" else 1
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
@@ -119,6 +121,9 @@ def main() -> int:
         if args.writer_nice_0:
             variants["tracekit record, writer at nice 0"] = traced(train)
             envs["tracekit record, writer at nice 0"] = {"TRACEKIT_WRITER_NICE": "0"}
+        if args.writer_not_idle:
+            variants["tracekit record, writer at nice +10 only"] = traced(train)
+            envs["tracekit record, writer at nice +10 only"] = {"TRACEKIT_WRITER_IDLE": "0"}
         results: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, list[float]] = {name: [] for name in variants}
         writer_cpu: dict[str, list[float]] = {name: [] for name, command in variants.items() if "record" in command}

@@ -5,11 +5,13 @@ Only then, and only in a process that trains (not the torchrun launcher), does `
 this rank's RunWriter and install the step, embedding (and its TorchRec/FBGEMM source, armed for
 when those are imported), comm, grads and gpu collectors. At exit it closes the writer and leaves
 `ranks/rank=R.json` for the manifest: what the rank wrote, dropped and failed, the tables it looked
-up, the GPU it sampled (or why none), its backend, host and clock anchor, the policy file and metrics it declared (collectors/declared.py), the writer thread's CPU
-time (`writer_cpu_s`), and `report_errors` naming
-any part of the report that could not be written. Settings come from TRACEKIT_* variables, read here
-once into `Settings`. The optional API (`tracekit.step()` and the rest) reaches the active collectors
-through the functions below; before activation, and in processes never traced, its calls do nothing.
+up, the GPU it sampled (or why none), its backend, host and clock anchor, the policy file and
+metrics it declared (collectors/declared.py), the writer thread's CPU time (`writer_cpu_s`) and
+scheduling (`writer_scheduling`: its policy, and how often a watchdog lifted it), and
+`report_errors` naming any part of the report that could not be written. Settings come from
+TRACEKIT_* variables, read here once into `Settings`. The optional API (`tracekit.step()` and the
+rest) reaches the active collectors through the functions below; before activation, and in
+processes never traced, its calls do nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Settings:
     local_rank: int  # with cuda_visible_devices, which GPU the gpu collector samples
     cuda_visible_devices: str | None
     writer_nice: int  # TRACEKIT_WRITER_NICE, default 10: the writer thread's niceness above the rank's (store.WRITER_NICE)
+    writer_idle: bool  # TRACEKIT_WRITER_IDLE, default 1: the writer under SCHED_IDLE where it can be lifted back
 
     @staticmethod
     def from_env(env: dict) -> "Settings":
@@ -47,7 +50,8 @@ class Settings:
                         flush_interval_s=float(env.get("TRACEKIT_FLUSH_INTERVAL_S", 1.0)),
                         gpu_interval_s=float(env.get("TRACEKIT_GPU_INTERVAL_S", 0.1)),
                         local_rank=int(env.get("LOCAL_RANK", 0)), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
-                        writer_nice=int(env.get("TRACEKIT_WRITER_NICE", 10)))
+                        writer_nice=int(env.get("TRACEKIT_WRITER_NICE", 10)),
+                        writer_idle=env.get("TRACEKIT_WRITER_IDLE", "1") != "0")
 
 
 def is_launcher(orig_argv: list[str]) -> bool:
@@ -147,7 +151,7 @@ def activate(settings: Settings) -> None:
     activate.done = True
     global _clock, _declared
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s,
-                       nice=settings.writer_nice)
+                       nice=settings.writer_nice, idle=settings.writer_idle)
     anchor = {"monotonic_ns": time.monotonic_ns(), "wall_ns": time.time_ns()}  # read together: aligns ranks' times
     clock = _clock = steps.StepClock()
     facts = _declared = declared.Declared()
@@ -170,6 +174,7 @@ def activate(settings: Settings) -> None:
                  "clock_anchor": lambda: anchor, "backend": lambda: comms.backend, "steps": lambda: clock.step,
                  "written_rows": lambda: dict(writer.written), "dropped_rows": lambda: dict(writer.dropped),
                  "errors": lambda: writer.errors, "writer_cpu_s": lambda: writer.cpu_s,
+                 "writer_scheduling": lambda: {"policy": writer.scheduling, "rescues": writer.rescues},
                  "settings": lambda: {**asdict(settings), "run_dir": str(settings.run_dir)},
                  "tables": lambda: tables.tables, "gpu": sampler.status,
                  "policy": lambda: facts.policy, "metrics": lambda: facts.metrics}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from tracekit import thread_priority
 from tracekit.cli import cli
 from tests.recorded import REPO, TINY, expected_accesses, record, record_script
 from tracekit.run import open_run
@@ -61,6 +63,10 @@ def test_torchrun_two_ranks_are_recorded_exactly(tmp_path: Path, sharding: str, 
     assert manifest["status"] == "completed" and manifest["ranks"] == [0, 1], manifest  # not the launcher
     assert manifest["tables"] == expected_tables(2, sharding, sequence_tables)
     assert set(manifest["writer_cpu_s"]) == {"0", "1"} and all(s > 0 for s in manifest["writer_cpu_s"].values())
+    policy = "idle" if thread_priority.may_leave_idle(threading.get_native_id()) else "nice +10"
+    scheduling = manifest["writer_scheduling"]  # lifted when no core idled for 2 s (a loaded machine)
+    assert {rank: s["policy"] for rank, s in scheduling.items()} == {"0": policy, "1": policy}
+    assert all(isinstance(s["rescues"], int) and s["rescues"] >= 0 for s in scheduling.values())
     expected = expected_accesses(2, 4)
     assert recorded_accesses(run_dir) == expected  # global rows: row-wise shards are looked up with local ids
     run = open_run(run_dir)

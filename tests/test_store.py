@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tracekit.store
+from tracekit import thread_priority
 from tracekit.errors import RunNotFound, SchemaVersionError, TracekitError
 from tracekit.run import open_run
 from tracekit.schema import MANIFEST, SCHEMA_VERSION, STATUS_COMPLETED, TABLE_KEY, TABLES, VERSION_KEY, file_metadata
@@ -390,3 +391,60 @@ def test_the_writer_thread_runs_nicer_and_counts_its_cpu(tmp_path):
     assert seen and set(seen) == {min(19, base + 5)}  # the writer's own thread, read from inside it
     assert own_nice() == base  # the training thread's stays as it was
     assert writer.cpu_s > 0
+
+
+def _thread_state() -> tuple[bool, int]:
+    tid = threading.get_native_id()
+    return thread_priority.is_idle(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(not thread_priority.may_leave_idle(threading.get_native_id()),
+                    reason="this process may not lift a thread out of SCHED_IDLE (no CAP_SYS_NICE or RLIMIT_NICE)")
+def test_an_idle_writer_runs_under_sched_idle_at_its_nice_value(tmp_path):
+    seen = []
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with RunWriter(tmp_path, 0, nice=5, idle=True) as writer:
+        writer.add_source(lambda final: seen.append(_thread_state()) or [])
+        writer.flush()
+        flushing = list(seen)
+    assert writer.scheduling == "idle" and writer.rescues == 0
+    assert flushing and set(flushing) == {(True, min(19, base + 5))}
+    assert seen[-1] == (False, min(19, base + 5))  # lifted for the last flush, on the program's exit path
+    assert _thread_state() == (False, base)  # the caller's thread is untouched
+
+
+@pytest.mark.skipif(not thread_priority.may_leave_idle(threading.get_native_id()),
+                    reason="this process may not lift a thread out of SCHED_IDLE (no CAP_SYS_NICE or RLIMIT_NICE)")
+def test_a_starved_idle_writer_is_lifted_and_returns_to_idle(tmp_path):
+    """A process spinning on the writer's core leaves an idle writer no time at all: the watchdog lifts
+    it to its nice value, its rows are written, and once the core is free it goes back to idle."""
+    core = min(os.sched_getaffinity(0))
+    calls = []
+
+    def source(final):
+        start = _thread_state()
+        spent = time.thread_time()
+        while time.thread_time() - spent < 0.03:  # a flush's worth of CPU work
+            pass
+        calls.append((start, _thread_state()))
+        return [("steps", {"step": [len(calls)], "t_start_ns": [0], "t_end_ns": [1], "samples": [1]})]
+
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})  # this thread only: the writer and its watchdog inherit it
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)  # the spinner holds the core
+        writer = RunWriter(tmp_path, 0, nice=5, idle=True, flush_interval_s=0.2)
+        writer.add_source(source)
+        writer.flush()  # waits: only a lifted writer gets through
+        lifted = writer.rescues
+    finally:
+        spinner.kill()
+        spinner.wait()
+        os.sched_setaffinity(0, old)
+    assert lifted >= 1 and any(not end[0] for _, end in calls)
+    n = len(calls)
+    writer.flush()  # the core is free now: the writer is back under SCHED_IDLE
+    writer.close()
+    assert calls[n][0][0] is True
+    assert writer.written["steps"] == len(calls) and not writer.dropped

@@ -138,9 +138,20 @@ def _describe(s: dict) -> str:
                  f"  steps per rank: {steps}", f"  rows: {rows}", f"  dropped rows: {dropped:,}; gpu: {s['gpu']}"]
         if s["writer_cpu_s"]:
             cpu = ", ".join(f"{rank}: {seconds:.2f} s" for rank, seconds in sorted(s["writer_cpu_s"].items()))
-            lines.append(f"  trace writer CPU per rank (counting, encoding, writing): {cpu}")
+            lines.append(f"  trace writer CPU per rank (counting, encoding, writing): {cpu}{_scheduling(s)}")
     lines += [f"  manifest incomplete: {error}" for error in s["finalise_errors"]]
     return "\n".join(lines)
+
+
+def _scheduling(summary: dict) -> str:
+    """How the ranks' writer threads ran, for the summary: '' if the manifest does not say."""
+    ranks = summary["writer_scheduling"].values()
+    if not ranks:
+        return ""
+    policies = ", ".join(sorted({r["policy"] for r in ranks}))
+    rescues = sum(r["rescues"] for r in ranks)
+    lifted = f"; lifted {rescues} time(s) where no core was idle" if rescues else ""
+    return f" ({policies}{lifted})"
 
 
 def _signal_name(number: int) -> str:

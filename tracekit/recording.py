@@ -181,6 +181,7 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
         "dropped_rows": lambda: {rank: rows for rank, rows in each("dropped_rows").items() if rows},
         "writer_errors": lambda: sum(each("errors").values()),
         "writer_cpu_s": lambda: each("writer_cpu_s"),
+        "writer_scheduling": lambda: each("writer_scheduling"),
         "tables": lambda: merge_tables(having("tables")),
         "gpu": lambda: gpu_outcome(manifest["gpu"], having("gpu", "written_rows"),
                                    manifest["collector_settings"]["gpu_interval_s"]),
@@ -249,6 +250,7 @@ def summary(run_dir: Path, manifest: dict) -> dict:
             "bytes": sum(p.stat().st_size for p in run_dir.rglob("*.parquet")),
             "gpu": gpu.get("reason") or ("sampled" if gpu.get("samples") else "unknown"),
             "writer_cpu_s": manifest.get("writer_cpu_s") or {},
+            "writer_scheduling": manifest.get("writer_scheduling") or {},
             "finalise_errors": manifest.get("finalise_errors", [])}
 
 

@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from tracekit.errors import RunNotFound, TracekitError
 from tracekit.schema import MANIFEST, TABLES, file_metadata
+from tracekit.thread_priority import may_leave_idle, renice, set_idle
 
 
 def to_batch(table: str, columns: dict[str, Any] | pa.RecordBatch) -> pa.RecordBatch:
@@ -102,14 +103,21 @@ class RunWriter:
     nice
         Run the thread this much nicer than the process (capped at 19; 0: as the process), so that
         it takes the rank's core mostly while the training thread waits (WRITER_NICE).
+    idle
+        Also run it under SCHED_IDLE, where the process may lift it back (tracekit/thread_priority.py):
+        it then takes a core only when nothing else wants it. A watchdog thread lifts it back to its
+        nice value whenever a flush is a quarter of `flush_interval_s` late (LIFT_LATE: on a core
+        that never idles), and it returns to idle after the flush; `rescues` counts the lifts.
     max_queued_rows
         Bound on rows appended but not yet written. `append` drops a batch that would exceed it
         and counts its rows in `dropped`, so a slow disk never blocks or bloats the training loop.
 
     `written` counts rows on disk per table; `dropped` counts rows lost per table (queue full, writer
     closed, or a failed write); `cpu_s` is the CPU time the writer thread has used (draining its
-    sources, counting, encoding and writing), what recording costs the rank beyond its hooks. `errors` counts failed writes and `first_error` keeps the first
-    one's message: the thread never raises into the caller.
+    sources, counting, encoding and writing), what recording costs the rank beyond its hooks;
+    `scheduling` says how the thread runs (`idle`, `nice +N`, `as the process`). `errors` counts
+    failed writes and `first_error` keeps the first one's message: the thread never raises into the
+    caller.
     """
 
     def __init__(
@@ -121,6 +129,7 @@ class RunWriter:
         flush_rows: int = 1_000_000,
         max_queued_rows: int = 4_000_000,
         nice: int = 0,
+        idle: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -128,6 +137,11 @@ class RunWriter:
         self.flush_rows = flush_rows
         self.max_queued_rows = max_queued_rows
         self.nice = nice
+        self.scheduling = f"nice +{nice}" if nice > 0 else "as the process"
+        self.rescues = 0
+        self._idle = idle  # requested; then whether the thread is under SCHED_IDLE now
+        self._tid: int | None = None
+        self._stopped = threading.Event()
         self.dropped: Counter[str] = Counter()
         self.written: Counter[str] = Counter()
         self.errors = 0
@@ -199,7 +213,9 @@ class RunWriter:
         """Write everything still queued and stop the thread. Later appends are dropped."""
         with self._cond:
             self._closing = True
+            self._lift(rescue=False)  # the last flush is on the program's exit path
             self._cond.notify_all()
+        self._stopped.set()
         self._thread.join()
 
     def __enter__(self) -> RunWriter:
@@ -209,7 +225,13 @@ class RunWriter:
         self.close()
 
     def _run(self) -> None:
-        _renice_this_thread(self.nice)
+        self._tid = threading.get_native_id()
+        renice(self._tid, self.nice)
+        with self._cond:
+            self._idle = self._idle and not self._closing and may_leave_idle(self._tid) and set_idle(self._tid, True)
+        if self._idle:
+            self.scheduling = "idle"
+            threading.Thread(target=self._watch, name=f"tracekit-watchdog-rank{self.rank}", daemon=True).start()
         while True:
             with self._cond:
                 while not self._due():
@@ -230,9 +252,27 @@ class RunWriter:
                 self._queued_rows -= appended
                 self._flush_done = flush_seen
                 self.cpu_s = time.thread_time()
+                if self.scheduling == "idle" and not self._idle and not self._closing:
+                    self._idle = set_idle(self._tid, True)
                 self._cond.notify_all()
             if closing:
                 return
+
+    def _watch(self) -> None:
+        """Lift the idle writer back to its nice value whenever a flush is LIFT_LATE late."""
+        late = LIFT_LATE * self.flush_interval_s
+        while not self._stopped.wait(late):
+            with self._cond:
+                started = self._deadline_from()
+                if started is not None and time.monotonic() - started > self.flush_interval_s + late:
+                    self._lift(rescue=True)
+
+    def _lift(self, *, rescue: bool) -> None:
+        """Called with the lock held: move the writer thread out of SCHED_IDLE, if it is there."""
+        if self._idle and set_idle(self._tid, False):
+            self._idle = False
+            if rescue:
+                self.rescues += 1
 
     def _drain(self, sources: list[Source], pending: dict[str, list[pa.RecordBatch]], *, final: bool) -> None:
         """Add each source's rows to `pending`; a failing source is counted like a failed write."""
@@ -299,23 +339,19 @@ class RunWriter:
         return index
 
 
+LIFT_LATE = 0.25
+"""How late a flush of an idle writer may be, in flush intervals, before its watchdog lifts it (the
+watchdog looks this often): even with no core ever idle, a crash then loses at most about 1.5
+intervals of rows, plus the flush itself."""
+
 WRITER_NICE = 10
 """What a recorded rank's writer thread runs at, above the rank's niceness. A rank's core is shared by
 its training thread and its writer (~2.5% of the core on the CPU trainer, bench/RESULTS.md §14);
 at nice 10 the writer weighs 110 against the training thread's 1024, so the scheduler runs it mostly
 while training waits on a collective or the GPU, and it still gets ~10% of a core that training
-keeps busy: four times what it needs, so it keeps up where nice 19 (1.5%) could fall behind."""
-
-
-def _renice_this_thread(nice: int) -> None:
-    """Make the calling thread `nice` nicer (Linux: setpriority on a thread id is per thread)."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not allowed here: the thread runs at the process's priority
-        pass
+keeps busy: four times what it needs, so it keeps up where nice 19 (1.5%) could fall behind. Where the
+process may lift it back, the writer runs under SCHED_IDLE too (`RunWriter(idle=True)`), at this
+nice value whenever a watchdog lifts it (bench/RESULTS.md §17)."""
 
 
 # Encodings per trace table, for size and for the writer's CPU time (bench/RESULTS.md): row ids
