@@ -65,6 +65,12 @@ def writer_cpu_s(run_dir: Path) -> float:
     return statistics.mean(per_rank.values()) if per_rank else math.nan
 
 
+def writer_rescues(run_dir: Path) -> int:
+    """How often the ranks' watchdogs lifted an idle writer in the run just recorded."""
+    per_rank = json.loads((run_dir / "manifest.json").read_text()).get("writer_scheduling") or {}
+    return sum(s["rescues"] for s in per_rank.values())
+
+
 def report(results: dict[str, list[float]], cpu: dict[str, list[float]]) -> None:
     """The Markdown table of samples/s per variant against "untraced" (medians), with the CPU seconds
     each run used (every process of it: start-up, the ranks' threads, and for a traced run its writer
@@ -127,6 +133,7 @@ def main() -> int:
         results: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, list[float]] = {name: [] for name in variants}
         writer_cpu: dict[str, list[float]] = {name: [] for name, command in variants.items() if "record" in command}
+        rescues = dict.fromkeys(writer_cpu, 0)
         for i in range(args.runs):
             for name, command in variants.items():
                 speed, cpu_s = samples_per_s(command, envs.get(name))
@@ -134,6 +141,7 @@ def main() -> int:
                 cpu[name].append(cpu_s)
                 if name in writer_cpu:
                     writer_cpu[name].append(writer_cpu_s(run_dir))
+                    rescues[name] += writer_rescues(run_dir)
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()),
                   file=sys.stderr, flush=True)
 
@@ -144,6 +152,8 @@ def main() -> int:
         print("\ntrace writer thread CPU per rank (median over the runs): " + "; ".join(
             f"{name} {statistics.median(v):.2f} s ({statistics.median(v) / args.steps * 1e3:.2f} ms a step)"
             for name, v in writer_cpu.items()))
+        print("times a watchdog lifted an idle writer, all runs and ranks: "
+              + "; ".join(f"{name} {n}" for name, n in rescues.items()))
         if args.quick:
             return 0
 
