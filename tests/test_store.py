@@ -443,8 +443,9 @@ def test_a_starved_idle_writer_is_lifted_and_returns_to_idle(tmp_path):
         spinner.wait()
         os.sched_setaffinity(0, old)
     assert lifted >= 1 and any(not end[0] for _, end in calls)
+    writer.flush()  # any flush lifted while the spinner ran is done
     n = len(calls)
     writer.flush()  # the core is free now: the writer is back under SCHED_IDLE
     writer.close()
-    assert calls[n][0][0] is True
+    assert any(start[0] for start, _ in calls[n:])
     assert writer.written["steps"] == len(calls) and not writer.dropped

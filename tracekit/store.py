@@ -139,7 +139,8 @@ class RunWriter:
         self.nice = nice
         self.scheduling = f"nice +{nice}" if nice > 0 else "as the process"
         self.rescues = 0
-        self._idle = idle  # requested; then whether the thread is under SCHED_IDLE now
+        self._idle_requested = idle
+        self._idle = False  # the thread is under SCHED_IDLE now
         self._tid: int | None = None
         self._stopped = threading.Event()
         self.dropped: Counter[str] = Counter()
@@ -228,7 +229,8 @@ class RunWriter:
         self._tid = threading.get_native_id()
         renice(self._tid, self.nice)
         with self._cond:
-            self._idle = self._idle and not self._closing and may_leave_idle(self._tid) and set_idle(self._tid, True)
+            self._idle = (self._idle_requested and not self._closing and may_leave_idle(self._tid)
+                          and set_idle(self._tid, True))
         if self._idle:
             self.scheduling = "idle"
             threading.Thread(target=self._watch, name=f"tracekit-watchdog-rank{self.rank}", daemon=True).start()
