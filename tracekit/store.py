@@ -137,10 +137,9 @@ class RunWriter:
         self.flush_rows = flush_rows
         self.max_queued_rows = max_queued_rows
         self.nice = nice
-        self.scheduling = f"nice +{nice}" if nice > 0 else "as the process"
         self.rescues = 0
-        self._idle_requested = idle
-        self._idle = False  # the thread is under SCHED_IDLE now
+        self._idle_mode = idle  # requested; from the thread's start, in effect
+        self._idle = False  # the thread is under SCHED_IDLE now (not while lifted)
         self._tid: int | None = None
         self._stopped = threading.Event()
         self.dropped: Counter[str] = Counter()
@@ -219,6 +218,13 @@ class RunWriter:
         self._stopped.set()
         self._thread.join()
 
+    @property
+    def scheduling(self) -> str:
+        """How the thread runs: `idle`, `nice +N` or `as the process` (final once the thread has started)."""
+        if self._idle_mode:
+            return "idle"
+        return f"nice +{self.nice}" if self.nice > 0 else "as the process"
+
     def __enter__(self) -> RunWriter:
         return self
 
@@ -229,10 +235,9 @@ class RunWriter:
         self._tid = threading.get_native_id()
         renice(self._tid, self.nice)
         with self._cond:
-            self._idle = (self._idle_requested and not self._closing and may_leave_idle(self._tid)
-                          and set_idle(self._tid, True))
-        if self._idle:
-            self.scheduling = "idle"
+            self._idle_mode = self._idle = (self._idle_mode and not self._closing and may_leave_idle(self._tid)
+                                            and set_idle(self._tid, True))
+        if self._idle_mode:
             threading.Thread(target=self._watch, name=f"tracekit-watchdog-rank{self.rank}", daemon=True).start()
         while True:
             with self._cond:
@@ -254,7 +259,7 @@ class RunWriter:
                 self._queued_rows -= appended
                 self._flush_done = flush_seen
                 self.cpu_s = time.thread_time()
-                if self.scheduling == "idle" and not self._idle and not self._closing:
+                if self._idle_mode and not self._idle and not self._closing:
                     self._idle = set_idle(self._tid, True)
                 self._cond.notify_all()
             if closing:

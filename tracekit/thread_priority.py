@@ -57,4 +57,5 @@ def set_idle(tid: int, idle: bool) -> bool:
 
 
 def is_idle(tid: int) -> bool:
+    """Whether thread `tid` is under `SCHED_IDLE` now."""
     return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(tid) == os.SCHED_IDLE
