@@ -1,21 +1,24 @@
 """BLS with stragglers: measured makespans against the lag recurrence (issue 12's targets).
 
-    .venv/bin/python bench/bls_lag.py [--world 4] [--steps 200] [--bounds 0,1,2,4,8] [--probability 0.1] [--out DIR]
+    .venv/bin/python bench/bls_lag.py [--world 4] [--steps 200] [--bounds 0,1,2,4,8] [--probability 0.1]
+                                      [--repeats 3] [--out DIR]
 
 Every run is `train.py --inference` on the same model and data, recorded (the same tracing cost
 for all), one gloo rank a process on CPU.
-1. Balanced, synchronous collectives: its step time D becomes the straggler delay.
-2. Balanced, lag bound max(--bounds): the point-to-point exchange's cost a step, x_p2p (the run's
-   `exchange_s` metric: the main thread's time posting requests and waiting for rows), and the
-   balanced comparison (issue 12: no gain, no loss).
-3. Stragglers `--probability`:D, synchronous collectives: measured `sync`. From its trace, per
-   rank and step, the compute c (no exchange, no waiting) and the collectives' transfer x
-   (analyses.policies.lag.work_matrix); the recurrence at bound 0 with that x replays it (a check
-   of the model), and without a bound, with x_p2p, gives the ideal: the slowest rank's own total.
+1. Balanced, synchronous collectives: its step time D becomes the straggler delay; from its trace,
+   per rank and step, the compute c and the collectives' transfer x (analyses.policies.lag.work_matrix).
+2. Balanced, lag bound max(--bounds), against the recurrence on the balanced c and x (issue 12: no
+   gain, no loss; the exchange thread may gain what it overlaps).
+3. Stragglers `--probability`:D, synchronous collectives: measured `sync`, and from its trace c and
+   x; the recurrence at bound 0 replays it (a check of the model), and without a bound gives the
+   ideal: no synchronisation, each rank alone (its exchange overlapping its compute where a rank
+   has a core or a GPU to spare, lag.overlaps).
 4. Stragglers, each bound B (every rank meets the same delays: each draws on its own seeded
-   generator): measured, predicted = the recurrence at B with c and x_p2p, its error, and the gap
-   recovered = (sync − measured) / (sync − ideal).
-The trace leaves out the first step (start-up); the prediction fills it with each rank's median.
+   generator): measured, predicted = the recurrence at B, its error, and the gap recovered =
+   (sync − measured) / (sync − ideal).
+Each repeat runs every variant once, in the same order, and predicts from its own traces; the
+figures are medians over the repeats. The trace leaves out the first step (start-up); the
+prediction fills it with each rank's median.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--bounds", default="0,1,2,4,8")
     p.add_argument("--probability", type=float, default=0.1)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-bls"))
     args = p.parse_args()
     bounds = [int(b) for b in args.bounds.split(",")]
@@ -54,50 +58,62 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, gloo on CPU, "
           f"{args.world} ranks; criteo-kaggle x 0.001, dim 16, batch 256 per rank, {args.steps} iterations, recorded")
 
-    # 1-2. balanced: the step time (the straggler delay) and the point-to-point exchange's cost
-    plain = run("balanced-sync", model)["makespan_s"]
     largest = max(bounds)
-    balanced = run(f"balanced-bound{largest}", [*model, "--lag-bound", str(largest)])
-    x_p2p = balanced["exchange_s"]
-    delay_ms = plain / args.steps * 1e3
+    # the straggler delay: one balanced synchronous step, from a first run, the same for every repeat
+    delay_ms = run("calibrate", model)["makespan_s"] / args.steps * 1e3
     straggler = f"{args.probability}:{delay_ms:.1f}"
+    stragglers = [*model, "--straggler", straggler]
+    repeats = []
+    for r in range(args.repeats):  # each repeat runs every variant once, in the same order
+        # 1-2. balanced: a bound against the synchronous collectives
+        plain = run(f"r{r}-balanced-sync", model)["makespan_s"]
+        c_b, x_b = _work(args.out / f"r{r}-balanced-sync", args.steps)
+        # the exchange thread overlaps the compute only where a rank has a core (or a GPU) to spare
+        overlap = lag.overlaps(json.loads((args.out / f"r{r}-balanced-sync" / "manifest.json").read_text()))
+        balanced = run(f"r{r}-balanced-bound{largest}", [*model, "--lag-bound", str(largest)])["makespan_s"]
+        # 3. stragglers, synchronous collectives: measured, and its trace's compute and transfer
+        sync = run(f"r{r}-sync", stragglers)["makespan_s"]
+        c, x = _work(args.out / f"r{r}-sync", args.steps)
+        ideal = lag.replay(c, None, x, overlap=overlap)
+        rows = {"sync": (sync, lag.replay(c, 0, x, overlap=overlap)), "ideal": (None, ideal),
+                "balanced-sync": (plain, lag.replay(c_b, 0, x_b, overlap=overlap)),
+                f"balanced-bound{largest}": (balanced, lag.replay(c_b, largest, x_b, overlap=overlap))}
+        # 4. stragglers, each bound
+        for bound in bounds:
+            rows[f"bound{bound}"] = (run(f"r{r}-bound{bound}", [*stragglers, "--lag-bound", str(bound)])["makespan_s"],
+                                     lag.replay(c, bound, x, overlap=overlap))
+        repeats.append({"rows": rows, "compute_s": float(c.mean()), "exchange_s": float(x.mean()), "overlap": overlap})
 
-    # 3. stragglers, synchronous collectives: measured, and its trace's compute and transfer
-    sync = run("sync", [*model, "--straggler", straggler])["makespan_s"]
-    c, x_sync, _, _ = lag.work_matrix(timeline(open_context(args.out / "sync")).tables["timeline"])
-    c, x_sync = _fill_warmup(c, args.steps), _fill_warmup(x_sync, args.steps)
-    sync_predicted = lag.replay(c, 0, x_sync)
-    ideal = lag.replay(c, None, x_p2p)
+    def median(name: str, i: int) -> float | None:
+        values = [rep["rows"][name][i] for rep in repeats if rep["rows"][name][i] is not None]
+        return float(np.median(values)) if values else None
 
-    # 4. stragglers, each bound
-    rows = []
-    for bound in bounds:
-        measured = run(f"bound{bound}", [*model, "--straggler", straggler, "--lag-bound", str(bound)])["makespan_s"]
-        predicted = lag.replay(c, bound, x_p2p)
-        recovered = (sync - measured) / (sync - ideal) if sync > ideal else None
-        rows.append({"bound": bound, "measured_s": measured, "predicted_s": predicted,
-                     "error": measured / predicted - 1, "gap_recovered": recovered})
+    def recovered(name: str) -> float | None:  # per repeat, then the median
+        gaps = [(rep["rows"]["sync"][0] - rep["rows"][name][0]) / (rep["rows"]["sync"][0] - rep["rows"]["ideal"][1])
+                for rep in repeats if rep["rows"]["sync"][0] > rep["rows"]["ideal"][1]]
+        return float(np.median(gaps)) if gaps else None
 
+    overlap = repeats[0]["overlap"]
     print(f"step time D {delay_ms:.1f} ms (balanced, synchronous); stragglers {straggler} (PROB:DELAY_MS); "
-          f"exchange a step: collectives' transfer {x_sync.mean() * 1e3:.2f} ms (sync trace), "
-          f"point to point x_p2p {x_p2p * 1e3:.2f} ms (balanced bound-{largest} run)")
+          f"per step: compute {np.median([r['compute_s'] for r in repeats]) * 1e3:.2f} ms, exchange "
+          f"{np.median([r['exchange_s'] for r in repeats]) * 1e3:.2f} ms (sync traces); the recurrence with the "
+          f"exchange {'overlapping the compute' if overlap else 'in series with the compute (one core a rank)'}; "
+          f"medians of {args.repeats} repeats")
     print(f"{'run':<34} {'measured s':>10} {'predicted s':>11} {'error':>7} {'gap recovered':>13}")
-    print(f"{'synchronous collectives':<34} {sync:10.3f} {sync_predicted:11.3f} {sync / sync_predicted - 1:+7.1%}")
-    print(f"{'ideal (no synchronisation)':<34} {'':>10} {ideal:11.3f}")
-    for row in rows:
-        gap = "" if row["gap_recovered"] is None else f"{row['gap_recovered']:.0%}"
-        print(f"{'bound ' + str(row['bound']):<34} {row['measured_s']:10.3f} {row['predicted_s']:11.3f} "
-              f"{row['error']:+7.1%} {gap:>13}")
-    if sync <= ideal:
-        print(f"gap recovered undefined: the synchronous run ({sync:.3f} s) is not slower than the ideal "
-              f"({ideal:.3f} s)")
-    print(f"balanced: synchronous {plain:.3f} s, bound {largest} {balanced['makespan_s']:.3f} s "
-          f"({balanced['makespan_s'] / plain - 1:+.1%})")
+    table = []
+    for name in repeats[0]["rows"]:
+        measured, predicted = median(name, 0), median(name, 1)
+        errors = [rep["rows"][name][0] / rep["rows"][name][1] - 1 for rep in repeats if rep["rows"][name][0] is not None]
+        error = float(np.median(errors)) if errors else None
+        gap = recovered(name) if name.startswith("bound") else None
+        table.append({"run": name, "measured_s": measured, "predicted_s": predicted, "error": error, "gap_recovered": gap})
+        print(f"{name:<34} {'' if measured is None else f'{measured:.3f}':>10} {predicted:11.3f} "
+              f"{'' if error is None else f'{error:+.1%}':>7} {'' if gap is None else f'{gap:.0%}':>13}")
+    b_sync, b_bound = median("balanced-sync", 0), median(f"balanced-bound{largest}", 0)
+    print(f"balanced: bound {largest} against synchronous {b_bound / b_sync - 1:+.1%} (medians)")
     (args.out / "results.json").write_text(json.dumps({
         "world": args.world, "steps": args.steps, "cores": os.cpu_count(), "straggler": straggler,
-        "sync_s": sync, "sync_predicted_s": sync_predicted, "ideal_s": ideal, "exchange_p2p_s": x_p2p,
-        "exchange_collectives_s": float(x_sync.mean()), "rows": rows,
-        "balanced": {"sync_s": plain, "bound": largest, "bls_s": balanced["makespan_s"]}}, indent=1))
+        "repeats": repeats, "medians": table}, indent=1))
 
 
 class Runner:
@@ -116,6 +132,12 @@ class Runner:
         if done.returncode:
             sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
         return json.loads((run_dir / "manifest.json").read_text())["metrics"]
+
+
+def _work(run_dir: Path, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """c and x (ranks × steps) from a recorded run's timeline, the warm-up steps filled."""
+    c, x, _, _ = lag.work_matrix(timeline(open_context(run_dir)).tables["timeline"])
+    return _fill_warmup(c, steps), _fill_warmup(x, steps)
 
 
 def _fill_warmup(m: np.ndarray, steps: int) -> np.ndarray:

@@ -20,25 +20,42 @@ from tracekit.policy import new_policy, validate
 DIM = 16  # the tables of compression_run: its 2,048-byte output splits are 32 fp32 rows each
 
 
-def simulate(c: np.ndarray, bound: int | None) -> float:
-    """Makespan by discrete events: a rank starts step t the moment it has finished t-1 and every
-    rank has finished t-1-bound; the clock jumps from one step completion to the next."""
+def simulate(c: np.ndarray, x: np.ndarray, bound: int | None) -> float:
+    """Makespan by discrete events, two workers a rank: its exchange thread starts exchange t (taking
+    x) the moment exchange t-1 is done and every rank has finished step t-1-bound; its main thread
+    computes step t (taking c) the moment it has finished t-1 and exchange t is done. The clock
+    jumps from one completion to the next."""
     ranks, steps = c.shape
-    done = [0] * ranks  # steps each rank completed
-    running: list[tuple[float, int]] = []
-    busy = [False] * ranks
+    exchanged, computed = [0] * ranks, [0] * ranks  # how many each rank completed
+    busy: set[tuple[str, int]] = set()
+    events: list[tuple[float, str, int]] = []
     now = 0.0
     while True:
         for p in range(ranks):
-            t = done[p]
-            if not busy[p] and t < steps and (bound is None or min(done) >= t - bound):
-                busy[p] = True
-                heapq.heappush(running, (now + c[p, t], p))
-        if not running:
+            t = exchanged[p]
+            if ("x", p) not in busy and t < steps and (bound is None or min(computed) >= t - bound):
+                busy.add(("x", p))
+                heapq.heappush(events, (now + x[p, t], "x", p))
+            t = computed[p]
+            if ("c", p) not in busy and t < exchanged[p]:
+                busy.add(("c", p))
+                heapq.heappush(events, (now + c[p, t], "c", p))
+        if not events:
             return now
-        now, p = heapq.heappop(running)
-        busy[p] = False
-        done[p] += 1
+        now, kind, p = heapq.heappop(events)
+        busy.discard((kind, p))
+        if kind == "x":
+            exchanged[p] += 1
+        else:
+            computed[p] += 1
+
+
+def spare_cores(run_dir: Path, cores: int) -> Path:
+    """The run as recorded on a host of `cores` cores (lag.overlaps reads them from the manifest)."""
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["devices"] = {"cpu": "x86_64", "cores": cores}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    return run_dir
 
 
 def test_the_lag_recurrence_equals_a_discrete_event_simulation() -> None:
@@ -46,15 +63,19 @@ def test_the_lag_recurrence_equals_a_discrete_event_simulation() -> None:
     for ranks, steps in ((2, 10), (3, 12), (5, 7)):
         c = rng.exponential(1.0, size=(ranks, steps)) + 0.1
         x = rng.uniform(0.0, 0.5, size=(ranks, steps))
+        none = np.zeros_like(c)
         for bound in (0, 1, 2, 4, None):
-            # a rank's exchange blocks it for x after its compute, whatever its peers are doing
-            assert lag.replay(c, bound, x) == pytest.approx(simulate(c + x, bound), rel=1e-12), (ranks, steps, bound)
-            assert lag.replay(c, bound, 0.3) == pytest.approx(simulate(c + 0.3, bound), rel=1e-12)
+            assert lag.replay(c, bound, x) == pytest.approx(simulate(c, x, bound), rel=1e-12), (ranks, steps, bound)
+            assert lag.replay(c, bound, 0.3) == pytest.approx(simulate(c, np.full_like(c, 0.3), bound), rel=1e-12)
+            # one core a rank: the exchange is work in series with the compute
+            assert lag.replay(c, bound, x, overlap=False) == pytest.approx(simulate(c + x, none, bound), rel=1e-12)
     c = rng.exponential(1.0, size=(3, 9))
     assert lag.replay(c, 0) == pytest.approx(c.max(axis=0).sum())  # bulk-synchronous
     assert lag.replay(c, None) == pytest.approx(c.sum(axis=1).max())  # every rank alone
-    assert lag.replay(c, 0, 0.2) == pytest.approx((c.max(axis=0) + 0.2).sum())
-    assert lag.replay(c, None, 0.2) == pytest.approx(c.sum(axis=1).max() + 9 * 0.2)  # the slowest's own total
+    assert lag.replay(c, 0, 0.2) == pytest.approx((c.max(axis=0) + 0.2).sum())  # the exchange in series
+    # unbounded, a rank's exchanges run ahead of its compute: its own total less what they overlap
+    alone = lag.replay(c, None, 0.2)
+    assert max(c.sum(axis=1).max(), 9 * 0.2) < alone < c.sum(axis=1).max() + 9 * 0.2
 
 
 def test_the_exchange_is_apart_from_the_compute(tmp_path: Path) -> None:
@@ -68,8 +89,11 @@ def test_the_exchange_is_apart_from_the_compute(tmp_path: Path) -> None:
     # bound 0 replays the recorded run; a cheaper exchange (1 ms) and a bound hide the stragglers
     assert lag.replay(c, 0, x) == pytest.approx(sum(np.max(work[:, 1:], axis=0) + 2 * MS) / 1e9)
     assert lag.replay(c, 0, 1e-3) == pytest.approx((5 + 10 + 5 + 10) * MS / 1e9)
-    assert lag.replay(c, 1, 1e-3) == pytest.approx(25 * MS / 1e9)  # rank 1 starts its last step at 15 ms, not 13
-    assert lag.replay(c, None, 1e-3) == pytest.approx((20 + 4) * MS / 1e9)  # rank 0's own total
+    # bound 1: rank 1's rows of its last step arrive at 15 ms, 1 ms after rank 0 finished step 1
+    assert lag.replay(c, 1, 1e-3) == pytest.approx((15 + 9) * MS / 1e9)
+    assert lag.replay(c, None, 1e-3) == pytest.approx((1 + 20) * MS / 1e9)  # rank 0 alone: one exchange, then compute
+    assert lag.replay(c, 1, 1e-3, overlap=False) == pytest.approx(25 * MS / 1e9)  # rank 1 starts its last step at 15 ms
+    assert lag.replay(c, None, 1e-3, overlap=False) == pytest.approx((20 + 4) * MS / 1e9)  # rank 0's own total
 
 
 def policy_with(section: dict, name: str) -> dict:
@@ -81,7 +105,7 @@ def policy_with(section: dict, name: str) -> dict:
 
 def test_a_balanced_run_keeps_the_synchronous_bound_and_says_so(tmp_path: Path) -> None:
     per_step = np.array([3, 5, 2, 4, 6, 3, 2, 5]) * MS
-    derived = lag.derive(open_context(bsp_run(tmp_path / "run", np.stack([per_step, per_step]))))
+    derived = lag.derive(open_context(bsp_run(tmp_path / "run", np.stack([per_step, per_step]), transfer_ns=0)))
     assert derived.section["bound"] == 0
     assert abs(derived.section["predicted"]["gain"]) < 1e-12
     assert derived.section["why"].startswith("balanced run")
@@ -89,22 +113,37 @@ def test_a_balanced_run_keeps_the_synchronous_bound_and_says_so(tmp_path: Path) 
     validate(policy_with(derived.section, "lag"), tmp_path / "policy.json")
 
 
+def test_a_balanced_run_with_an_exchange_gains_only_its_overlap(tmp_path: Path) -> None:
+    # the exchange (1 ms) of the next step runs during this step's compute: bound 1 gets all of it
+    per_step = np.array([3, 5, 2, 4, 6, 3, 2, 5]) * MS
+    run_dir = bsp_run(tmp_path / "run", np.stack([per_step, per_step]))
+    one_core = lag.derive(open_context(run_dir))  # 2 ranks, 1 core: nothing to overlap
+    assert one_core.section["bound"] == 0 and not one_core.evidence["exchange_overlaps_compute"]
+    derived = lag.derive(open_context(spare_cores(run_dir, 4)))
+    assert derived.evidence["exchange_overlaps_compute"]
+    c = per_step[1:] / 1e9
+    overlapped = 1e-3 + c.sum()  # the first exchange, then compute back to back
+    assert derived.section["bound"] == 1
+    assert derived.section["predicted"]["makespan_s"] == pytest.approx(overlapped)
+    assert derived.tables["lag_makespan"]["makespan_s"].to_list()[1:] == pytest.approx([overlapped] * 9)
+    assert derived.section["why"].startswith("balanced run") and "hides no straggler" in derived.section["why"]
+
+
 def test_per_rank_jitter_gets_a_bound_and_its_replayed_gain(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     work = (2 * MS + rng.exponential(3 * MS, size=(2, 30))).astype(np.int64)
-    derived = lag.derive(open_context(bsp_run(tmp_path / "run", work)))
+    derived = lag.derive(open_context(spare_cores(bsp_run(tmp_path / "run", work), 4)))
     c, x = work[:, 1:] / 1e9, MS / 1e9  # compute, and the all-to-all's transfer; step 0 is warm-up
     table = derived.tables["lag_makespan"]
     assert table["bound"].to_list() == [*range(9), None]
     assert table["makespan_s"].to_list() == pytest.approx([lag.replay(c, b, x) for b in [*range(9), None]])
     assert derived.evidence["exchange_per_step_s"] == pytest.approx(x)
-    c = c + x  # from here on the exchange folded into the work: the same replay
     bound = derived.section["bound"]
     best = table["makespan_s"].min()
-    assert bound >= 1 and lag.replay(c, bound) <= best * 1.01 < lag.replay(c, bound - 1)
-    assert derived.section["predicted"]["gain"] == pytest.approx(1 - lag.replay(c, bound) / lag.replay(c, 0))
+    assert bound >= 1 and lag.replay(c, bound, x) <= best * 1.01 < lag.replay(c, bound - 1, x)
+    assert derived.section["predicted"]["gain"] == pytest.approx(1 - lag.replay(c, bound, x) / lag.replay(c, 0, x))
     assert derived.section["predicted"]["gain"] > 0.05
-    assert derived.section["predicted"]["step_time_s"] == pytest.approx(lag.replay(c, bound) / 29)
+    assert derived.section["predicted"]["step_time_s"] == pytest.approx(lag.replay(c, bound, x) / 29)
     validate(policy_with(derived.section, "lag"), tmp_path / "policy.json")
 
 

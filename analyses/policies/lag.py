@@ -8,18 +8,24 @@ wait (analyses/timeline.py), over the steps every rank completed, the first WARM
     c[p][t] = compute_s = step_s − comm_s       (neither waiting nor communicating)
     x[p][t] = comm_s − wait_s                   (the exchange's own cost: its transfer, no waiting)
 
-With lag bound L, rank p starts step t once it has finished t−1 and every rank has finished
-t−1−L; it then computes and exchanges (the point-to-point exchange of tracekit/dlrm/inference.py
-blocks the rank for x; it does not wait for a peer's progress):
+With lag bound L, the exchange of step t runs on a thread of its own (tracekit/dlrm/inference.py)
+once every rank has finished t−1−L, and rank p computes step t once it has finished t−1 and the
+rows of t have arrived:
 
-    S[p][t] = max(F[p][t−1], max_q F[q][t−1−L])      (F[·][t'] = 0 for t' < 0)
-    F[p][t] = S[p][t] + c[p][t] + x[p][t]
+    E[p][t] = max(E[p][t−1], max_q F[q][t−1−L]) + x[p][t]      (F[·][t'] = 0 for t' < 0)
+    F[p][t] = max(F[p][t−1], E[p][t]) + c[p][t]
     makespan(L) = max_p F[p][T−1]
 
-L = 0 is the bulk-synchronous run, Σ_t max_p (c + x); L = ∞ lets each rank run alone: the ideal
-without synchronisation, the slowest rank's own total max_p Σ_t (c + x). x may be the trace's
-(the collectives' transfer, so makespan(0) replays the recorded run) or a measured constant (the
-point-to-point exchange's per-iteration cost, `exchange_s` of a bounded-lag run's metrics).
+That gives the exchange thread and the compute a resource each (a GPU's streams, or a spare core a
+rank). Where a rank has one core, the two share it and the exchange is work in series with the
+compute, whichever thread does it:
+
+    F[p][t] = max(F[p][t−1], max_q F[q][t−1−L]) + c[p][t] + x[p][t]
+
+`overlaps(manifest)` says which of the two a recorded run had. Either way L = 0 is the
+bulk-synchronous run, F[p][t] = max_q F[q][t−1] + x + c, so makespan(0) replays the recorded
+synchronous run, and L = ∞ lets each rank run alone: the ideal without synchronisation, the
+slowest rank's own time.
 The recurrence is replayed for L = 0..MAX_BOUND and ∞ (table `lag_makespan`: bound (null for ∞),
 makespan_s, step_time_s = makespan / T, gain = 1 − makespan(L) / makespan(0)), and the policy takes
 the smallest L whose makespan is within TOLERANCE of the best (the best finite L if none is). On a
@@ -45,18 +51,33 @@ MAX_BOUND = 8
 TOLERANCE = 0.01
 
 
-def replay(c: np.ndarray, bound: int | None, x: np.ndarray | float = 0.0) -> float:
+def replay(c: np.ndarray, bound: int | None, x: np.ndarray | float = 0.0, *, overlap: bool = True) -> float:
     """makespan of the recurrence for compute c[p][t] (ranks × steps), exchange x (ranks × steps, or
-    one number for every rank and step) and lag bound `bound` (None: ∞)."""
+    one number for every rank and step) and lag bound `bound` (None: ∞); `overlap`: the exchange
+    has a resource of its own, else it shares the rank's core with the compute."""
     ranks, steps = c.shape
-    work = c + np.broadcast_to(np.asarray(x, dtype=float), c.shape)
-    finish = np.zeros(ranks)
+    x = np.broadcast_to(np.asarray(x, dtype=float), c.shape)
+    arrived, finish = np.zeros(ranks), np.zeros(ranks)  # E[p][t], F[p][t]
     slowest = np.zeros(steps)  # max_q F[q][t]
     for t in range(steps):
         gate = slowest[t - 1 - bound] if bound is not None and t - 1 - bound >= 0 else 0.0
-        finish = np.maximum(finish, gate) + work[:, t]
+        if overlap:
+            arrived = np.maximum(arrived, gate) + x[:, t]
+            finish = np.maximum(finish, arrived) + c[:, t]
+        else:
+            finish = np.maximum(finish, gate) + c[:, t] + x[:, t]
         slowest[t] = finish.max()
     return float(slowest[-1]) if steps else 0.0
+
+
+def overlaps(manifest: dict) -> bool:
+    """Whether a run's ranks could exchange while they compute: NCCL (the GPU's streams), or at least
+    two cores a rank on each host."""
+    if manifest.get("backend") == "nccl":
+        return True
+    cores = (manifest.get("devices") or {}).get("cores") or 1
+    per_host = max(1, (manifest.get("world_size") or 1) // max(1, len(manifest.get("hosts") or [None])))
+    return cores // per_host >= 2
 
 
 def work_matrix(frame: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
@@ -77,9 +98,9 @@ def work_matrix(frame: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, list[int],
     return c, x, ranks, steps
 
 
-def sweep(c: np.ndarray, x: np.ndarray | float = 0.0) -> pl.DataFrame:
+def sweep(c: np.ndarray, x: np.ndarray | float = 0.0, *, overlap: bool = True) -> pl.DataFrame:
     bounds: list[int | None] = [*range(MAX_BOUND + 1), None]
-    makespans = [replay(c, b, x) for b in bounds]
+    makespans = [replay(c, b, x, overlap=overlap) for b in bounds]
     steps = max(c.shape[1], 1)
     return pl.DataFrame({"bound": bounds, "makespan_s": makespans}, schema={"bound": pl.Int64, "makespan_s": pl.Float64}
                         ).with_columns((pl.col("makespan_s") / steps).alias("step_time_s"),
@@ -110,7 +131,8 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
         result.reason = (f"a lag bound needs at least 2 steps completed by every rank after the {WARMUP_STEPS} "
                          f"warm-up step(s); the run has {len(steps)}")
         return result
-    table = sweep(c, x)
+    overlap = overlaps(ctx.manifest)
+    table = sweep(c, x, overlap=overlap)
     bound = choose(table)
     row = table.filter(pl.col("bound") == bound).row(0, named=True)
     unbounded = table.filter(pl.col("bound").is_null()).row(0, named=True)
@@ -121,7 +143,7 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
         "bound": bound,
         "predicted": {"step_time_s": row["step_time_s"], "makespan_s": row["makespan_s"], "gain": row["gain"],
                       "sync_step_time_s": table["step_time_s"][0], "unbounded_gain": unbounded["gain"]},
-        "why": _why(bound, row["gain"], unbounded["gain"], spread, float((c + x).mean())),
+        "why": _why(bound, row["gain"], unbounded["gain"], _overlap_gain(c, x, overlap), spread, float((c + x).mean())),
     }
     result.evidence = {
         "ranks": ranks, "steps": [steps[0], steps[-1]], "steps_replayed": len(steps),
@@ -129,7 +151,10 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
         "work": "c[p][t] = compute_s = step_s - comm_s (timeline)",
         "exchange": "x[p][t] = comm_s - wait_s (the collectives' transfer, without blocking wait)",
         "exchange_per_step_s": float(x.mean()),
-        "recurrence": "F[p][t] = max(F[p][t-1], max_q F[q][t-1-L]) + c[p][t] + x[p][t]; makespan = max_p F[p][T-1]",
+        "recurrence": ("E[p][t] = max(E[p][t-1], max_q F[q][t-1-L]) + x[p][t]; F[p][t] = max(F[p][t-1], E[p][t]) "
+                       "+ c[p][t]; makespan = max_p F[p][T-1]" if overlap else
+                       "F[p][t] = max(F[p][t-1], max_q F[q][t-1-L]) + c[p][t] + x[p][t]; makespan = max_p F[p][T-1]"),
+        "exchange_overlaps_compute": overlap,
         "rule": f"smallest L in 0..{MAX_BOUND} within {TOLERANCE:.0%} of the best makespan (L = inf included)",
         "work_per_rank_s": {str(r): float(t) for r, t in zip(ranks, totals)},
         "mean_step_spread_s": spread,
@@ -137,11 +162,23 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     return result
 
 
-def _why(bound: int, gain: float, unbounded_gain: float, spread: float, mean_work: float) -> str:
+def _overlap_gain(c: np.ndarray, x: np.ndarray | float, overlap: bool) -> float:
+    """The unbounded gain of the same run with every rank's compute set to the ranks' mean: what a
+    bound gains by overlapping the exchange with the compute alone, with no straggler to hide."""
+    balanced = np.broadcast_to(c.mean(axis=0), c.shape)
+    return 1 - replay(balanced, None, x, overlap=overlap) / replay(balanced, 0, x, overlap=overlap)
+
+
+def _why(bound: int, gain: float, unbounded_gain: float, overlap_gain: float, spread: float,
+         mean_work: float) -> str:
     imbalance = f"ranks' step work differs by {spread * 1e3:.2f} ms on average ({spread / mean_work:.1%} of a step)"
     if unbounded_gain <= TOLERANCE:
         return (f"balanced run: {imbalance}; even an unbounded lag gains {unbounded_gain:.1%}, so L = 0 "
                 "(synchronous) is kept and the predicted gain is ~0")
+    if unbounded_gain - overlap_gain <= TOLERANCE:
+        return (f"balanced run: {imbalance}; a bound hides no straggler here, and L = {bound} gains {gain:.1%} "
+                "only by exchanging the next step's rows during this step's compute")
     caveat = ("" if bound == 0 else "; exact for inference-only runs, stale-synchronous in training")
     return (f"{imbalance}; L = {bound} is the smallest bound within {TOLERANCE:.0%} of the best replayed makespan, "
-            f"predicted gain {gain:.1%} (unbounded: {unbounded_gain:.1%}){caveat}")
+            f"predicted gain {gain:.1%} (unbounded: {unbounded_gain:.1%}, of which {overlap_gain:.1%} the exchange "
+            f"overlapping the compute){caveat}")

@@ -1,21 +1,25 @@
 """`train.py --inference`: the DLRM forward only, over `--steps` global batches, with the embedding
 exchange either synchronous (the trainer's collectives) or bounded-lag (BLS, research/papers.md §6).
 
-Inference reads the tables and never writes them, so an owner can serve a peer's lookups for any
-iteration at any time. Under a lag bound L the exchange is point to point: each rank sends every
-owner one request for iteration t (lengths and ids together, with "I finished t − 1" in its
-header), one serving thread per rank pools the requests of every peer and sends the rows back, and
-each rank, once it has its rows, computes and finishes t. A rank starts iteration t only once
-every peer has finished t − 1 − L. With c the rank's own work (compute, straggler delay) and x
-the time its main thread spends on the exchange (posting requests, waiting for rows; the own
-tables' lookup overlaps the transfer), analyses/policies/lag.py's recurrence:
+Inference reads the tables and never writes them, so iteration t's exchange does not depend on
+anything computed before it. Under a lag bound L each rank runs the exchange on a thread of its
+own: the trainer's collectives (lengths, ids, pooled rows), in a process group of their own, for
+iteration t as soon as the rank's main thread has finished t − 1 − L, the rows handed to the main
+thread when they arrive. A collective completes only once every rank has entered it, so exchange t
+completes once every rank has finished t − 1 − L: a rank starts iteration t only then, and no
+message of its own carries the bound. With c the rank's own work (its straggler delay and its
+dense forward) and x the exchange's, analyses/policies/lag.py's recurrence, where the exchange
+thread has a core (or a GPU's streams) of its own:
 
-    S_{p,t} = max(F_{p,t−1}, max_q F_{q,t−1−L})         F_{p,t} = S_{p,t} + c_{p,t} + x_{p,t}
+    E_{p,t} = max(E_{p,t−1}, max_q F_{q,t−1−L}) + x_{p,t}      (the rows of t have arrived)
+    F_{p,t} = max(F_{p,t−1}, E_{p,t}) + c_{p,t}                 (iteration t finished)
 
-L = 0 is bulk-synchronous; the larger L, the more a slow iteration on one rank is hidden behind
-the others' progress. The predictions do not depend on L: each sample meets the same rows and the
-same dense weights. `--straggler PROB:DELAY_MS[:RANKS]` delays an iteration by DELAY_MS with
-probability PROB on each listed rank (every rank by default), each rank drawing on its own,
+and where it shares the rank's one core, F_{p,t} = max(F_{p,t−1}, max_q F_{q,t−1−L}) + c + x.
+L = 0 is bulk-synchronous (F_{p,t} = max_q F_{q,t−1} + x + c): the collectives run on the main
+thread then, as without a bound. The larger L, the more a slow iteration on one rank is hidden
+behind the others' progress. The predictions do not depend on L: each sample meets the same rows
+and the same dense weights. `--straggler PROB:DELAY_MS[:RANKS]` delays an iteration by DELAY_MS
+with probability PROB on each listed rank (every rank by default), each rank drawing on its own,
 seeded, so runs repeat.
 
     result = run(cfg, dataset, rank=rank, world_size=world, device=device, bound=2)
@@ -28,6 +32,7 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,41 +103,48 @@ def run(cfg, dataset: Dataset, *, rank: int, world_size: int, device: torch.devi
     if steps * b * world_size > dataset.num_samples:
         raise ConfigError(f"--steps {steps}: {steps * b * world_size} samples needed, the dataset has "
                           f"{dataset.num_samples}")
-    exchange = _BoundedLag(embeddings, rank, world_size, bound, steps, b) if bound is not None and world_size > 1 else None
+    sizes = [b] * world_size
+
+    def batch_of(t: int) -> Batch:
+        lo = t * b * world_size + rank * b
+        return dataset.batch(lo, lo + b).to(device)
+
+    # bound 0 is bulk-synchronous: the collectives on the main thread are that, without a thread's hand-offs
+    exchange = _BoundedLag(embeddings, batch_of, sizes, bound, steps) if bound and world_size > 1 else None
     rng = random.Random(cfg.seed * 1_000_003 + rank)
     pauses = [straggler.delay(rng, rank) if straggler is not None else 0.0 for _ in range(steps)]
-    sizes = [b] * world_size
     logits, labels = [], []
     if world_size > 1:
         dist.barrier()
     start = time.perf_counter()
+    if exchange is not None:
+        exchange.start()
     # the iterations are this run's steps: book their lookups and collectives to them (phase
     # `train`; under no_grad the collectors would say `eval`), or the timeline sees no exchange
     # and no waiting in them and the lag recurrence takes the waits for work
     with torch.no_grad(), tracekit.phase(TRAIN):
         for t in range(steps):
-            if exchange is not None:
-                exchange.wait_for_peers(t)
-            if pauses[t]:
-                time.sleep(pauses[t])
-            lo = t * b * world_size + rank * b
-            batch = dataset.batch(lo, lo + b).to(device)
             if exchange is None:
+                if pauses[t]:
+                    time.sleep(pauses[t])
+                batch = batch_of(t)
                 embedded = embeddings(batch.lengths, batch.values, sizes)
             else:
-                embedded = exchange.embed(t, batch)
+                batch, embedded = exchange.rows(t)
+                if pauses[t]:
+                    time.sleep(pauses[t])
             logits.append(dense(batch.dense, embedded))
             labels.append(batch.labels)
             if exchange is not None:
-                exchange.finished(t, next_delayed=t + 1 < steps and pauses[t + 1] > 0)
+                exchange.finished(t)
             tracekit.step()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     exchange_s = None
     if exchange is not None:
         exchange.close()
-        # the main thread's time on the exchange per iteration, the ranks' mean: the recurrence's x
-        # (the first iteration left out where there are others: start-up, as in the timeline)
-        times = exchange.exchange_s[1:] or exchange.exchange_s
+        # the main thread's time blocked on its rows per iteration, the ranks' mean (the first
+        # iteration left out where there are others: start-up, as in the timeline)
+        times = exchange.wait_s[1:] or exchange.wait_s
         per_rank = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
         dist.all_reduce(per_rank)
         exchange_s = float(per_rank) / world_size
@@ -149,131 +161,62 @@ def run(cfg, dataset: Dataset, *, rank: int, world_size: int, device: torch.devi
 
 
 class _BoundedLag:
-    """The point-to-point exchange of `run` under a lag bound (module docstring).
+    """The exchange of `run` under a lag bound, on a thread of its own (module docstring): exchange t
+    starts once the main thread has finished t − 1 − bound, and its rows wait, with their batch,
+    until the main thread takes them. At most bound + 2 iterations' rows are held."""
 
-    Per peer and iteration one request goes out and one response comes back:
-    - request, owner ← rank: int64 [t, finished, n, lengths (owner's tables × b), ids (n)], where
-      `finished` is the last iteration the sender finished (t − 1): the "finished" note rides on
-      the next request. A note alone, [NOTE, finished, 0], goes out only when the next request
-      would leave late (`finished` says when). A request longer than the owner's buffer (more
-      than POOLING_CAPACITY ids a bag) sends its last ids in a second message.
-    - response, owner → rank: the pooled rows, table by table (their count the rank knows from
-      its routing).
-    Requests and notes travel in one group, responses in another, so that one thread per rank,
-    receiving from any peer, serves every peer and tracks how far each has finished.
-    """
-
-    def __init__(self, embeddings: ShardedEmbeddings, rank: int, world: int, bound: int, steps: int, b: int) -> None:
-        self.embeddings, self.rank, self.world, self.bound, self.steps, self.b = embeddings, rank, world, bound, steps, b
-        self.requests, self.responses = dist.new_group(), dist.new_group()
-        self.peers = [q for q in range(world) if q != rank]
-        self.done = {q: -1 for q in self.peers}  # the last iteration each peer finished, as far as we know
-        self.finished_t = -1  # ours
+    def __init__(self, embeddings: ShardedEmbeddings, batch_of: Callable[[int], Batch], sizes: list[int],
+                 bound: int, steps: int) -> None:
+        self.embeddings, self.batch_of, self.sizes, self.bound, self.steps = embeddings, batch_of, sizes, bound, steps
+        self.ready: dict[int, tuple[Batch, torch.Tensor]] = {}
+        self.finished_t = -1  # the last iteration the main thread finished
         self.changed = threading.Condition()
-        self.sending: list[tuple[dist.Work, torch.Tensor]] = []  # main thread: requests and notes in flight
         self.errors: list[BaseException] = []
-        self.exchange_s: list[float] = []  # per iteration, the main thread's time posting requests and waiting for rows
-        self.server = threading.Thread(target=self._guard, daemon=True)
-        self.server.start()
+        self.wait_s: list[float] = []  # per iteration, the main thread's time blocked on its rows
+        self.thread = threading.Thread(target=self._guard, name="tracekit-bls-exchange", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
 
     # the main thread ------------------------------------------------------------------------
 
-    def wait_for_peers(self, t: int) -> None:
-        """Block until every peer has finished iteration t − 1 − bound."""
-        need = t - 1 - self.bound
-        with self.changed:
-            while not self.errors and any(self.done[q] < need for q in self.peers):
-                self.changed.wait(timeout=1.0)
-        self._raise()
-
-    def embed(self, t: int, batch: Batch) -> torch.Tensor:
-        """This rank's embeddings [b, T, D] for iteration t, its lookups served by their owners."""
-        e = self.embeddings
-        T = batch.lengths.shape[0]
-        routing = e.route(batch.lengths, batch.values)
-        lengths = routing.lengths.split(routing.lengths_splits)
-        values = routing.values.split(routing.values_splits)
+    def rows(self, t: int) -> tuple[Batch, torch.Tensor]:
+        """Iteration t's batch and its embeddings [b, T, D], once the exchange has brought them."""
         began = time.perf_counter()
-        rows = {q: torch.empty(routing.rows_back[q], e.plan.tables[0].dim) for q in self.peers}
-        receiving = [dist.irecv(rows[q], q, group=self.responses) for q in self.peers]
-        for q in self.peers:
-            header = torch.tensor([t, self.finished_t, values[q].numel()], dtype=torch.int64)
-            request = torch.cat([header, lengths[q].to(torch.int64), values[q]])
-            cut = _capacity(len(e.plan.tables_on(q)), self.b)
-            for piece in (request[:cut], request[cut:]):
-                if piece.numel():
-                    self._send(piece, q)
-        posted = time.perf_counter()
-        own = e.lookup_owned(lengths[self.rank], values[self.rank], source=self.rank, batch_size=self.b)
-        waited = time.perf_counter()
-        for work in receiving:
-            work.wait()
-        self.exchange_s.append((posted - began) + (time.perf_counter() - waited))
-        returned = torch.cat([own if q == self.rank else rows[q] for q in range(self.world)])
-        out = returned.new_zeros(self.b * T, returned.shape[1]).index_add_(0, routing.slots_back, returned)
-        return out.view(self.b, T, -1)
-
-    def finished(self, t: int, *, next_delayed: bool) -> None:
-        """Iteration t is done. Its note rides on the next request when that leaves at once; a note
-        goes to every peer now when it would not: the next iteration must wait for a peer (its
-        gate is closed; with bound 0 the peers wait for this very note) or opens with a straggler
-        delay (`next_delayed`). Nobody waits for the last iteration's note."""
-        self.finished_t = t
-        if t + 1 >= self.steps:
-            return
         with self.changed:
-            gate_open = all(self.done[q] >= t - self.bound for q in self.peers)
-        if next_delayed or not gate_open:
-            for q in self.peers:
-                self._send(torch.tensor([NOTE, t, 0], dtype=torch.int64), q)
+            while t not in self.ready and not self.errors:
+                self.changed.wait(timeout=1.0)
+            self._raise()
+            item = self.ready.pop(t)
+        self.wait_s.append(time.perf_counter() - began)
+        return item
+
+    def finished(self, t: int) -> None:
+        with self.changed:
+            self.finished_t = t
+            self.changed.notify_all()
 
     def close(self) -> None:
-        for work, _ in self.sending:
-            work.wait()
-        self.server.join()
+        self.thread.join()
         self._raise()
 
-    def _send(self, tensor: torch.Tensor, q: int) -> None:
-        self.sending.append((dist.isend(tensor, q, group=self.requests), tensor))
-        if len(self.sending) > IN_FLIGHT * len(self.peers):  # keep the buffers of a few iterations alive, not all
-            self.sending.pop(0)[0].wait()
+    # the exchange thread --------------------------------------------------------------------
 
-    # the serving thread ---------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        """Every peer's requests and notes, in arrival order: note how far the sender has finished,
-        pool its lookups and send the rows back, until each peer has sent its `steps` requests."""
-        mine = len(self.embeddings.local_tables)
-        bags = mine * self.b
-        buffer = torch.empty(_capacity(mine, self.b), dtype=torch.int64)
-        left = {q: self.steps for q in self.peers}
-        replies: list[tuple[dist.Work, torch.Tensor]] = []
-        while any(left.values()):
-            source = dist.recv(buffer, group=self.requests)  # from any peer
-            t, finished, n = buffer[:HEADER].tolist()
-            with self.changed:
-                self.done[source] = max(self.done[source], finished)
-                self.changed.notify_all()
-            if t == NOTE:
-                continue
-            inline = min(n, buffer.numel() - HEADER - bags)
-            lengths = buffer[HEADER:HEADER + bags].to(torch.int32)
-            ids = buffer[HEADER + bags:HEADER + bags + inline].clone()
-            if inline < n:
-                rest = torch.empty(n - inline, dtype=torch.int64)
-                dist.recv(rest, source, group=self.requests)
-                ids = torch.cat([ids, rest])
-            rows = self.embeddings.lookup_owned(lengths, ids, source=source, batch_size=self.b)
-            replies.append((dist.isend(rows, source, group=self.responses), rows))
-            if len(replies) > IN_FLIGHT * len(self.peers):
-                replies.pop(0)[0].wait()
-            left[source] -= 1
-        for work, _ in replies:
-            work.wait()
+    def _exchange(self) -> None:
+        with torch.no_grad():
+            for t in range(self.steps):
+                with self.changed:
+                    while self.finished_t < t - 1 - self.bound:
+                        self.changed.wait(timeout=1.0)
+                batch = self.batch_of(t)
+                rows = self.embeddings(batch.lengths, batch.values, self.sizes)
+                with self.changed:
+                    self.ready[t] = (batch, rows)
+                    self.changed.notify_all()
 
     def _guard(self) -> None:
         try:
-            self._serve()
+            self._exchange()
         except BaseException as err:  # surfaced on the main thread; never a silent hang
             with self.changed:
                 self.errors.append(err)
@@ -282,14 +225,3 @@ class _BoundedLag:
     def _raise(self) -> None:
         if self.errors:
             raise RuntimeError(f"bounded-lag exchange failed: {self.errors[0]}") from self.errors[0]
-
-
-HEADER = 3  # a request's iteration, the sender's last finished iteration, its number of ids
-NOTE = -1  # the iteration field of a note: no lookups
-POOLING_CAPACITY = 4  # ids per bag that one request message holds; longer requests take two messages
-IN_FLIGHT = 4  # sends per peer kept in flight before the oldest is waited for
-
-
-def _capacity(tables: int, b: int) -> int:
-    """int64 elements of the first message of a request to an owner of `tables` tables."""
-    return HEADER + tables * b * (1 + POOLING_CAPACITY)

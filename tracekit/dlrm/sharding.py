@@ -230,24 +230,6 @@ class ShardedEmbeddings(nn.Module):
             out = out.index_add(0, *hot)
         return out.view(b, T, returned.shape[1])
 
-    # point to point (bounded-lag inference, tracekit/dlrm/inference.py) ----------------------
-
-    def route(self, lengths: torch.Tensor, values: torch.Tensor) -> Routing:
-        """lengths [T, b], values (table, sample, pos) -> this rank's lengths and ids ordered by the
-        rank that owns their rows (split by `lengths_splits`, `values_splits`), with where the rows
-        each owner returns belong. No hot-row replicas: every id goes to its owner."""
-        return self._route(lengths, values, None)
-
-    def lookup_owned(self, lengths: torch.Tensor, values: torch.Tensor, *, source: int,
-                     batch_size: int) -> torch.Tensor:
-        """The rows this rank returns for `source`'s lookups in its tables: `lengths` and `values`
-        are `source`'s piece for this rank from `route` (lengths [local tables × batch_size]).
-        Rows come table by table, as `route`'s `slots_back` expects; no gradient."""
-        sizes = [batch_size if q == source else 0 for q in range(self.plan.world_size)]
-        with torch.no_grad():
-            outputs, _ = self._lookup(lengths, values, sizes)
-        return torch.cat(outputs) if outputs else torch.empty(0, self.plan.tables[0].dim, device=self.anchor.device)
-
     def synchronise(self) -> None:
         """After backward: bring every rank's replica rows to the same updated values."""
         if self.replicas is not None:
