@@ -26,10 +26,13 @@ compute, whichever thread does it:
 bulk-synchronous run, F[p][t] = max_q F[q][t−1] + x + c, so makespan(0) replays the recorded
 synchronous run, and L = ∞ lets each rank run alone: the ideal without synchronisation, the
 slowest rank's own time.
+
 The recurrence is replayed for L = 0..MAX_BOUND and ∞ (table `lag_makespan`: bound (null for ∞),
 makespan_s, step_time_s = makespan / T, gain = 1 − makespan(L) / makespan(0)), and the policy takes
 the smallest L whose makespan is within TOLERANCE of the best (the best finite L if none is). On a
-balanced run every L gives the same makespan: the bound is 0 and the predicted gain ~0.
+balanced run with one core a rank every L gives the same makespan: the bound is 0 and the
+predicted gain ~0; where the exchange overlaps the compute, L = 1 gains that overlap, and the
+`why` tells it from a straggler's.
 
 BLS keeps results exact in inference-only runs (read-only tables); in training, L > 0 means
 stale-synchronous updates, which the `why` says.
