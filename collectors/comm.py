@@ -244,12 +244,23 @@ def _complete(call: list, future: Any) -> None:
 
 
 def _average_bucket_hook(process_group, bucket):
-    """DDP's default behaviour as a Python comm hook: average the bucket over the group, scaling by
-    1 / world size before the sum as DDP's reducer does (a division differs by an ulp at 3 ranks)."""
+    """DDP's default behaviour as a Python comm hook: average the bucket over the group.
+
+    DDP's reducer scales each gradient by 1 / world size while copying it into the bucket, then
+    sums. Where the world size is a power of two, scaling before or after the sum gives the same
+    bits (a power of two only moves the exponent; gradients under 2^-126, subnormal, aside), so the
+    bucket is summed as it is and scaled in the future's callback, which runs on the communication
+    thread: the training thread makes no pass over the bucket. At other sizes it scales before the
+    sum, as the reducer does (scaling after it differs by an ulp at 3 ranks)."""
     group = process_group if process_group is not None else dist.group.WORLD
+    size = dist.get_world_size(group)
+    scale = 1.0 / size
+    exact_after = size & (size - 1) == 0
     with label(f"ddp_bucket_{bucket.index()}"):
-        tensor = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
+        tensor = bucket.buffer() if exact_after else bucket.buffer().mul_(scale)
         work = dist.all_reduce(tensor, group=group, async_op=True)
+    if exact_after:
+        return work.get_future().then(lambda fut: fut.value()[0].mul_(scale))
     return work.get_future().then(lambda fut: fut.value()[0])
 
 

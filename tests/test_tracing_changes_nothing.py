@@ -94,7 +94,8 @@ def assert_bit_identical(traced, untraced, where: str = "") -> None:
         assert torch.equal(traced, untraced), f"{where}: {differ} of {untraced.numel()} elements differ"
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# 2 and 4 ranks: the hook scales after the sum (a power of two); 3: before it, as DDP does
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_plain_ddp_with_the_recorders_comm_hook(tmp_path: Path, world: int) -> None:
     script = tmp_path / "ddp_train.py"
     script.write_text(DDP_SCRIPT)
