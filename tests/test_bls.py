@@ -118,26 +118,32 @@ def test_analyze_predicts_the_lag_makespan_and_compare_sets_it_beside_the_measur
         ("lag", section["predicted"]["makespan_s"], measured)]
 
 
-def test_a_failing_rank_ends_the_run(tmp_path: Path) -> None:
+# rank 1's exchange thread fails at once, or its main thread at iteration 5 with the exchange
+# thread ahead of it (inside a collective the other rank's thread has entered)
+@pytest.mark.parametrize("method, message", [
+    ("_exchange", "bounded-lag exchange failed: rank 1 fails"),
+    ("finished", "rank 1 fails"),
+])
+def test_a_failing_rank_ends_the_run(tmp_path: Path, method: str, message: str) -> None:
     script = tmp_path / "fail.py"
     script.write_text(f"""
 import os, sys
 sys.path.insert(0, {str(REPO)!r})
 import torch.distributed as dist
 from tracekit.dlrm import inference
-original = inference._BoundedLag._exchange
-def exchange(self):
-    if dist.get_rank() == 1:
+original = inference._BoundedLag.{method}
+def failing(self, *args):
+    if dist.get_rank() == 1 and (not args or args[0] == 5):
         raise RuntimeError("rank 1 fails")
-    original(self)
-inference._BoundedLag._exchange = exchange
+    original(self, *args)
+inference._BoundedLag.{method} = failing
 from tracekit.dlrm.train import main
 sys.exit(main(sys.argv[1:]))
 """)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script), *MODEL, "--lag-bound", "1"], cwd=REPO, capture_output=True, text=True, timeout=240)
+                        str(script), *MODEL, "--lag-bound", "2"], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode != 0
-    assert "bounded-lag exchange failed: rank 1 fails" in r.stderr
+    assert message in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
