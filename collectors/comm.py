@@ -254,14 +254,11 @@ def _average_bucket_hook(process_group, bucket):
     sum, as the reducer does (scaling after it differs by an ulp at 3 ranks)."""
     group = process_group if process_group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
-    scale = 1.0 / size
-    exact_after = size & (size - 1) == 0
+    after = size & (size - 1) == 0  # a power of two: scale after the sum
     with label(f"ddp_bucket_{bucket.index()}"):
-        tensor = bucket.buffer() if exact_after else bucket.buffer().mul_(scale)
+        tensor = bucket.buffer() if after else bucket.buffer().mul_(1.0 / size)
         work = dist.all_reduce(tensor, group=group, async_op=True)
-    if exact_after:
-        return work.get_future().then(lambda fut: fut.value()[0].mul_(scale))
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return work.get_future().then(lambda fut: fut.value()[0].mul_(1.0 / size) if after else fut.value()[0])
 
 
 def _has_comm_hook(ddp: DistributedDataParallel) -> bool:

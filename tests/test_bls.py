@@ -1,9 +1,9 @@
 """BLS inference (`train.py --inference`, tracekit/dlrm/inference.py) on real gloo ranks: every lag
-bound gives the predictions of the synchronous run, sample for sample, requests split in two
-messages included; a recorded run never lets a rank finish an iteration before every peer
-finished the one `bound` + 1 earlier, and with stragglers a larger bound does let ranks run ahead;
-the run reports the exchange's cost a step; a failing rank ends the run instead of hanging; bad
-options are refused."""
+bound gives the predictions of the synchronous run, sample for sample; a recorded run never lets a
+rank finish an iteration before every peer finished the one `bound` + 1 earlier, and with
+stragglers a larger bound does let ranks run ahead; the run reports the time it waited on the
+exchange a step; a failing rank, its exchange thread or its main thread, ends the run instead of
+hanging; bad options are refused."""
 
 from __future__ import annotations
 
