@@ -30,13 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 def samples_per_s(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """The trainer's samples/s and the CPU seconds the command's processes used (every thread of every
     rank, start-up included), or NaNs (with its stderr shown) if the command failed."""
+    summary, cpu_s = run_job(command, env)
+    return summary.get("samples_per_s", math.nan), cpu_s
+
+
+def run_job(command: list[str], env: dict[str, str] | None = None) -> tuple[dict, float]:
+    """The JSON summary the job printed last and the CPU seconds its processes used, or ({}, NaN) (with
+    its stderr shown) if the command failed."""
     before = _children_cpu_s()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     cpu_s = _children_cpu_s() - before
     if result.returncode != 0:
         print(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-2000:]}", file=sys.stderr)
-        return math.nan, math.nan
-    return json.loads(result.stdout.strip().splitlines()[-1])["samples_per_s"], cpu_s
+        return {}, math.nan
+    return json.loads(result.stdout.strip().splitlines()[-1]), cpu_s
 
 
 def _children_cpu_s() -> float:

@@ -1,8 +1,11 @@
 """What `tracekit record` costs a TorchRec job (issue 13): samples/s of bench/torchrec_dlrm.py (TorchRec's
 DLRM, 8 tables x 100k rows x dim 64, FBGEMM's fused table-wise kernel, 2 gloo ranks) untraced and
 under `tracekit record` with its defaults, alternating, each a fresh torchrun; medians, the ratio of
-the medians and the run-by-run pairs, with the machine. Each traced run is checked to hold every
-lookup it made (`accesses` summed = steps x ranks x batch x tables x pooling, warm-up included).
+the medians and the run-by-run pairs, with the machine; beside them what recording costs in CPU,
+steadier than samples/s on a shared box: rank 0's training thread a timed step (the job's
+`train_thread_cpu_ms`), and the writer threads a step (the manifest's `writer_cpu_s`). Each traced
+run is checked to hold every lookup it made (`accesses` summed = steps x ranks x batch x tables x
+pooling, warm-up included).
 
 Needs the TorchRec venv with tracekit installed in it, as a user would (`bash
 bench/setup_torchrec_venv.sh`, then `bench/.venv-torchrec/bin/pip install .`). From the repo root:
@@ -13,6 +16,8 @@ bench/setup_torchrec_venv.sh`, then `bench/.venv-torchrec/bin/pip install .`). F
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.record_overhead import machine, report, samples_per_s  # noqa: E402
+from bench.record_overhead import machine, report, run_job  # noqa: E402
 from tracekit.run import open_run  # noqa: E402
 
 PYTHON = ROOT / "bench" / ".venv-torchrec" / "bin" / "python"
@@ -53,11 +58,16 @@ def main() -> int:
                                         "--", *torchrun, *job]}
         results: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, list[float]] = {name: [] for name in variants}
+        train_ms: dict[str, list[float]] = {name: [] for name in variants}
+        writer_ms: list[float] = []
         for i in range(args.runs):
             for name, command in variants.items():
-                speed, cpu_s = samples_per_s(command)
-                results[name].append(speed)
+                summary, cpu_s = run_job(command)
+                results[name].append(summary.get("samples_per_s", math.nan))
                 cpu[name].append(cpu_s)
+                train_ms[name].append(summary.get("train_thread_cpu_ms", math.nan))
+            manifest = open_run(run_dir).manifest
+            writer_ms.append(1000 * statistics.mean(manifest["writer_cpu_s"].values()) / (args.steps + args.warmup))
             recorded = open_run(run_dir).scan("accesses").select("count").collect()["count"].sum()
             if recorded < expected:
                 sys.exit(f"the traced run holds {recorded:,} lookups, expected at least {expected:,}: not traced?")
@@ -67,6 +77,10 @@ def main() -> int:
     print(f"machine: {machine('cpu')}\ncpu, {RANKS} gloo ranks; TorchRec DLRM {TABLES} x 100k x 64, pooling "
           f"{args.pooling}, batch {args.batch_size} per rank, {args.steps} timed steps; {args.runs} alternating runs")
     report(results, cpu)
+    print("\nrank 0's training thread, CPU ms a timed step (medians): "
+          + ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in train_ms.items())
+          + f"; the writer threads, CPU ms a step per rank (warm-up included): median {statistics.median(writer_ms):.2f}"
+          f" ({', '.join(f'{w:.2f}' for w in writer_ms)})")
     return 0
 
 

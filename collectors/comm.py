@@ -49,6 +49,7 @@ import inspect
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -87,52 +88,47 @@ def _group_rank(a: dict[str, Any], global_key: str, group_key: str) -> int | Non
     return rank if rank is None or group is None else dist.get_group_rank(group, rank)
 
 
-def describe(op: str, a: dict[str, Any], group_size: int) -> dict:
-    """dtype, bytes and per-peer bytes of one call (the row minus step, times and tag), from its
-    arguments by name (splits: see the module docstring)."""
+def describe(op: str, a: dict[str, Any], group_size: int) -> tuple[str, int, int, list[int], list[int]]:
+    """(dtype, bytes_out, bytes_in, splits_out, splits_in) of one call, from its arguments by name
+    (splits: see the module docstring)."""
     peers = range(group_size)
     if op == "all_to_all_single":
         out = _split_bytes(a["input"], a.get("input_split_sizes"), group_size)
         inn = _split_bytes(a["output"], a.get("output_split_sizes"), group_size)
-        return dict(dtype=str(a["input"].dtype), bytes_out=sum(out), bytes_in=sum(inn), splits_out=out, splits_in=inn)
+        return (str(a["input"].dtype), sum(out), sum(inn), out, inn)
     if op == "all_to_all":
         out = [_nbytes(t) for t in a["input_tensor_list"]]
         inn = [_nbytes(t) for t in a["output_tensor_list"]]
-        return dict(dtype=str(a["input_tensor_list"][0].dtype), bytes_out=sum(out), bytes_in=sum(inn),
-                    splits_out=out, splits_in=inn)
+        return (str(a["input_tensor_list"][0].dtype), sum(out), sum(inn), out, inn)
     if op in ("send", "isend", "recv", "irecv"):
         n, sending = _nbytes(a["tensor"]), op in ("send", "isend")
         peer = _group_rank(a, "dst", "group_dst") if sending else _group_rank(a, "src", "group_src")
         one = [n if j == peer else 0 for j in peers] if peer is not None else []  # any source: unknown
-        return dict(dtype=str(a["tensor"].dtype), bytes_out=n if sending else 0, bytes_in=0 if sending else n,
-                    splits_out=one if sending else [0] * group_size, splits_in=[0] * group_size if sending else one)
+        none = [0] * group_size
+        return (str(a["tensor"].dtype), n if sending else 0, 0 if sending else n, one if sending else none,
+                none if sending else one)
     if op == "barrier":
-        return dict(dtype="", bytes_out=0, bytes_in=0, splits_out=[], splits_in=[])
+        return ("", 0, 0, [], [])
     if op == "all_gather":
         n, inn = _nbytes(a["tensor"]), [_nbytes(x) for x in a["tensor_list"]]
-        return dict(dtype=str(a["tensor"].dtype), bytes_out=n, bytes_in=sum(inn), splits_out=[n] * group_size,
-                    splits_in=inn)
+        return (str(a["tensor"].dtype), n, sum(inn), [n] * group_size, inn)
     if op in ("all_gather_into_tensor", "all_gather_single"):
         n, total = _nbytes(a["input_tensor"]), _nbytes(a["output_tensor"])
-        return dict(dtype=str(a["input_tensor"].dtype), bytes_out=n, bytes_in=total, splits_out=[n] * group_size,
-                    splits_in=[total // group_size] * group_size)
+        return (str(a["input_tensor"].dtype), n, total, [n] * group_size, [total // group_size] * group_size)
     if op == "reduce_scatter":
         out, n = [_nbytes(t) for t in a["input_list"]], _nbytes(a["output"])
-        return dict(dtype=str(a["output"].dtype), bytes_out=sum(out), bytes_in=n, splits_out=out,
-                    splits_in=[n] * group_size)
+        return (str(a["output"].dtype), sum(out), n, out, [n] * group_size)
     if op in ("reduce_scatter_tensor", "reduce_scatter_single"):
         total, n = _nbytes(a["input"]), _nbytes(a["output"])
-        return dict(dtype=str(a["input"].dtype), bytes_out=total, bytes_in=n,
-                    splits_out=[total // group_size] * group_size, splits_in=[n] * group_size)
+        return (str(a["input"].dtype), total, n, [total // group_size] * group_size, [n] * group_size)
     t = a["tensor"]  # all_reduce, broadcast, reduce: the logical buffer, whatever the algorithm
     n = _nbytes(t)
     if op == "all_reduce":
-        return dict(dtype=str(t.dtype), bytes_out=n, bytes_in=n, splits_out=[], splits_in=[])
+        return (str(t.dtype), n, n, [], [])
     root = _group_rank(a, "src", "group_src") if op == "broadcast" else _group_rank(a, "dst", "group_dst")
     everyone = [n] * group_size if dist.get_rank(a.get("group")) == root else [0] * group_size
     to_root = [n if j == root else 0 for j in peers]
-    return dict(dtype=str(t.dtype), bytes_out=n, bytes_in=n, splits_out=everyone if op == "broadcast" else to_root,
-                splits_in=to_root if op == "broadcast" else everyone)
+    return (str(t.dtype), n, n, everyone if op == "broadcast" else to_root, to_root if op == "broadcast" else everyone)
 
 
 class CommHandle:
@@ -141,6 +137,7 @@ class CommHandle:
         self.guard = Guard("comm")
         self.seq = 0  # calls drained so far: the next row's seq
         self.backend: str | None = None  # of the first group a call used
+        self._groups: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
         self.calls: collections.deque[list] = collections.deque()  # appended here, popped by the writer
         self.originals: dict[tuple[Any, str], Callable] = {}
         for module in (dist, c10d):
@@ -174,16 +171,13 @@ class CommHandle:
 
     def _record(self, op, names, args, kwargs, result, t_start, caller) -> None:
         arguments = dict(zip(names, args))
-        arguments.update(kwargs)
+        if kwargs:
+            arguments.update(kwargs)
         group = arguments.get("group")
         pg = group if group is not None else c10d._get_default_group()
-        size = dist.get_world_size(pg)
-        if self.backend is None:
-            self.backend = str(dist.get_backend(pg))
-        d = describe(op, arguments, size)
+        size, group_name = self._groups.get(pg) or self._new_group(pg)
         is_work = result is not None and hasattr(result, "get_future")
-        call = [self.clock.step, op, getattr(pg, "group_name", "") or "default", size, d["dtype"],
-                d["bytes_out"], d["bytes_in"], d["splits_out"], d["splits_in"], t_start, 0,
+        call = [self.clock.step, op, group_name, size, *describe(op, arguments, size), t_start, 0,
                 current_label.get() or caller.f_code.co_qualname, is_work, phase.of_call()]
         if is_work:
             try:
@@ -191,10 +185,17 @@ class CommHandle:
             except RuntimeError:  # "Work::getFuture not implemented" (gloo's isend/irecv): completion unknown
                 call[T_END] = -1
             else:
-                future.then(functools.partial(_complete, call))
+                future.add_done_callback(functools.partial(_complete, call))
         else:
             call[T_END] = time.monotonic_ns()
         self.calls.append(call)
+
+    def _new_group(self, pg: Any) -> tuple[int, str]:
+        """The size and name of a process group first seen now, kept for its later calls."""
+        if self.backend is None:
+            self.backend = str(dist.get_backend(pg))
+        info = self._groups[pg] = (dist.get_world_size(pg), getattr(pg, "group_name", "") or "default")
+        return info
 
     def drain(self, final: bool) -> list[tuple[str, dict]]:
         """The calls kept so far, in call order, up to the first async one still running or, once the

@@ -29,7 +29,11 @@ They are computed on the gradients' device for many tensors at once, in a number
 operations that does not grow with theirs: the |g| of up to BATCH_ELEMENTS elements are
 concatenated and sorted together as int64 keys `tensor index << 31 | float32 bits of |g|` (a
 non-negative float's bits order like its value), which sorts each tensor's values within its own
-block. The step's rows stay on the device until the step ends, and reach the host in one copy, made
+block. On CPU, where a loop over the tensors costs little, numpy partitions each tensor's |g| (as
+the same float32 bits) around the few order statistics needed instead, and counts against each
+threshold in one pass: TorchRec's DLRM's 338k gradients in half the time of the sort (bench/RESULTS.md
+§19). The step's rows
+stay on the device until the step ends, and reach the host in one copy, made
 by the writer thread (`RunWriter.add_source`), so the training thread never waits for the device.
 
     clock = StepClock()
@@ -99,19 +103,25 @@ class Layout:
 
 
 def sort_keys(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The sort keys of `flat`, the |g| of the tensors of `layout` in float32 (module docstring), sorted.
-    On CPU `flat` is sorted in place, tensor by tensor."""
-    if flat.device.type != "cpu":
-        keys = torch.repeat_interleave(layout.bases, layout.sizes, output_size=layout.numel)
-        return keys.add_(flat.view(torch.int32)).sort().values
-    # numpy, tensor by tensor, is ~2.5x faster here (torch 2.13: torch.sort of float32 is ~10x slower)
-    values = flat.numpy()
-    keys = np.empty(layout.numel, dtype=np.int64)
-    cuts = np.cumsum(layout.split[:-1])
-    for i, (block, out) in enumerate(zip(np.split(values, cuts), np.split(keys, cuts))):
-        block.sort()
-        np.add(block.view(np.int32), i << 31, out=out, dtype=np.int64)
-    return torch.from_numpy(keys)
+    """The sort keys of `flat`, the |g| of the tensors of `layout` in float32 (module docstring), sorted."""
+    keys = torch.repeat_interleave(layout.bases, layout.sizes, output_size=layout.numel)
+    return keys.add_(flat.view(torch.int32)).sort().values
+
+
+def partition_blocks(flat: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, list[np.ndarray]]:
+    """On CPU, where numpy's partition finds the few order statistics needed in about a third of a
+    sort's time: the float32 bits of `flat` (ordered like the values, as in the sort keys) in blocks,
+    one per tensor, each partitioned in place around its positions in `layout.index`, and the values
+    there ([P, 2 len(QS) + 1] float64, what `key_values(sort_keys(...)[layout.index])` gives)."""
+    bits, index = flat.numpy().view(np.int32), layout.index.numpy()
+    starts = (layout.ends - layout.sizes).tolist()
+    blocks, picked = [], np.empty(index.shape, dtype=np.float64)
+    for i, (start, end) in enumerate(zip(starts, layout.ends.tolist())):
+        block, at = bits[start:end], index[i] - start
+        block.partition(np.unique(at))
+        picked[i] = block[at].view(np.float32)
+        blocks.append(block)
+    return torch.from_numpy(picked), blocks
 
 
 def key_values(keys: torch.Tensor) -> torch.Tensor:
@@ -130,6 +140,13 @@ def count_above(keys: torch.Tensor, layout: Layout, thresholds: torch.Tensor) ->
     """How many |g| of each tensor exceed each of its thresholds ([P, R] float64), as [P, R] int64."""
     bounds = round_down(thresholds).view(torch.int32) + layout.bases[:, None]
     return layout.ends[:, None] - torch.searchsorted(keys, bounds, right=True)
+
+
+def count_above_blocks(blocks: list[np.ndarray], thresholds: torch.Tensor) -> torch.Tensor:
+    """`count_above` of the blocks of `partition_blocks`, one pass per threshold."""
+    bounds = round_down(thresholds).numpy().view(np.int32)
+    return torch.tensor([[np.count_nonzero(block > bound) for bound in row] for block, row in zip(blocks, bounds)],
+                        dtype=torch.int64)
 
 
 def batches(params: list[torch.Tensor], budget: int) -> Iterator[list[torch.Tensor]]:
@@ -216,8 +233,12 @@ class GradsHandle:
             self._layouts[key] = Layout.of(*key)
         layout = self._layouts[key]
         flat = torch.cat([g.detach().reshape(-1) for g in grads]).float().abs_()
-        keys = sort_keys(flat, layout)
-        picked = key_values(keys[layout.index])
+        on_cpu = flat.device.type == "cpu"
+        if on_cpu:
+            picked, blocks = partition_blocks(flat, layout)
+        else:
+            keys = sort_keys(flat, layout)
+            picked = key_values(keys[layout.index])
         k = len(QS)
         quantiles = picked[:, :k].lerp(picked[:, k:2 * k], layout.weights)
         fresh = quantiles[:, len(GRAD_QUANTILES):]
@@ -231,7 +252,8 @@ class GradsHandle:
         # unsafe: skips checking that the lengths add up to flat's size (they do), a sync on CUDA
         l2 = torch.segment_reduce(flat.double().square_(), "sum", lengths=layout.sizes, unsafe=True).sqrt_()
         return torch.cat([l2[:, None], picked[:, 2 * k:], quantiles[:, :len(GRAD_QUANTILES)],
-                          count_above(keys, layout, thresholds).double(), thresholds], dim=1)
+                          (count_above_blocks(blocks, thresholds) if on_cpu else count_above(keys, layout, thresholds))
+                          .double(), thresholds], dim=1)
 
     def drain(self, final: bool) -> Iterator[tuple[str, dict]]:
         """The rows of the steps ended since the last drain (called on the writer thread)."""

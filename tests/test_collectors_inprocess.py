@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -258,6 +259,25 @@ def test_positions_of_bags_and_sequences():
     assert sample.tolist() == [0, 0, 0, 1, 1, 1] and pos.tolist() == [0, 1, 2, 0, 1, 2]
     sample, pos = embedding.positions(torch.tensor([9, 9]), None)  # 1-D nn.Embedding input
     assert sample.tolist() == [0, 1] and pos.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("num_rows", [50, 2**40], ids=["int32 keys", "int64 keys"])
+def test_one_count_of_many_tables_equals_counting_each_id(num_rows):
+    """count_rows sorts every table's keys together: each table's (step, row, count) must still be
+    exactly its own ids counted, padding left out, shard rows made global, dtypes as the schema."""
+    g = torch.Generator().manual_seed(3)
+    tables = [embedding.Table("a", num_rows, None, 0), embedding.Table("b", 7, 2, 100),
+              embedding.Table("c", num_rows, 0, 10**12)]
+    groups = [[embedding.Call(step, "train", t, torch.randint(0, min(t.num_rows, 50), (n,), generator=g,
+                                                              dtype=dtype), None, False)
+               for step, n in [(4, 30), (4, 5), (6, 0), (9, 40)]]
+              for t, dtype in zip(tables, [torch.int64, torch.int32, torch.int64])]
+    for table, calls, (step, row, count) in zip(tables, groups, embedding.count_rows(groups)):
+        expected = Counter((c.step, int(i) + table.first_row) for c in calls for i in c.ids
+                           if int(i) != table.padding_idx)
+        assert list(zip(step.tolist(), row.tolist())) == sorted(expected)
+        assert count.tolist() == [expected[k] for k in sorted(expected)]
+        assert (step.dtype, row.dtype, count.dtype) == (np.int64, np.int64, np.int32)
 
 
 def test_tables_outside_a_model_get_a_fallback_name(tmp_path):
