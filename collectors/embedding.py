@@ -129,9 +129,9 @@ def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Te
 def count_rows(groups: list[list[Call]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """For each group of calls (one table's, in step order), (step, row, count) with unique (step, row),
     sorted. One sort per device for all the groups: of `base + (step - first step) * num_rows + row`,
-    each group's keys above the bases of those before it, int32 keys where they fit; on CPU, torch
-    sorts arrays over 32k elements by radix (8x faster per element than smaller ones; int32 2x faster
-    than int64, bench/RESULTS.md §19), so one sort of a flush beats one per table."""
+    each group's keys above the bases of those before it, int32 keys where they fit. On CPU, torch
+    sorts arrays of over 32k elements by radix (3.5x less time per element than smaller ones here,
+    int32 keys half of int64's; bench/RESULTS.md §19), so one sort of a flush beats one per table."""
     counted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [None] * len(groups)  # type: ignore[list-item]
     by_device: dict[torch.device, list[int]] = {}
     for i, calls in enumerate(groups):

@@ -32,8 +32,7 @@ non-negative float's bits order like its value), which sorts each tensor's value
 block. On CPU, where a loop over the tensors costs little, numpy partitions each tensor's |g| (as
 the same float32 bits) around the few order statistics needed instead, and counts against each
 threshold in one pass: TorchRec's DLRM's 338k gradients in half the time of the sort (bench/RESULTS.md
-§19). The step's rows
-stay on the device until the step ends, and reach the host in one copy, made
+§19). The step's rows stay on the device until the step ends, and reach the host in one copy, made
 by the writer thread (`RunWriter.add_source`), so the training thread never waits for the device.
 
     clock = StepClock()
@@ -251,9 +250,9 @@ class GradsHandle:
                 self._thresholds[param] = (step, thresholds[i])
         # unsafe: skips checking that the lengths add up to flat's size (they do), a sync on CUDA
         l2 = torch.segment_reduce(flat.double().square_(), "sum", lengths=layout.sizes, unsafe=True).sqrt_()
-        return torch.cat([l2[:, None], picked[:, 2 * k:], quantiles[:, :len(GRAD_QUANTILES)],
-                          (count_above_blocks(blocks, thresholds) if on_cpu else count_above(keys, layout, thresholds))
-                          .double(), thresholds], dim=1)
+        above = count_above_blocks(blocks, thresholds) if on_cpu else count_above(keys, layout, thresholds)
+        return torch.cat([l2[:, None], picked[:, 2 * k:], quantiles[:, :len(GRAD_QUANTILES)], above.double(),
+                          thresholds], dim=1)
 
     def drain(self, final: bool) -> Iterator[tuple[str, dict]]:
         """The rows of the steps ended since the last drain (called on the writer thread)."""
