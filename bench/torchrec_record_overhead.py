@@ -66,9 +66,9 @@ def main() -> int:
                 results[name].append(summary.get("samples_per_s", math.nan))
                 cpu[name].append(cpu_s)
                 train_ms[name].append(summary.get("train_thread_cpu_ms", math.nan))
-            manifest = open_run(run_dir).manifest
-            writer_ms.append(1000 * statistics.mean(manifest["writer_cpu_s"].values()) / (args.steps + args.warmup))
-            recorded = open_run(run_dir).scan("accesses").select("count").collect()["count"].sum()
+            run = open_run(run_dir)
+            writer_ms.append(1000 * statistics.mean(run.manifest["writer_cpu_s"].values()) / (args.steps + args.warmup))
+            recorded = run.scan("accesses").select("count").collect()["count"].sum()
             if recorded < expected:
                 sys.exit(f"the traced run holds {recorded:,} lookups, expected at least {expected:,}: not traced?")
             print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items())
@@ -77,10 +77,10 @@ def main() -> int:
     print(f"machine: {machine('cpu')}\ncpu, {RANKS} gloo ranks; TorchRec DLRM {TABLES} x 100k x 64, pooling "
           f"{args.pooling}, batch {args.batch_size} per rank, {args.steps} timed steps; {args.runs} alternating runs")
     report(results, cpu)
-    print("\nrank 0's training thread, CPU ms a timed step (medians): "
-          + ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in train_ms.items())
-          + f"; the writer threads, CPU ms a step per rank (warm-up included): median {statistics.median(writer_ms):.2f}"
-          f" ({', '.join(f'{w:.2f}' for w in writer_ms)})")
+    trains = ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in train_ms.items())
+    writers = ", ".join(f"{w:.2f}" for w in writer_ms)
+    print(f"\nrank 0's training thread, CPU ms a timed step (medians): {trains}; the writer threads, CPU ms a "
+          f"step per rank (warm-up included): median {statistics.median(writer_ms):.2f} ({writers})")
     return 0
 
 

@@ -156,10 +156,10 @@ def count_rows(groups: list[list[Call]]) -> list[tuple[np.ndarray, np.ndarray, n
         cuts = np.searchsorted(unique, bases)
         for j, i in enumerate(which):
             table, first = groups[i][0].table, groups[i][0].step
-            key = unique[cuts[j]:cuts[j + 1]] - bases[j]
-            step = key // table.num_rows  # np.divmod: 10x slower
-            counted[i] = step + first, key - step * table.num_rows + table.first_row, \
-                counts[cuts[j]:cuts[j + 1]].astype(np.int32)
+            local = unique[cuts[j]:cuts[j + 1]] - bases[j]  # (step - first) * num_rows + row
+            step = local // table.num_rows  # np.divmod: 10x slower
+            row = local - step * table.num_rows + table.first_row
+            counted[i] = step + first, row, counts[cuts[j]:cuts[j + 1]].astype(np.int32)
     return counted
 
 

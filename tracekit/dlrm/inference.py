@@ -19,9 +19,9 @@ L = 0 is bulk-synchronous (F_{p,t} = max_q F_{q,t−1} + x + c): the collectives
 thread then, as without a bound. The larger L, the more a slow iteration on one rank is hidden
 behind the others' progress. The predictions do not depend on L: each sample meets the same rows
 and the same dense weights. Traced, the exchange thread's lookups and collectives are booked to
-the step the main thread is in when they run, up to L + 1 steps before their own iteration. `--straggler PROB:DELAY_MS[:RANKS]` delays an iteration by DELAY_MS
-with probability PROB on each listed rank (every rank by default), each rank drawing on its own,
-seeded, so runs repeat.
+the step the main thread is in when they run, up to L + 1 steps before their own iteration.
+`--straggler PROB:DELAY_MS[:RANKS]` delays an iteration by DELAY_MS with probability PROB on each
+listed rank (every rank by default), each rank drawing on its own, seeded, so runs repeat.
 
     result = run(cfg, dataset, rank=rank, world_size=world, device=device, bound=2)
     result.makespan_s, result.auc
