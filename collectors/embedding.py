@@ -35,7 +35,8 @@ At each module's first call, `handle.tables` gets an entry with what the manifes
 
 Lookups that go through no `nn.Embedding`/`nn.EmbeddingBag` come in through the handle: another
 source lists a table with `add_table(entry, ...)` and keeps each call with `record_call(table, ids,
-offsets, phase)`; `name_table(module, name)` names a module's table, and `expect_bags(module, offsets)`
+offsets, phase)`, or a call of several tables with `record_tables` (split into each table's calls by
+the writer, so the training thread does no per-table work); `name_table(module, name)` names a module's table, and `expect_bags(module, offsets)`
 gives the bags of the next calls of a module whose 1-D input holds several sequences
 (collectors/torchrec_tables.py does all of it for TorchRec and FBGEMM).
 
@@ -99,6 +100,35 @@ class Call:
     ids: torch.Tensor
     offsets: torch.Tensor | None  # only on sampled steps, for the lookups' positions
     sampled: bool
+
+
+@dataclass
+class TablesCall:
+    """One call looking up several tables at once (a TBE's features), kept whole on the training thread
+    and split into one `Call` per table by the writer: feature f looks up `tables[f]` (None: not
+    recorded) with ids[cuts[f]:cuts[f + 1]] in the bags offsets[bounds[f]:bounds[f + 1] + 1] (the
+    offsets are kept on sampled steps only)."""
+
+    step: int
+    phase: str
+    tables: list[Table | None]
+    cuts: list[int]
+    ids: torch.Tensor
+    offsets: torch.Tensor | None
+    bounds: list[int]
+    sampled: bool
+
+    def split(self) -> list[Call]:
+        calls = []
+        for f, table in enumerate(self.tables):
+            start, end = self.cuts[f], self.cuts[f + 1]
+            if table is not None and end > start:
+                bags = None
+                if self.offsets is not None:
+                    bags = self.offsets[self.bounds[f]:self.bounds[f + 1] + 1]
+                    bags = bags - bags[:1]
+                calls.append(Call(self.step, self.phase, table, self.ids[start:end], bags, self.sampled))
+        return calls
 
 
 def lookup_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -233,7 +263,7 @@ class EmbeddingHandle:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # name_table()
         self._bags: weakref.WeakKeyDictionary[nn.Module, collections.deque] = weakref.WeakKeyDictionary()
         self._module_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-        self._calls: collections.deque[Call] = collections.deque()  # appended here, popped by the writer
+        self._calls: collections.deque[Call | TablesCall] = collections.deque()  # appended here, popped by the writer
         self._ids_added = 0  # written by the training thread only
         self._ids_drained = 0  # written by the writer thread only
         self._hooks = [
@@ -279,19 +309,31 @@ class EmbeddingHandle:
         """Whether the step now running writes its lookups (those need `record_call`'s offsets)."""
         return self.lookup_every > 0 and self.clock.step % self.lookup_every == 0
 
-    def record_call(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str, *,
-                    copied: bool = False) -> None:
+    def record_call(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str) -> None:
         """Keep one lookup call of `table` made now: `ids` are module rows (below `table.num_rows`),
         `offsets` (bags of a 1-D `ids`, or None) are read on sampled steps only. Copies both, so the
-        caller may reuse them, unless `copied` says `ids` is already a copy of the collector's own; for
-        collectors of other sources (collectors/torchrec_tables.py)."""
+        caller may reuse them."""
         if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
             self.writer.count_dropped("accesses", ids.numel())
             return
         step, sampled = self.clock.step, self.sampled()
         keep_offsets = offsets - offsets[:1] if sampled and offsets is not None else None  # a copy from 0
-        call = Call(step, call_phase, table, ids if copied else ids.detach().clone(), keep_offsets, sampled)
+        call = Call(step, call_phase, table, ids.detach().clone(), keep_offsets, sampled)
         self._calls.append(call)
+        self._ids_added += ids.numel()
+        if self._ids_added - self._ids_drained > self.writer.flush_rows:
+            self.writer.wake()
+
+    def record_tables(self, tables: list[Table | None], cuts: list[int], ids: torch.Tensor, offsets: torch.Tensor,
+                      bounds: list[int], call_phase: str) -> None:
+        """Keep one call looking up several tables made now (a `TablesCall`; `ids` already a copy of the
+        collector's own): the per-table work is left to the writer."""
+        if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
+            self.writer.count_dropped("accesses", ids.numel())
+            return
+        sampled = self.sampled()
+        self._calls.append(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
+                                      offsets.clone() if sampled else None, bounds, sampled))
         self._ids_added += ids.numel()
         if self._ids_added - self._ids_drained > self.writer.flush_rows:
             self.writer.wake()
@@ -332,10 +374,11 @@ class EmbeddingHandle:
     def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         """The calls of steps the clock has left (all of them if `final`, or if too many are held) as
         `accesses` and `lookups` columns."""
-        calls = self._take(final)
-        if not calls:
+        taken = self._take(final)
+        if not taken:
             return
-        self._ids_drained += sum(c.ids.numel() for c in calls)
+        self._ids_drained += sum(c.ids.numel() for c in taken)
+        calls = [call for c in taken for call in (c.split() if isinstance(c, TablesCall) else (c,))]
         if final:
             for call in calls:
                 call.phase = self.clock.phase_after_close(call.step, call.phase)
@@ -350,7 +393,7 @@ class EmbeddingHandle:
                                       sample=[f[1].astype(np.int32) for f in found],
                                       pos=[f[2].astype(np.int32) for f in found], row=[f[3] for f in found])
 
-    def _take(self, final: bool) -> list[Call]:
+    def _take(self, final: bool) -> list[Call | TablesCall]:
         everything = final or self._ids_added - self._ids_drained > self.writer.flush_rows
         current = self.clock.step
         calls = []
