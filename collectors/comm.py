@@ -46,7 +46,6 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import queue
 import sys
 import threading
 import time
@@ -186,7 +185,7 @@ class CommHandle:
             except RuntimeError:  # "Work::getFuture not implemented" (gloo's isend/irecv): completion unknown
                 call[T_END] = -1
             else:
-                _completions.after(future, functools.partial(_complete, call))
+                future.add_done_callback(functools.partial(_complete, call))
         else:
             call[T_END] = time.monotonic_ns()
         self.calls.append(call)
@@ -241,58 +240,8 @@ class _Inside(threading.local):
 _inside = _Inside()
 
 
-def _complete(call: list, error: BaseException | None) -> None:
+def _complete(call: list, future: Any) -> None:
     call[T_END] = time.monotonic_ns()
-
-
-class Completions:
-    """Runs what follows an async collective's completion on a thread of its own.
-
-    A Python callback on a Work's future (`add_done_callback`, `then`) runs on the thread that
-    completes the work: gloo's worker, which must first take the GIL from the training thread, and
-    starts none of the rank's later collectives meanwhile (up to the 5 ms switch interval each). Here
-    one daemon thread waits on the futures in call order with the GIL released (`Future.wait`) and
-    runs each follow-up itself, so no Python runs on a communication thread. A future already
-    complete when handed over (NCCL's, completed at enqueue) has its follow-up run at once, on the
-    caller's thread. A follow-up gets the work's error, or None."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._started = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def after(self, future: Any, then: Callable[[BaseException | None], None]) -> None:
-        if future.done():  # no wait(): on a CUDA future it would order the caller's stream after it
-            _run(then, None)
-            return
-        if self._thread is None:
-            with self._started:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._wait, name="tracekit-completions", daemon=True)
-                    self._thread.start()
-        self._queue.put((future, then))
-
-    def _wait(self) -> None:
-        while True:
-            future, then = self._queue.get()
-            _run(then, future)
-
-
-def _run(then: Callable[[BaseException | None], None], future: Any | None) -> None:
-    """`then(error)` once `future` (if any) is complete, never raising: a trace must not stop the thread."""
-    error = None
-    try:
-        if future is not None:
-            future.wait()
-    except Exception as e:
-        error = e
-    try:
-        then(error)
-    except Exception:
-        pass
-
-
-_completions = Completions()  # process-wide, as the wrapped functions are
 
 
 def _average_bucket_hook(process_group, bucket):
@@ -310,19 +259,7 @@ def _average_bucket_hook(process_group, bucket):
     with label(f"ddp_bucket_{bucket.index()}"):
         tensor = bucket.buffer() if after else bucket.buffer().mul_(1.0 / size)
         work = dist.all_reduce(tensor, group=group, async_op=True)
-    averaged = torch.futures.Future()
-
-    def finish(error: BaseException | None) -> None:
-        if error is not None:
-            averaged.set_exception(error)
-        else:
-            averaged.set_result(tensor.mul_(1.0 / size) if after else tensor)
-
-    future = work.get_future()
-    if future.done():  # NCCL's, completed at enqueue: the scaling must follow its stream
-        return future.then(lambda fut: fut.value()[0].mul_(1.0 / size) if after else fut.value()[0])
-    _completions.after(future, finish)
-    return averaged
+    return work.get_future().then(lambda fut: fut.value()[0].mul_(1.0 / size) if after else fut.value()[0])
 
 
 def _has_comm_hook(ddp: DistributedDataParallel) -> bool:
