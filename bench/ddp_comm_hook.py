@@ -46,9 +46,11 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})  # one core a rank, as the benches' jobs run
     torch.set_num_threads(1)
-    writer = RunWriter(tempfile.mkdtemp(), rank)
+    trace = tempfile.TemporaryDirectory()
+    writer = RunWriter(trace.name, rank)
     handle = comm.install(writer, StepClock())
     models = {name: DistributedDataParallel(mlp()) for name in ("built-in", "tracekit's hook")}
     models["built-in"]._tracekit_checked = True  # keeps DDP's own all-reduce (collectors/comm.py)
@@ -71,10 +73,12 @@ def main() -> None:
         print(f"machine: {machine('cpu')}; 2 gloo ranks, {args.steps} steps of each model, alternating")
         for name, times in ms.items():
             median = statistics.median(times)
-            print(f"{name:24s} {median:7.3f} ms a step  {median / base - 1:+.1%}  weights equal to built-in's: {same[name]}")
+            print(f"{name:16s} {median:7.3f} ms a step  {median / base - 1:+.1%}  "
+                  f"weights equal to built-in's: {same[name]}")
     dist.barrier()
     handle.uninstall()
     writer.close()
+    trace.cleanup()
     dist.destroy_process_group()
 
 

@@ -36,9 +36,10 @@ At each module's first call, `handle.tables` gets an entry with what the manifes
 Lookups that go through no `nn.Embedding`/`nn.EmbeddingBag` come in through the handle: another
 source lists a table with `add_table(entry, ...)` and keeps each call with `record_call(table, ids,
 offsets, phase)`, or a call of several tables with `record_tables` (split into each table's calls by
-the writer, so the training thread does no per-table work); `name_table(module, name)` names a module's table, and `expect_bags(module, offsets)`
-gives the bags of the next calls of a module whose 1-D input holds several sequences
-(collectors/torchrec_tables.py does all of it for TorchRec and FBGEMM).
+the writer, so the training thread does no per-table work); `name_table(module, name)` names a
+module's table, and `expect_bags(module, offsets)` gives the bags of the next calls of a module whose
+1-D input holds several sequences (collectors/torchrec_tables.py does all of it for TorchRec and
+FBGEMM).
 
 Every call carries its `phase`, `train` or `eval`, decided at the call (collectors/phase.py).
 A step's calls are written once the clock has moved past it, so each (step, phase, table, row) is
@@ -313,28 +314,33 @@ class EmbeddingHandle:
         """Keep one lookup call of `table` made now: `ids` are module rows (below `table.num_rows`),
         `offsets` (bags of a 1-D `ids`, or None) are read on sampled steps only. Copies both, so the
         caller may reuse them."""
-        if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
-            self.writer.count_dropped("accesses", ids.numel())
+        if self._held_full(ids):
             return
         step, sampled = self.clock.step, self.sampled()
         keep_offsets = offsets - offsets[:1] if sampled and offsets is not None else None  # a copy from 0
-        call = Call(step, call_phase, table, ids.detach().clone(), keep_offsets, sampled)
-        self._calls.append(call)
-        self._ids_added += ids.numel()
-        if self._ids_added - self._ids_drained > self.writer.flush_rows:
-            self.writer.wake()
+        self._keep(Call(step, call_phase, table, ids.detach().clone(), keep_offsets, sampled))
 
     def record_tables(self, tables: list[Table | None], cuts: list[int], ids: torch.Tensor, offsets: torch.Tensor,
                       bounds: list[int], call_phase: str) -> None:
         """Keep one call looking up several tables made now (a `TablesCall`; `ids` already a copy of the
         collector's own): the per-table work is left to the writer."""
-        if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
-            self.writer.count_dropped("accesses", ids.numel())
+        if self._held_full(ids):
             return
         sampled = self.sampled()
-        self._calls.append(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
-                                      offsets.clone() if sampled else None, bounds, sampled))
-        self._ids_added += ids.numel()
+        self._keep(TablesCall(self.clock.step, call_phase, tables, cuts, ids, offsets.clone() if sampled else None,
+                              bounds, sampled))
+
+    def _held_full(self, ids: torch.Tensor) -> bool:
+        """Whether keeping `ids` would hold more than MAX_PENDING_IDS for the writer: they are then
+        counted as dropped `accesses`."""
+        if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
+            self.writer.count_dropped("accesses", ids.numel())
+            return True
+        return False
+
+    def _keep(self, call: Call | TablesCall) -> None:
+        self._calls.append(call)
+        self._ids_added += call.ids.numel()
         if self._ids_added - self._ids_drained > self.writer.flush_rows:
             self.writer.wake()
 
