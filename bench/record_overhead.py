@@ -83,11 +83,11 @@ def report(results: dict[str, list[float]], cpu: dict[str, list[float]]) -> None
     each run used (every process of it: start-up, the ranks' threads, and for a traced run its writer
     threads and `record`'s own summary), then each other variant against the untraced runs run by
     run; a failed run (nan) is left out of the medians and of its pairs."""
-    base, base_cpu = _median(results["untraced"]), _median(cpu["untraced"])
+    base, base_cpu = finite_median(results["untraced"]), finite_median(cpu["untraced"])
     print("| variant | median samples/s | runs | vs untraced | median CPU s a run (all processes) | CPU vs untraced |\n"
           "|---|---:|---|---:|---:|---:|")
     for name, values in results.items():
-        med, med_cpu = _median(values), _median(cpu[name])
+        med, med_cpu = finite_median(values), finite_median(cpu[name])
         print(f"| {name} | {med:,.0f} | {', '.join(f'{v:,.0f}' for v in values)} | {med / base - 1:+.1%} "
               f"| {med_cpu:.1f} | {med_cpu / base_cpu - 1:+.1%} |")
     failed = {name: sum(math.isnan(v) for v in values) for name, values in results.items()}
@@ -97,10 +97,10 @@ def report(results: dict[str, list[float]], cpu: dict[str, list[float]]) -> None
         if name != "untraced":
             pairs = [t / u - 1 for u, t in zip(results["untraced"], values)]
             print(f"\n{name} vs untraced, run by run: {', '.join(f'{p:+.1%}' for p in pairs)}; "
-                  f"median of the pairs {_median(pairs):+.1%}")
+                  f"median of the pairs {finite_median(pairs):+.1%}")
 
 
-def _median(values: list[float]) -> float:
+def finite_median(values: list[float]) -> float:
     """The median of the values that are numbers (a failed run is nan), or nan if none is."""
     kept = [v for v in values if not math.isnan(v)]
     return statistics.median(kept) if kept else math.nan

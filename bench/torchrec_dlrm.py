@@ -29,6 +29,7 @@ With ``--json``, rank 0 prints one JSON line on stdout; logs go to stderr.
 """
 
 import argparse
+import gc
 import os
 import json
 import sys
@@ -207,9 +208,11 @@ def main(argv: list[str] | None = None) -> None:
 
         if rank == 0:
             report(args, world_size, elapsed, train_cpu)
+        del dmp, optimizer
     finally:
-        # A barrier before destroying the group avoids the intermittent SIGABRT at exit
-        # after DDP (env.md section 2, pitfall 1).
+        # DDP's reducer gone, and a barrier, before destroying the group: else it aborts at exit now
+        # and then (env.md section 2, pitfall 1; the barrier alone still let 2 of 52 runs abort here)
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

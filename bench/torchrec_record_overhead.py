@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.record_overhead import machine, report, run_job  # noqa: E402
+from bench.record_overhead import finite_median, machine, report, run_job  # noqa: E402
 from tracekit.run import open_run  # noqa: E402
 
 PYTHON = ROOT / "bench" / ".venv-torchrec" / "bin" / "python"
@@ -92,8 +92,8 @@ def main() -> int:
     print(f"machine: {machine('cpu')}\ncpu, {RANKS} gloo ranks; TorchRec DLRM {TABLES} x 100k x 64, pooling "
           f"{args.pooling}, batch {args.batch_size} per rank, {args.steps} timed steps; {args.runs} alternating runs")
     report(results, cpu)
-    trains = ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in train_ms.items() if v)
-    writers = "; ".join(f"{name} median {statistics.median(v):.2f} ({', '.join(f'{w:.2f}' for w in v)})"
+    trains = ", ".join(f"{name} {finite_median(v):.2f}" for name, v in train_ms.items())
+    writers = "; ".join(f"{name} median {finite_median(v):.2f} ({', '.join(f'{w:.2f}' for w in v)})"
                         for name, v in writer_ms.items() if v)
     print(f"\nrank 0's training thread, CPU ms a timed step (medians): {trains}; the writer threads, CPU ms a "
           f"step per rank (warm-up included): {writers}")

@@ -108,7 +108,7 @@ class TablesCall:
     """One call looking up several tables at once (a TBE's features), kept whole on the training thread
     and split into one `Call` per table by the writer: feature f looks up `tables[f]` (None: not
     recorded) with ids[cuts[f]:cuts[f + 1]] in the bags offsets[bounds[f]:bounds[f + 1] + 1] (the
-    offsets are kept on sampled steps only)."""
+    offsets are kept on sampled steps only, so a call with offsets is a sampled one)."""
 
     step: int
     phase: str
@@ -117,7 +117,6 @@ class TablesCall:
     ids: torch.Tensor
     offsets: torch.Tensor | None
     bounds: list[int]
-    sampled: bool
 
     def split(self) -> list[Call]:
         calls = []
@@ -128,7 +127,7 @@ class TablesCall:
                 if self.offsets is not None:
                     bags = self.offsets[self.bounds[f]:self.bounds[f + 1] + 1]
                     bags = bags - bags[:1]
-                calls.append(Call(self.step, self.phase, table, self.ids[start:end], bags, self.sampled))
+                calls.append(Call(self.step, self.phase, table, self.ids[start:end], bags, bags is not None))
         return calls
 
 
@@ -326,9 +325,8 @@ class EmbeddingHandle:
         collector's own): the per-table work is left to the writer."""
         if self._held_full(ids):
             return
-        sampled = self.sampled()
-        self._keep(TablesCall(self.clock.step, call_phase, tables, cuts, ids, offsets.clone() if sampled else None,
-                              bounds, sampled))
+        self._keep(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
+                              offsets.clone() if self.sampled() else None, bounds))
 
     def _held_full(self, ids: torch.Tensor) -> bool:
         """Whether keeping `ids` would hold more than MAX_PENDING_IDS for the writer: they are then

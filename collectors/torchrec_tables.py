@@ -320,7 +320,7 @@ class TorchRecHandle:
         if bounds is None:
             self.tables.writer.count_dropped("accesses", indices.numel())
             return
-        # where each feature's ids start: T + 1 numbers (on CUDA, a sync; on CPU numpy's indexing is 4x torch's)
+        # where each feature's ids start: T + 1 numbers (on CUDA, a sync; on CPU numpy indexes in 1.9 µs, torch 5.7)
         cuts = (offsets.numpy() if offsets.device.type == "cpu" else offsets)[bounds].tolist()
         self.tables.record_tables(features, cuts, indices.detach().clone(), offsets, bounds, phase.of_call(tbe))
 

@@ -24,7 +24,7 @@ EVERY_STEP = ("--grad-every", "1", "--lookup-every", "1")
 # Plain DDP with no comm hook of its own, so `record` installs one (collectors/comm.py), around an
 # EmbeddingBag and an MLP; saves each rank's losses and final weights to argv[1]/rank<R>.pt.
 DDP_SCRIPT = """
-import sys, torch, torch.distributed as dist
+import gc, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 class Model(torch.nn.Module):
@@ -52,6 +52,8 @@ for step in range(12):
     opt.zero_grad()
     losses.append(loss.detach())
 torch.save({"losses": torch.stack(losses), "weights": model.module.state_dict()}, f"{sys.argv[1]}/rank{rank}.pt")
+del model, opt  # DDP's reducer gone, and every rank done, before the group is: else gloo aborts at exit now
+gc.collect()    # and then, barrier or not (research/env.md, pitfall 1; 1 of 4 ranks here, 2026-11-27)
 dist.barrier()
 dist.destroy_process_group()
 """
