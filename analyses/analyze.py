@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from analyses.context import Context, Options, PolicyResult, Result, open_context
-from tracekit.policy import new_policy, section_part, write_policy
+from analyses.decision import decide
+from analyses.network import network
+from tracekit.policy import new_policy, write_policy
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     # name: (module, trace tables it needs)
@@ -26,9 +28,10 @@ ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     "traffic": ("analyses.traffic", ("comms",)),
     "timeline": ("analyses.timeline", ("steps",)),
     "cache": ("analyses.cache", ("accesses",)),
-    "costmodel": ("analyses.costmodel", ("lookups", "comms")),
     "planner": ("analyses.planner", ("accesses",)),  # after cache: reads its curves
 }
+COSTMODEL = ("analyses.costmodel", ("lookups", "comms"))
+"""After the policies: its checks read what they derived."""
 POLICIES: dict[str, str] = {
     "replication": "analyses.policies.replication",
     "tiers": "analyses.policies.tiers",
@@ -38,39 +41,20 @@ POLICIES: dict[str, str] = {
 }
 
 
-def bandwidth(ctx: Context) -> dict[str, Any]:
-    """Bytes/s of the all-to-all, the all-reduce and the links within and between nodes, resolved
-    once for every policy (analyses.costmodel.bandwidths: the options, else measured in the run),
-    with where they came from."""
-    from analyses.costmodel import bandwidths
-
-    figures, source = bandwidths(ctx)
-    return {**figures, "source": source}
-
-
-def _on_cluster(ctx: Context) -> dict | None:
-    """The manifest's topology where the run was recorded across nodes (`tracekit cluster`)."""
-    topology = ctx.manifest.get("topology") or {}
-    return topology if int(topology.get("nodes", 1)) > 1 and topology.get("link_bytes_per_s") else None
-
-
-def _cluster_step_times(ctx: Context, policy: dict, path: Path) -> None:
-    """On a run recorded across nodes, each section's predicted step time from analyses.simulate's
-    link model at the recorded topology and link (the exchange per rank pair, each direction of each
-    node's link): the cost model's per-rank bandwidth cannot see that a table-wise exchange is
-    lopsided, one way forward and the other backward."""
-    from analyses.simulate import COMPRESSED, SIMULATED, Target, simulate
-
-    topology = _on_cluster(ctx)
-    target = Target(int(topology["nodes"]), int(topology["ranks_per_node"]), float(topology["link_bytes_per_s"]))
-    rows = {r["policy"]: r for r in simulate(ctx, target, policy, path).tables["simulate"].iter_rows(named=True)}
-    for name in (*SIMULATED, *COMPRESSED):
-        body = section_part(policy, name)
-        if body is not None and rows.get(name, {}).get("step_time_s") is not None:
-            body["predicted"]["step_time_s"] = rows[name]["step_time_s"]
-            body["predicted"]["comm_time_s"] = rows[name]["comm_s"]
-            body["why"] += (f"; step time from the link model of the recorded cluster ({target.name} at "
-                            f"{topology.get('link')}, analyses.simulate)")
+def _analysis(ctx: Context, report: dict, name: str, module: str, needs: tuple[str, ...],
+              progress: Callable[[str], None], **kwargs: Any) -> None:
+    """Run one analysis into `report` and write its tables; a note where the run lacks its tables."""
+    progress(name)
+    missing = [t for t in needs if not ctx.has(t)]
+    if missing:
+        report["notes"].append(f"{name}: not computed, the run has no {' or '.join(missing)} table")
+        return
+    result: Result = importlib.import_module(module).compute(ctx, **kwargs)
+    if result.summary:  # an analysis with nothing to compute says why in its notes
+        report["analyses"][name] = result.summary
+    report["notes"].extend(f"{name}: {note}" for note in result.notes)
+    for table, frame in result.tables.items():
+        report["written"].append(str(ctx.write(table, frame)))
 
 
 def planner(path: str | os.PathLike) -> dict[str, Any]:
@@ -98,20 +82,9 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         report["warnings"].append(f"the run is {ctx.manifest.get('status')} (exit code "
                                   f"{ctx.manifest.get('exit_code')}): figures cover what was recorded")
     for name, (module, needs) in ANALYSES.items():
-        progress(name)
-        missing = [t for t in needs if not ctx.has(t)]
-        if missing:
-            report["notes"].append(f"{name}: not computed, the run has no {' or '.join(missing)} table")
-            continue
-        result: Result = importlib.import_module(module).compute(ctx)
-        if result.summary:  # an analysis with nothing to compute says why in its notes
-            report["analyses"][name] = result.summary
-        report["notes"].extend(f"{name}: {note}" for note in result.notes)
-        for table, frame in result.tables.items():
-            report["written"].append(str(ctx.write(table, frame)))
-
-    bw = bandwidth(ctx)
-    report["bandwidth"] = bw
+        _analysis(ctx, report, name, module, needs, progress)
+    net = network(ctx)
+    report["network"] = net.summary()
     baseline = {}
     if ctx.has("comms"):
         from analyses import traffic
@@ -119,11 +92,13 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         baseline = {k: v for k, v in traffic.baseline(ctx).items() if v is not None}
     policy = new_policy(source_run=str(ctx.path), model=ctx.model.policy_model(), baseline=baseline)
     rows: dict[str, Any] = {}
+    results: dict[str, PolicyResult] = {}
     for name, module in POLICIES.items():
         if name not in ctx.options.policies:
             continue
         progress(f"policy: {name}")
-        derived: PolicyResult = importlib.import_module(module).derive(ctx, bw)
+        derived: PolicyResult = importlib.import_module(module).derive(ctx)
+        results[name] = derived
         for table, frame in derived.tables.items():
             report["written"].append(str(ctx.write(table, frame)))
         if derived.section is None:
@@ -131,13 +106,15 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             continue
         policy[name] = derived.section
         rows.update(derived.rows)
-        report["policies"][name] = {**derived.section, "evidence": derived.evidence}
+    decide(policy, net)
+    for name, derived in results.items():
+        if derived.section is not None:
+            report["policies"][name] = {**policy[name], "evidence": derived.evidence}
+    if "combined" in policy:
+        report["combined"] = policy["combined"]
+    _analysis(ctx, report, "costmodel", *COSTMODEL, progress, policies=results)
     if ctx.model.tables:
         target = write_policy(Path(ctx.path) / "policy.json", policy, rows)
-        if _on_cluster(ctx):
-            progress("simulate")
-            _cluster_step_times(ctx, policy, target)
-            write_policy(target, policy)  # the row lists are written already
         report["written"].append(str(target))
         report["written"].extend(str(Path(ctx.path) / "policy" / f"{name}.parquet") for name in rows)
     else:

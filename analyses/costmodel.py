@@ -69,13 +69,14 @@ from typing import Any, Callable
 import numpy as np
 import polars as pl
 
-from analyses import sources
+from analyses import network, sources
 from analyses.context import Context, Result
 
 COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
 TRAINER_TAGS = {"input_lengths": "ShardedEmbeddings._input_dist", "input_ids": "ShardedEmbeddings._input_dist",
                 "output_fwd": "_AllToAll.forward", "output_bwd": "_AllToAll.backward"}
 A2A = "all_to_all_single"
+WIRE_ERROR = 0.1  # the share of a change in wire time the α–β fit may be off by
 COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int64
 ALL_REDUCE = "all_reduce"
 
@@ -90,8 +91,10 @@ class Setup:
     sampled_steps: int  # training steps with lookups
     samples: int  # samples over those steps, all ranks
     batch: float  # mean per-device batch b
+    lookups_per_rank: float  # ids of sharded tables a rank's samples look up per step
     base: dict[str, tuple[float, float]]  # collective -> (bytes_out, remote) per step, replayed
-    step_time_s: float | None  # measured, median over steps of the slowest rank
+    busiest: dict[str, float]  # collective -> wire bytes per step on its busiest link (analyses.network)
+    step_time_s: float | None  # measured: analyses.network's baseline rule
     attribution: sources.Attribution
     notes: list[str] = field(default_factory=list)
 
@@ -137,8 +140,9 @@ def setup(ctx: Context) -> Setup:
     _rows(ctx, max(steps, 1), len_bytes, id_bytes)
     base = _baseline(ctx, max(steps, 1))
     batch = samples / (steps * world) if steps else 0.0
-    result = Setup(world, len_bytes, id_bytes, steps, samples, batch, base, _step_time(ctx), attribution,
-                   list(attribution.notes))
+    lookups = ctx.sql("SELECT count(*) FROM tk_x").fetchall()[0][0] / max(steps * world, 1)
+    result = Setup(world, len_bytes, id_bytes, steps, samples, batch, lookups, base, _busiest(ctx, max(steps, 1)),
+                   network.step_time(ctx).median_s, attribution, list(attribution.notes))
     _setups[ctx] = result
     return result
 
@@ -268,90 +272,88 @@ def _baseline(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
     return {c: found.get(c, (0.0, 0.0)) for c in COLLECTIVES}
 
 
-def _step_time(ctx: Context) -> float | None:
-    """Median over training steps of the slowest rank's step time, seconds."""
-    if not ctx.has("steps"):
-        return None
-    rows = ctx.sql("""SELECT median(d) FROM (SELECT step, max(t_end_ns - t_start_ns) / 1e9 AS d
-                      FROM steps GROUP BY step)""").fetchall()
-    return float(rows[0][0]) if rows and rows[0][0] is not None else None
+def _busiest(ctx: Context, steps: int) -> dict[str, float]:
+    """Per collective, the replayed remote bytes on its busiest link per step: over ranks, the
+    larger of what a rank sends and receives (analyses.network's wire size of an all-to-all)."""
+    rows = ctx.sql(f"""
+        WITH r AS (SELECT step, collective, sender AS rank, sum(bytes) AS b FROM tk_pairs
+                   WHERE sender <> receiver GROUP BY ALL
+                   UNION ALL SELECT step, collective, receiver, sum(bytes) FROM tk_pairs
+                   WHERE sender <> receiver GROUP BY ALL)
+        SELECT collective, sum(m)::DOUBLE / {steps} FROM (SELECT step, collective, max(b) AS m FROM r GROUP BY ALL)
+        GROUP BY collective""").fetchall()
+    found = dict(rows)
+    return {c: float(found.get(c, 0.0)) for c in COLLECTIVES}
 
 
-# bandwidths and time ---------------------------------------------------------------------------
+# time ------------------------------------------------------------------------------------------
 
-def once_per_bandwidth(cache: "weakref.WeakKeyDictionary[Context, dict]", ctx: Context, bandwidth: dict | None,
-                       derive: Callable[[Context, dict | None], Any]) -> Any:
-    """derive(ctx, bandwidth), computed once per context and resolved bandwidths (kept in `cache`):
-    the policies build on each other and `analyze` asks for each once more."""
-    key = repr(sorted(bandwidths(ctx, bandwidth)[0].items()))
-    per_context = cache.setdefault(ctx, {})
-    if key not in per_context:
-        per_context[key] = derive(ctx, bandwidth)
-    return per_context[key]
+def once(cache: "weakref.WeakKeyDictionary[Context, Any]", ctx: Context, derive: Callable[[Context], Any]) -> Any:
+    """derive(ctx), computed once per context (kept in `cache`): the policies build on each other
+    and `analyze` asks for each once more."""
+    if ctx not in cache:
+        cache[ctx] = derive(ctx)
+    return cache[ctx]
 
 
-def bandwidths(ctx: Context, given: dict | None = None) -> tuple[dict[str, float], str]:
-    """{"all_to_all_single", "all_reduce", "intra", "inter"} in bytes/s (bus bandwidths: the time of
-    S bytes per rank is S·factor/busbw, i.e. remote bytes per rank / busbw) and where they came from:
-    the numbers in `given` (as analyze passes them), else --intra-bw/--inter-bw, else
-    analyses.traffic.measured_bandwidth, else bytes over call time in `comms`; an op without a
-    figure takes the other's."""
-    found: dict[str, float] = {k: float(v) for k, v in (given or {}).items()
-                               if k in (A2A, ALL_REDUCE, "intra", "inter") and isinstance(v, (int, float)) and v > 0}
-    source = str((given or {}).get("source") or "given") if found else ""
-    options = ctx.options
-    if not found and (options.intra_bw or options.inter_bw):
-        rate = float(options.inter_bw or options.intra_bw)
-        found = {A2A: rate, ALL_REDUCE: rate}
-        found.update({k: float(v) for k, v in (("intra", options.intra_bw), ("inter", options.inter_bw)) if v})
-        source = "--intra-bw/--inter-bw"
-    if not found and ctx.has("comms"):
-        from analyses.traffic import measured_bandwidth
+@dataclass
+class Timing:
+    """A policy's predicted step (arrays over a curve's K, or floats): seconds."""
 
-        found = {k: float(v) for k, v in measured_bandwidth(ctx).items() if v}
-        source = "traffic.measured_bandwidth (bus bandwidth of the run's largest calls)"
-    if not found and ctx.has("comms"):
-        rows = ctx.sql("""SELECT op, sum(bytes_out)::DOUBLE / nullif(sum(t_end_ns - t_start_ns), 0) * 1e9
-                          FROM train_comms WHERE t_end_ns >= t_start_ns AND op IN ('all_to_all_single', 'all_reduce')
-                          GROUP BY op""").fetchall()
-        found = {op: bw for op, bw in rows if bw}
-        source = "comms (bytes over call time, waits included)"
-    a2a = found.get(A2A) or found.get(ALL_REDUCE) or found.get("intra")
-    if not a2a:
-        a2a, source = 1e9, "none measured: 1 GB/s assumed"
-    bw = {A2A: a2a, ALL_REDUCE: found.get(ALL_REDUCE) or a2a}
-    bw["intra"] = found.get("intra") or options.intra_bw or a2a
-    bw["inter"] = found.get("inter") or options.inter_bw or bw["intra"]
-    return {k: float(v) for k, v in bw.items()}, source
+    comm_s: Any
+    work_s: Any
+    step_s: Any  # None without a measured step time
+    error_s: Any
 
 
-_latencies: weakref.WeakKeyDictionary[Context, float] = weakref.WeakKeyDictionary()
+def sync_choice(ctx: Context, s: Setup, remote: dict[str, Any], dense: Any, sparse: Any, hot_ids: Any,
+                union_rows: Any, rows: Any) -> Any:
+    """The one rule for a replica sync: sparse (True) or dense, whichever predicts less time
+    (collectives, bytes and calibrated rank work: `timing`), or fewer bytes under `--objective
+    bytes`. Arrays broadcast."""
+    if ctx.options.objective == "bytes":
+        return np.asarray(sparse) <= np.asarray(dense)
+    t_sparse = timing(ctx, s, remote, True, sparse, hot_ids, union_rows)
+    t_dense = timing(ctx, s, remote, False, dense, hot_ids, rows)
+    return t_sparse.comm_s + t_sparse.work_s <= t_dense.comm_s + t_dense.work_s
 
 
-def latency(ctx: Context) -> float:
-    """Seconds one added synchronous collective costs beyond its bytes (analyses.traffic.latency;
-    0 where the run timed none)."""
-    if ctx not in _latencies:
-        from analyses.traffic import latency as measured
-
-        _latencies[ctx] = measured(ctx) or 0.0
-    return _latencies[ctx]
-
-
-def comm_time(remote_a2a: float, sync: float, world: int, bw: dict[str, float]) -> float:
-    """Seconds per step: per-rank remote all-to-all bytes and sync bytes over their bandwidths."""
-    w = max(world, 1)
-    return remote_a2a / w / bw[A2A] + sync / w / bw[ALL_REDUCE]
-
-
-def predicted_step_time(s: Setup, remote_a2a: float, sync: float, bw: dict[str, float],
-                        added_latency_s: float = 0.0) -> float | None:
-    """The measured step time plus the change in communication time against the baseline, and the
-    latency of the collectives a policy adds per step."""
-    if s.step_time_s is None:
-        return None
-    return max(0.0, s.step_time_s + comm_time(remote_a2a, sync, s.world, bw) - comm_time(s.base_remote, 0, s.world, bw)
-               + added_latency_s)
+def timing(ctx: Context, s: Setup, remote: dict[str, Any], sparse: Any, sync_bytes: Any, hot_ids: Any,
+           rows: Any, skipped_calls: Any = 0.0) -> Timing:
+    """The predicted step of a policy that leaves `remote[c]` remote bytes per step on each
+    collective c of the exchange (its busiest link scaled alike), syncs `sync_bytes` per step
+    (sparse where `sparse`), serves `hot_ids` lookups per rank and step from replicas and syncs
+    `rows` replica rows per step; `skipped_calls`: exchange calls per step it no longer makes.
+    step = measured step − the baseline exchange's time + the policy's (exchange, sync, rank work);
+    error: analyses.network's (each changed call's residual, a tenth of the wire time changed, the
+    calibration's residual, the baseline's drift)."""
+    net = network.network(ctx)
+    beta, alpha = net.fit.beta_s_per_byte, net.alpha(network.A2A)
+    base_wire = sum(s.busiest[c] for c in COLLECTIVES)
+    wire = sum(s.busiest[c] * np.asarray(remote[c], dtype=np.float64) / s.base[c][1] if s.base[c][1] else 0.0
+               for c in COLLECTIVES)
+    exchange = (len(COLLECTIVES) - np.asarray(skipped_calls, dtype=np.float64)) * alpha + beta * wire
+    sync_bytes = np.asarray(sync_bytes, dtype=np.float64)
+    sparse = np.asarray(sparse, dtype=bool)
+    syncing = sync_bytes > 0
+    calls = np.where(syncing, np.where(sparse, len(network.SPARSE_SYNC_OPS), 1), 0)
+    sync_alpha = np.where(sparse, sum(net.alpha(op) for op in network.SPARSE_SYNC_OPS), net.alpha(network.ALL_REDUCE))
+    sync = np.where(syncing, sync_alpha + beta * sync_bytes / max(s.world, 1), 0.0)
+    ids = s.lookups_per_rank
+    work_sparse = net.work("replication.sparse_allreduce", ids=ids, hot=hot_ids, rows=rows)
+    work_dense = net.work("replication.dense_allreduce", ids=ids, hot=hot_ids, rows=rows)
+    work = (np.zeros_like(sync) if work_sparse is None or work_dense is None
+            else np.where(syncing, np.where(sparse, work_sparse, work_dense), 0.0))
+    comm = exchange + sync
+    base_comm = len(COLLECTIVES) * alpha + beta * base_wire
+    step = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s - base_comm + comm + work)
+    changed = calls + np.asarray(skipped_calls, dtype=np.float64)
+    wire_change = np.abs(beta * (wire - base_wire)) + beta * sync_bytes / max(s.world, 1)
+    work_residual = np.where(sparse, net.work_residual("replication.sparse_allreduce"),
+                             net.work_residual("replication.dense_allreduce")) * syncing
+    error = (np.sqrt(changed * net.fit.residual_s ** 2 + (wire_change * WIRE_ERROR) ** 2 + work_residual ** 2)
+             + net.step.spread_s)
+    return Timing(comm, work, step, error)
 
 
 # the formulas ----------------------------------------------------------------------------------
@@ -405,6 +407,32 @@ def hot_curve(ctx: Context, order: str, n: int) -> dict[str, np.ndarray]:
     return out
 
 
+def step_interval(ctx: Context, s: Setup, order: str, k: int, z: float = 2.0) -> dict[str, list[float]]:
+    """[low, high] of the all-to-all bytes per step left at K = k (the first k rows of `order`),
+    when they come from n sampled steps of N: per sampled step the bytes left, mean ± z·sd/√n·
+    √(1 − n/N). Empty where every training step was sampled (the replay is then exact)."""
+    total = ctx.train_steps()
+    n = s.sampled_steps
+    if n < 2 or n >= total:
+        return {}
+    frame = ctx.frame(f"""
+        WITH freed AS (SELECT step, sum(len_out + ids_out + 2 * row_out)::DOUBLE AS f_out,
+                              sum(len_rem + ids_rem + 2 * row_rem)::DOUBLE AS f_rem
+                       FROM ({items_sql(ctx, order)}) WHERE maxpos < {k} GROUP BY step),
+             base AS (SELECT step, sum(bytes)::DOUBLE AS b_out,
+                             coalesce(sum(bytes) FILTER (WHERE sender <> receiver), 0)::DOUBLE AS b_rem
+                      FROM tk_pairs GROUP BY step)
+        SELECT b_out - coalesce(f_out, 0) AS a2a_bytes_per_step, b_rem - coalesce(f_rem, 0) AS a2a_remote_bytes_per_step
+        FROM base LEFT JOIN freed USING (step)""")
+    finite = (1 - n / total) ** 0.5
+    out = {}
+    for name in frame.columns:
+        values = frame[name].to_numpy()
+        half = z * float(values.std(ddof=1)) / len(values) ** 0.5 * finite
+        out[name] = [float(values.mean() - half), float(values.mean() + half)]
+    return out
+
+
 def curve_totals(s: Setup, saved: dict[str, np.ndarray], k: int | np.ndarray) -> tuple:
     """(a2a bytes_out, a2a remote) per step after freeing saved[...][k]."""
     out = s.base_out - sum(saved[f"{c}_out"][k] for c in COLLECTIVES)
@@ -414,9 +442,10 @@ def curve_totals(s: Setup, saved: dict[str, np.ndarray], k: int | np.ndarray) ->
 
 # compute ---------------------------------------------------------------------------------------
 
-def compute(ctx: Context, bandwidth: dict[str, float] | None = None) -> Result:
+def compute(ctx: Context, policies: dict[str, Any] | None = None) -> Result:
     """Tables `costmodel` (bytes and time per step per policy and collective, expected and replayed)
-    and `costmodel_check` (formula vs replay, replay vs comms), and the summary."""
+    and `costmodel_check` (formula vs replay, replay vs comms), and the summary. `policies`: the
+    embedding policies analyze derived (name -> PolicyResult), read rather than derived here."""
     result = Result()
     if not ctx.has("lookups"):
         result.notes.append("no lookups in this run: the cost model needs the sampled per-sample lookups "
@@ -427,13 +456,13 @@ def compute(ctx: Context, bandwidth: dict[str, float] | None = None) -> Result:
                             "data_parallel plan): no embedding exchange to model")
         return result
     s = setup(ctx)
-    bw, bw_source = bandwidths(ctx, bandwidth)
+    net = network.network(ctx)
     result.notes.extend(s.notes)
-    policy_rows, policy_checks = _policy_rows(ctx, s, bw)
+    policy_rows, policy_checks = _policy_rows(ctx, s, policies or {})
     extra = _diffs(pl.DataFrame(policy_checks, schema={"check": pl.String, "subject": pl.String,
                                                        "predicted": pl.Float64, "measured": pl.Float64}))
     check = pl.concat([_comms_check(ctx), _distinct_check(ctx, s), extra], how="vertical_relaxed")
-    rows = _baseline_rows(s, bw) + _dedup_rows(ctx, s, bw) + policy_rows
+    rows = _baseline_rows(s, net) + _dedup_rows(ctx, s, net) + policy_rows
     table = pl.DataFrame(rows, schema={"policy": pl.String, "collective": pl.String, "method": pl.String,
                                        "bytes_per_step": pl.Float64, "remote_bytes_per_step": pl.Float64,
                                        "time_s": pl.Float64})
@@ -442,8 +471,8 @@ def compute(ctx: Context, bandwidth: dict[str, float] | None = None) -> Result:
     result.summary = {
         "sampled_steps": s.sampled_steps, "world_size": s.world, "batch_per_device": s.batch,
         "baseline_a2a_bytes_per_step": s.base_out, "baseline_a2a_remote_bytes_per_step": s.base_remote,
-        "baseline_comm_time_s": comm_time(s.base_remote, 0, s.world, bw), "step_time_s": s.step_time_s,
-        "bandwidth": bw, "bandwidth_source": bw_source,
+        "baseline_comm_time_s": float(sum(r["time_s"] for r in _baseline_rows(s, net))),
+        "step_time_s": s.step_time_s, "network": net.summary(),
         "baseline_matches_comms": bool(len(bytes_check) and (bytes_check["diff"] == 0).all()),
         "distinct_rows_max_rel_diff": _max_rel(check, "distinct_rows"),
         "source_attribution_exact": s.attribution.exact,
@@ -456,11 +485,17 @@ def _max_rel(check: pl.DataFrame, name: str) -> float | None:
     return float(part.abs().max()) if len(part) else None
 
 
-def _baseline_rows(s: Setup, bw: dict[str, float]) -> list[dict]:
-    return [_row("baseline", c, "replay", out, rem, comm_time(rem, 0, s.world, bw)) for c, (out, rem) in s.base.items()]
+def _seconds(net: network.Network, remote: float, world: int) -> float:
+    """One all-to-all call moving `remote` bytes per step, spread evenly over the ranks."""
+    return net.call(network.A2A, remote / max(world, 1))
 
 
-def _dedup_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> list[dict]:
+def _baseline_rows(s: Setup, net: network.Network) -> list[dict]:
+    return [_row("baseline", c, "replay", out, rem, net.call(network.A2A, s.busiest[c]))
+            for c, (out, rem) in s.base.items()]
+
+
+def _dedup_rows(ctx: Context, s: Setup, net: network.Network) -> list[dict]:
     """SCARS row fetch (model B): each device fetches each distinct remote row once per step."""
     measured = ctx.sql("""SELECT count(*)::DOUBLE FROM (SELECT DISTINCT step, src, tid, "row" FROM tk_x
                           WHERE owner <> src)""").fetchall()[0][0] / max(s.sampled_steps, 1)
@@ -470,7 +505,7 @@ def _dedup_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> list[dict]:
         for collective, size in (("input_ids", s.id_bytes), ("output_fwd", None), ("output_bwd", None)):
             b = per_step * (size if size else _mean_rb(ctx))
             rows.append({"policy": "dedup_fetch", "collective": collective, "method": method,
-                         "bytes_per_step": b, "remote_bytes_per_step": b, "time_s": comm_time(b, 0, s.world, bw)})
+                         "bytes_per_step": b, "remote_bytes_per_step": b, "time_s": _seconds(net, b, s.world)})
     return rows
 
 
@@ -479,15 +514,14 @@ def _mean_rb(ctx: Context) -> float:
     return float(rows[0][0] or 0)
 
 
-def _policy_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> tuple[list[dict], list[dict]]:
-    """Each derivable embedding policy's replayed all-to-all and sync bytes per step, and for
+def _policy_rows(ctx: Context, s: Setup, policies: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """Each derived embedding policy's replayed all-to-all and sync bytes per step, and for
     replication the SCARS expectation beside it; and the checks (expected vs replayed)."""
-    from analyses.policies import replication, schedule, tiers
-
+    net = network.network(ctx)
     rows, checks = [], []
-    for module in (replication, tiers, schedule):
-        derived = module.derive(ctx, bw)
-        if derived.section is None:
+    for name in ("replication", "tiers", "schedule"):
+        derived = policies.get(name)
+        if derived is None or derived.section is None:
             continue
         p = derived.section["predicted"]
         a2a = p["a2a_bytes_per_step"]
@@ -496,16 +530,16 @@ def _policy_rows(ctx: Context, s: Setup, bw: dict[str, float]) -> tuple[list[dic
                                                                                "remote_bytes_per_step": remote}}
         for collective, b in per_collective.items():
             rows.append(_row(derived.name, collective, "replay", b["bytes_per_step"], b["remote_bytes_per_step"],
-                             comm_time(b["remote_bytes_per_step"], 0, s.world, bw)))
-        rows.append(_row(derived.name, "sync", "replay", p["sync_bytes_per_step"], p["sync_bytes_per_step"],
-                         comm_time(0, p["sync_bytes_per_step"], s.world, bw)))
+                             _seconds(net, b["remote_bytes_per_step"], s.world)))
+        sync = p["sync_bytes_per_step"]
+        kind = derived.section.get("sync") or derived.section.get("tier1_sync") or "sparse_allreduce"
+        rows.append(_row(derived.name, "sync", "replay", sync, sync, net.sync(kind, sync)))
         if derived.name == "replication":
             expected = _replication_expected(ctx, s, int(p["hot_rows"]))
-            sync = derived.section["sync"]
-            sync_e = expected["sparse"] if sync == "sparse_allreduce" else p["sync_bytes_per_step"]
+            sync_e = expected["sparse"] if kind == "sparse_allreduce" else sync
             rows.append(_row("replication", "all_to_all", "expected", None, expected["a2a_remote"],
-                             comm_time(expected["a2a_remote"], 0, s.world, bw)))
-            rows.append(_row("replication", "sync", "expected", sync_e, sync_e, comm_time(0, sync_e, s.world, bw)))
+                             _seconds(net, expected["a2a_remote"], s.world)))
+            rows.append(_row("replication", "sync", "expected", sync_e, sync_e, net.sync(kind, sync_e)))
             checks.append({"check": "replication_a2a_remote", "subject": "replication",
                            "predicted": expected["a2a_remote"], "measured": float(remote)})
             checks.append({"check": "replication_union_rows", "subject": "replication", "predicted": expected["union"],

@@ -33,7 +33,7 @@ each way, ranks within a node talk at `intra_bw`), per class and step:
 
     step time = compute · b'/b + Σ class times + α · collectives per step
 
-with α the latency of one collective (`latency_s`, else the run's: analyses.traffic.latency) and no
+with α the latency of one collective (`latency_s`, else the run's fitted α: analyses.network) and no
 overlap of communication with compute (SCARS's t_iter = t_compute + t_comm). Between nodes the
 link carries TCP over IPv4 on Ethernet at MTU 1500: 1448 payload bytes per 1514 bytes sent
 (WIRE_EFFICIENCY), which is what a rate-limited link such as `tracekit cluster`'s delivers.
@@ -72,14 +72,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from analyses import costmodel, sources, traffic
+from analyses import costmodel, network, sources, traffic
 from analyses.compare import SYNC_TAGS
 from analyses.context import Context, Result, open_context
+from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.policy import check_model, load_policy, row_path, section_part
 
-WIRE_EFFICIENCY = 1448 / 1514
-"""TCP payload per byte on an Ethernet link at MTU 1500 (with TCP timestamps)."""
 SIMULATED = ("replication", "tiers", "schedule")
 """policy.json sections whose predictions say what the exchange becomes."""
 COMPRESSED = ("compression.dp", "compression.mp")
@@ -183,11 +182,11 @@ def _times(ctx: Context, steps: int, world: int) -> dict:
     if not samples:
         samples = float(sources.batches(ctx)["b"].sum()) if ctx.has("comms") else 0.0
     out = {"batch": samples / steps / world if samples else None, "compute_s": None, "step_time_s": None,
-           "latency_s": traffic.latency(ctx) or 0.0}
+           "latency_s": network.network(ctx).alpha(network.A2A)}
     if not ctx.has("steps"):
         return out
     frame = compute_times(ctx)
-    skip = min(5, frame["step"].n_unique() // 4)
+    skip = network.warmup_steps(frame["step"].n_unique())
     per_step = (frame.filter(pl.col("step") >= frame["step"].min() + skip).group_by("step")
                 .agg(pl.col("compute_s").max(), pl.col("step_s").max()))
     out["compute_s"] = float(per_step["compute_s"].median())
@@ -335,29 +334,6 @@ def scaled(t: Traffic, batch: float, target: Target, new_batch: float) -> Traffi
 
 # time on the target ----------------------------------------------------------------------------
 
-def exchange_time(m: np.ndarray, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
-    """Seconds of an exchange of m[src, dst] bytes on nodes × per_node ranks (module docstring)."""
-    node = np.arange(m.shape[0]) // per_node
-    cross = node[:, None] != node[None, :]
-    same = ~cross & ~np.eye(len(node), dtype=bool)
-    out_n = np.bincount(node, weights=(m * cross).sum(axis=1), minlength=nodes)
-    in_n = np.bincount(node, weights=(m * cross).sum(axis=0), minlength=nodes)
-    out_r, in_r = (m * same).sum(axis=1), (m * same).sum(axis=0)
-    link = np.maximum(out_n, in_n) if duplex else out_n + in_n
-    local = np.maximum(out_r, in_r) if duplex else out_r + in_r
-    t_inter = float(link.max()) / inter if nodes > 1 else 0.0
-    t_intra = float(local.max()) / intra if per_node > 1 else 0.0
-    return max(t_inter, t_intra)
-
-
-def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
-    world = nodes * per_node
-    if world < 2 or not per_rank:
-        return 0.0
-    wire = 2 * (world - 1) / world * per_rank * (2 if world == 2 and not duplex else 1)
-    return max(wire / inter if nodes > 1 else 0.0, wire / intra if per_node > 1 else 0.0)
-
-
 def comm_time(t: Traffic, target: Target, intra: float, latency: float) -> float:
     n, r, full = target.nodes, target.ranks_per_node, target.duplex
     inter = target.inter_bw * WIRE_EFFICIENCY
@@ -453,14 +429,13 @@ UNMEASURED_INTRA_BW = 10e9
 
 
 def _intra_bw(ctx: Context, notes: list[str]) -> float:
-    """Within a node: the run's measured all-to-all bus bandwidth where its ranks shared one node;
+    """Within a node: the run's fitted link (analyses.network) where its ranks shared one node;
     a run recorded across nodes measured its links instead, so UNMEASURED_INTRA_BW, said in a note."""
     if int((ctx.manifest.get("topology") or {}).get("nodes", 1)) > 1:
         notes.append(f"within a node: {UNMEASURED_INTRA_BW / 1e9:g} GB/s assumed (the run was recorded across nodes, "
                      "so it measured the links between them; --intra-bw sets it)")
         return UNMEASURED_INTRA_BW
-    measured = traffic.measured_bandwidth(ctx)
-    return float(measured.get("all_to_all_single") or measured.get("all_reduce") or UNMEASURED_INTRA_BW)
+    return network.network(ctx).fit.bandwidth or UNMEASURED_INTRA_BW
 
 
 def _inter_bytes(t: Traffic, target: Target) -> float:

@@ -28,8 +28,9 @@ margin_s (its end − the runner-up's), blocking_rank (the rank that entered the
 last the most, weighted: the one the others waited for longest) and blocked_s (that waiting,
 summed over the other ranks).
 
-The first WARMUP_STEPS steps are kept in the tables but left out of the summary's means and counts:
-the first step's window opens when the collectors start, so it holds start-up, not training.
+The first analyses.network.warmup_steps(n) steps are kept in the tables but left out of the
+summary's means and counts (the one warm-up rule of every baseline): the first step's window opens
+when the collectors start, so it holds start-up, not training.
 
     result = compute(open_context("runs/base"))
     result.tables["timeline"]     # rank | step | t_start_ns | t_end_ns | step_s | comm_s | compute_s | wait_s
@@ -41,9 +42,9 @@ from __future__ import annotations
 import polars as pl
 
 from analyses.context import Context, Result
+from analyses.network import warmup_steps
 from analyses.traffic import RECV_OPS, SEND_OPS, sql_list
 
-WARMUP_STEPS = 1
 P2P_OPS = SEND_OPS + RECV_OPS
 
 
@@ -165,14 +166,15 @@ def _stragglers_frame(ctx: Context, frame: pl.DataFrame) -> pl.DataFrame:
 
 def _summarise(frame: pl.DataFrame, stragglers: pl.DataFrame, clock: str) -> dict:
     first = frame["step"].min() if frame.height else 0
-    kept = frame.filter(pl.col("step") >= first + WARMUP_STEPS) if frame["step"].n_unique() > WARMUP_STEPS else frame
-    late = stragglers.filter(pl.col("step") >= first + WARMUP_STEPS) if kept is not frame else stragglers
+    skip = warmup_steps(frame["step"].n_unique())
+    kept = frame.filter(pl.col("step") >= first + skip) if skip else frame
+    late = stragglers.filter(pl.col("step") >= first + skip) if skip else stragglers
     means = kept.group_by("rank").agg(pl.col("step_s", "comm_s", "compute_s", "wait_s").mean()).sort("rank")
     return {
         "clock": clock,
         "steps": frame["step"].n_unique(),
         "ranks": frame["rank"].n_unique(),
-        "warmup_steps_excluded": WARMUP_STEPS if kept is not frame else 0,
+        "warmup_steps_excluded": skip,
         "per_rank": {str(row["rank"]): {k: row[k] for k in ("step_s", "comm_s", "compute_s", "wait_s")}
                      for row in means.to_dicts()},
         "stragglers": {

@@ -257,8 +257,7 @@ def imbalance(ctx: Context, steps: int) -> pl.DataFrame:
 
 def baseline(ctx: Context) -> dict[str, float | None]:
     """policy.json's `baseline`: all-to-all and all-reduce bytes per training step (summed over
-    ranks' bytes_out, training calls) and the step time: the median over steps of the slowest
-    rank's step duration (steps table). None where the run has no such table."""
+    ranks' bytes_out, training calls) and the step time (analyses.network's baseline rule). None where the run has no such table."""
     steps = training_steps(ctx)
     out: dict[str, float | None] = {"a2a_bytes_per_step": None, "allreduce_bytes_per_step": None, "step_time_s": None}
     if ctx.has("comms") and steps:
@@ -268,8 +267,7 @@ def baseline(ctx: Context) -> dict[str, float | None]:
             FROM train_comms""").fetchall()[0]
         out["a2a_bytes_per_step"], out["allreduce_bytes_per_step"] = a2a / steps, ar / steps
     if ctx.has("steps"):
-        (step_time,) = ctx.sql("""
-            SELECT median(slowest) FROM (SELECT step, max(t_end_ns - t_start_ns) / 1e9 AS slowest
-                                         FROM steps GROUP BY step)""").fetchall()[0]
-        out["step_time_s"] = None if step_time is None else float(step_time)
+        from analyses.network import step_time
+
+        out["step_time_s"] = step_time(ctx).median_s
     return out

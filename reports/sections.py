@@ -44,13 +44,12 @@ def _busiest(run: RunInputs, limit: int = TOP_TABLES) -> list[str]:
 
 def _train_timeline(run: RunInputs) -> pl.DataFrame | None:
     """The timeline table less the warm-up steps that analyses.timeline leaves out of its means."""
-    from analyses.timeline import WARMUP_STEPS
+    from analyses.network import warmup_steps
 
     frame = run.table("timeline")
     if frame is None:
         return None
-    if frame["step"].n_unique() > WARMUP_STEPS:
-        frame = frame.filter(pl.col("step") >= frame["step"].min() + WARMUP_STEPS)
+    frame = frame.filter(pl.col("step") >= frame["step"].min() + warmup_steps(frame["step"].n_unique()))
     return frame.sort("rank", "step")
 
 

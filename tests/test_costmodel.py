@@ -50,7 +50,7 @@ def one_hot_run(path: Path, *, steps: int = 60, b: int = 128, rows: int = 1000, 
     tables = [table(f"t{t}", rows, dim=8, owner=owner(t), world=world) for t in range(2)]
     batches = [[{f"t{t}": [[int(x)] for x in rng.choice(rows, size=b, p=p)] for t in range(2)}
                 for _ in range(world)] for _ in range(steps)]
-    build_run(path, tables, world, batches)
+    build_run(path, tables, world, batches, ar_bw=1e9)  # one link: the all-reduce as fast as the all-to-all
 
 
 def test_formula_and_replay_agree_on_iid_lookups(tmp_path: Path) -> None:
@@ -106,31 +106,23 @@ def test_replay_detects_a_wrong_byte_count(tmp_path: Path) -> None:
 
 def test_cost_model_tables_hold_every_policy(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=20)
-    result = costmodel.compute(open_context(tmp_path / "run"), {"all_to_all_single": 1e9, "all_reduce": 1e9})
+    ctx = open_context(tmp_path / "run", Options(inter_bw=1e9))
+    derived = {m.__name__.rsplit(".", 1)[1]: m.derive(ctx) for m in (replication, tiers, schedule)}
+    result = costmodel.compute(ctx, derived)
     model = result.tables["costmodel"]
     assert set(model["policy"]) == {"baseline", "dedup_fetch", "replication", "tiers", "schedule"}
     replayed = model.filter((pl.col("policy") == "replication") & (pl.col("method") == "replay"))
     assert set(replayed["collective"]) == {*costmodel.COLLECTIVES, "sync"}
     base = model.filter(pl.col("policy") == "baseline")
     assert base["bytes_per_step"].sum() == result.summary["baseline_a2a_bytes_per_step"]
-    # time from bytes: remote bytes per rank over the bandwidth
-    assert base["time_s"].sum() == pytest.approx(result.summary["baseline_a2a_remote_bytes_per_step"] / 2 / 1e9)
-    replication = model.filter(pl.col("policy") == "replication")
-    assert replication.filter(pl.col("method") == "expected").height == 2
-    assert result.summary["bandwidth_source"] == "given"
-
-
-def test_bandwidths_come_from_the_caller_the_options_or_the_run(tmp_path: Path) -> None:
-    one_hot_run(tmp_path / "run", steps=2)
-    ctx = open_context(tmp_path / "run")
-    bw, source = costmodel.bandwidths(ctx, {"all_to_all_single": 5.0, "all_reduce": None, "source": "x"})
-    assert bw["all_to_all_single"] == 5.0 and bw["all_reduce"] == 5.0 and source == "x"
-    bw, source = costmodel.bandwidths(open_context(tmp_path / "run", Options(intra_bw=7.0)))
-    assert bw["all_to_all_single"] == 7.0 and bw["intra"] == 7.0 and "--intra-bw" in source
-    # from the run: the all-to-all's; no all-reduce of 64 KiB or more was timed, so it takes the a2a's
-    bw, source = costmodel.bandwidths(ctx)
-    assert bw["all_to_all_single"] > 0 and bw["all_reduce"] == bw["all_to_all_single"]
-    assert source.startswith("traffic.measured_bandwidth")
+    # time from bytes (analyses.network): each call's α plus its busiest link's bytes at β = 1/1e9
+    s = costmodel.setup(ctx)
+    alpha = result.summary["network"]["alpha_s"].get("all_to_all_single", 0.0)
+    assert base["time_s"].sum() == pytest.approx(4 * alpha + sum(s.busiest.values()) / 1e9)
+    replication_rows = model.filter(pl.col("policy") == "replication")
+    assert replication_rows.filter(pl.col("method") == "expected").height == 2
+    assert result.summary["network"]["source"].startswith("β from --intra-bw/--inter-bw")
+    assert costmodel.compute(ctx).tables["costmodel"]["policy"].unique().sort().to_list() == ["baseline", "dedup_fetch"]
 
 
 @pytest.mark.slow

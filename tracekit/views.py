@@ -154,7 +154,12 @@ def _print_policies(report: dict) -> None:
         parts = [(f"{name}.{sub}", section[sub]) for sub in ("dp", "mp") if sub in section] if name == "compression" \
             else [(name, section)]
         for label, body in parts:
-            table.add_row(label, _figures(body["predicted"], KEY_FIGURES), body["why"])
+            table.add_row(_decision(label, body), _figures(body["predicted"], KEY_FIGURES, body.get("intervals")),
+                          body["why"] if body.get("recommended", True) else f"{body['reason']}\n[dim]{body['why']}[/]")
+    if report.get("combined"):
+        combined = report["combined"]
+        table.add_row("[bold]combined[/]\n" + ", ".join(combined["sections"]),
+                      _figures(combined["predicted"], KEY_FIGURES, combined.get("intervals")), combined["why"])
     for name, reason in report["not_derived"].items():
         table.add_row(name, "[dim]not derived[/]", reason)
     for sub, reason in report["policies"].get("compression", {}).get("evidence", {}).get("not_derived", {}).items():
@@ -167,10 +172,22 @@ KEY_FIGURES = ("a2a_bytes_per_step", "allreduce_bytes_per_step", "a2a_remote_byt
                "hot_sample_fraction", "gain", "step_time_s")
 
 
-def _figures(predicted: dict, keys: tuple[str, ...]) -> str:
+def _decision(label: str, body: dict) -> str:
+    if "recommended" not in body:
+        return label
+    return f"{label}\n[green]recommended[/]" if body["recommended"] else f"{label}\n[yellow]not recommended[/]"
+
+
+def _figures(predicted: dict, keys: tuple[str, ...], intervals: dict | None = None) -> str:
+    """One line per figure; an estimated one (with an interval) as `~value [low, high]`."""
     shown = [(k, predicted[k]) for k in keys if isinstance(predicted.get(k), (int, float))]
-    return "\n".join(f"{k.removesuffix('_per_step').removesuffix('_s').replace('_', ' ')} {_value(k, v)}"
-                     for k, v in shown)
+    lines = []
+    for k, v in shown:
+        name = k.removesuffix('_per_step').removesuffix('_s').replace('_', ' ')
+        span = (intervals or {}).get(k)
+        lines.append(f"{name} ~{_value(k, v)} [{_value(k, span[0])}, {_value(k, span[1])}]" if span
+                     else f"{name} {_value(k, v)}")
+    return "\n".join(lines)
 
 
 def _value(key: str, value: Any) -> str:
@@ -300,10 +317,11 @@ def _compare_policies(rows: list[dict], base: str) -> None:
         return
     table = Table("run", "section", "figure", "predicted", "measured", "diff",
                   title=f"policies: predicted against measured (savings against BASE's measured totals; "
-                        f"section baseline: policy.json's against BASE {base})", title_justify="left")
+                        f"section baseline: policy.json's against BASE {base}; an estimate shows its interval "
+                        f"[low, high], a figure without one is exact)", title_justify="left")
     for r in rows:
-        table.add_row(r["run"], r["section"], r["figure"], _policy_value(r, r["predicted"]),
-                      _policy_value(r, r["measured"]), _policy_diff(r))
+        table.add_row(r["run"], r["section"], r["figure"], _policy_predicted(r), _policy_value(r, r["measured"]),
+                      _policy_diff(r))
     console.print(table)
 
 
@@ -312,6 +330,14 @@ def _policy_value(row: dict, value: float | None) -> str:
         return "n/a"
     shown = {"bytes": format_bytes, "s": lambda v: f"{v * 1e3:,.2f} ms", "fraction": lambda v: f"{v:.1%}"}
     return shown[row["unit"]](value)
+
+
+def _policy_predicted(row: dict) -> str:
+    """The predicted figure, with its interval where it is an estimate: `11.34 ms [10.10 ms, 12.40 ms]`."""
+    shown = _policy_value(row, row["predicted"])
+    if row["kind"] == "estimated":
+        shown += f" [{_policy_value(row, row['predicted_low'])}, {_policy_value(row, row['predicted_high'])}]"
+    return shown
 
 
 def _policy_diff(row: dict) -> str:

@@ -2,7 +2,7 @@
 before it blocks, chosen by replaying the run's own per-rank step times.
 
 Per rank p and step t the step splits into the rank's own compute, its exchange, and its blocking
-wait (analyses/timeline.py), over the steps every rank completed, the first WARMUP_STEPS left out
+wait (analyses/timeline.py), over the steps every rank completed, the first analyses.network.warmup_steps(n) left out
 (start-up, not training):
 
     c[p][t] = compute_s = step_s − comm_s       (neither waiting nor communicating)
@@ -47,7 +47,7 @@ import numpy as np
 import polars as pl
 
 from analyses.context import Context, PolicyResult
-from analyses.timeline import WARMUP_STEPS
+from analyses.network import warmup_steps
 from analyses.timeline import compute as timeline
 
 MAX_BOUND = 8
@@ -89,7 +89,8 @@ def work_matrix(frame: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, list[int],
     ranks = sorted(frame["rank"].unique().to_list())
     complete = frame.group_by("step").agg(pl.len()).filter(pl.col("len") == len(ranks))["step"]
     first = frame["step"].min()
-    kept = frame.filter(pl.col("step").is_in(complete.implode()) & (pl.col("step") >= first + WARMUP_STEPS))
+    skip = warmup_steps(frame["step"].n_unique())
+    kept = frame.filter(pl.col("step").is_in(complete.implode()) & (pl.col("step") >= first + skip))
     kept = kept.with_columns(pl.col("compute_s").clip(lower_bound=0).alias("c"),
                              (pl.col("comm_s") - pl.col("wait_s")).clip(lower_bound=0).alias("x"))
     steps = sorted(kept["step"].unique().to_list())
@@ -131,8 +132,8 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
         result.reason = f"a lag bound needs at least 2 ranks; the run has {len(ranks)}"
         return result
     if len(steps) < 2:
-        result.reason = (f"a lag bound needs at least 2 steps completed by every rank after the {WARMUP_STEPS} "
-                         f"warm-up step(s); the run has {len(steps)}")
+        result.reason = (f"a lag bound needs at least 2 steps completed by every rank after the "
+                         f"{warmup_steps(frame['step'].n_unique())} warm-up step(s); the run has {len(steps)}")
         return result
     overlap = overlaps(ctx.manifest)
     table = sweep(c, x, overlap=overlap)
@@ -150,7 +151,7 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     }
     result.evidence = {
         "ranks": ranks, "steps": [steps[0], steps[-1]], "steps_replayed": len(steps),
-        "warmup_steps_excluded": WARMUP_STEPS,
+        "warmup_steps_excluded": warmup_steps(frame["step"].n_unique()),
         "work": "c[p][t] = compute_s = step_s - comm_s (timeline)",
         "exchange": "x[p][t] = comm_s - wait_s (the collectives' transfer, without blocking wait)",
         "exchange_per_step_s": float(x.mean()),

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import costmodel
+from analyses import costmodel, network
 from analyses.context import Context, PolicyResult
-from analyses.costmodel import A2A, ALL_REDUCE, Setup
+from analyses.costmodel import Setup
 
 P_DUP_MAX = 0.01  # HugeCTR's default
 
@@ -58,10 +58,13 @@ class Curve:
     a2a_rem: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
+    is_sparse: np.ndarray  # costmodel.sync_choice at each K
     coverage: np.ndarray  # share of lookups on hot rows
     union_rows: np.ndarray  # hot rows touched per step (union over ranks)
     comm_time: np.ndarray
+    work: np.ndarray  # rank-side seconds per step (analyses.network's calibration; 0 without one)
     step_time: np.ndarray | None
+    error: np.ndarray  # the model's error on step_time, seconds
     saved: dict[str, np.ndarray]  # '<collective>_out' / '_rem': bytes per step freed, costmodel.hot_curve
 
     def collectives(self, s: Setup, k: int) -> dict[str, dict[str, float]]:
@@ -72,10 +75,10 @@ class Curve:
 
     @property
     def sync(self) -> np.ndarray:
-        return np.minimum(self.dense, self.sparse)
+        return np.where(self.is_sparse, self.sparse, self.dense)
 
     def sync_kind(self, k: int) -> str:
-        return "dense_allreduce" if self.dense[k] < self.sparse[k] else "sparse_allreduce"
+        return "sparse_allreduce" if self.is_sparse[k] else "dense_allreduce"
 
 
 _cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
@@ -106,18 +109,49 @@ def budget(ctx: Context) -> int | None:
     return None
 
 
+def estimated_rows(ctx: Context, s: Setup) -> str:
+    """A temp table like tk_rows (per row: rb, lookups, steps, src_steps, benefit_rem ...), its
+    figures over EVERY training step where `accesses` has them (exact counts), in units of the
+    sampled steps' replay (lookups scaled by S/T; steps and src_steps too): choosing rows on the
+    steps that then evaluate them would be optimistic (module docstring). A row the sampled steps
+    never saw takes its table's benefit per lookup and one source rank per step touched."""
+    if ctx.sql("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'tk_rows_est'").fetchall()[0][0]:
+        return "tk_rows_est"
+    total = ctx.sql("SELECT count(DISTINCT step) FROM train_accesses").fetchall()[0][0] if ctx.has("accesses") else 0
+    if not total:
+        ctx.sql("CREATE OR REPLACE TEMP TABLE tk_rows_est AS SELECT * FROM tk_rows")
+        return "tk_rows_est"
+    scale = max(s.sampled_steps, 1) / total
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_rows_est AS
+        WITH a AS (SELECT n.tid, x."row", sum(x.count)::DOUBLE AS n_all, count(DISTINCT x.step)::DOUBLE AS steps_all
+                   FROM train_accesses x JOIN tk_names n USING (table_name) WHERE n.sharded GROUP BY ALL),
+             per_table AS (SELECT tid, sum(benefit_rem)::DOUBLE / nullif(sum(lookups), 0) AS b,
+                                  sum(benefit_out)::DOUBLE / nullif(sum(lookups), 0) AS b_out
+                           FROM tk_rows GROUP BY tid)
+        SELECT a.tid, a."row", n.rb, n.kind,
+               a.n_all * {scale!r} AS lookups, a.n_all * {scale!r} AS remote_lookups,
+               a.steps_all * {scale!r} AS steps,
+               a.steps_all * {scale!r} * coalesce(r.src_steps::DOUBLE / nullif(r.steps, 0), 1) AS src_steps,
+               a.n_all * {scale!r} AS samples, a.n_all * {scale!r} AS placed,
+               a.n_all * {scale!r} * coalesce(r.benefit_out / nullif(r.lookups, 0), t.b_out, 0) AS benefit_out,
+               a.n_all * {scale!r} * coalesce(r.benefit_rem / nullif(r.lookups, 0), t.b, 0) AS benefit_rem
+        FROM a JOIN tk_names n USING (tid) JOIN per_table t USING (tid) LEFT JOIN tk_rows r USING (tid, "row")""")
+    return "tk_rows_est"
+
+
 def order_table(ctx: Context, name: str, order_by: str) -> pl.DataFrame:
-    """Write temp table `name` (tid, row, pos) ordering tk_rows by the SQL `order_by` list, ties by
-    lookups, tid, row; return the ordered rows with their figures."""
+    """Write temp table `name` (tid, row, pos) ordering the rows (`estimated_rows`) by the SQL
+    `order_by` list, ties by lookups, tid, row; return the ordered rows with their figures."""
+    rows = estimated_rows(ctx, costmodel.setup(ctx))
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE {name} AS
                 SELECT r.*, n.table_name,
                        (row_number() OVER (ORDER BY {order_by}, r.lookups DESC, r.tid, r."row") - 1)::BIGINT AS pos
-                FROM tk_rows r JOIN (SELECT tid, table_name FROM tk_names) n USING (tid)""")
+                FROM {rows} r JOIN (SELECT tid, table_name FROM tk_names) n USING (tid)""")
     return ctx.frame(f"""SELECT tid, table_name, "row", rb, lookups, benefit_rem, steps, src_steps, pos
                          FROM {name} ORDER BY pos""")
 
 
-def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, order_by: str) -> Curve:
+def curve(ctx: Context, s: Setup, name: str, order_by: str) -> Curve:
     """Replay every prefix of the order `order_by` (module docstring)."""
     order = order_table(ctx, name, order_by)
     n = order.height
@@ -130,45 +164,48 @@ def curve(ctx: Context, s: Setup, bw: dict[str, float], name: str, order_by: str
     lookups = order["lookups"].to_numpy().astype(np.float64)
     coverage = np.concatenate([zero, np.cumsum(lookups)]) / max(lookups.sum(), 1.0)
     union_rows = np.concatenate([zero, np.cumsum(steps)]) / max(s.sampled_steps, 1)
-    # each sync collective also costs a collective's latency: one all-reduce (dense), or the count
-    # all-gather, the ids all-to-all and the all-reduce (sparse)
-    collectives = np.where(dense < sparse, 1.0, 3.0)
-    collectives[0] = 0.0
-    comm = (a2a_rem / s.world / bw[A2A] + np.minimum(dense, sparse) / s.world / bw[ALL_REDUCE]
-            + costmodel.latency(ctx) * collectives)
-    base_comm = costmodel.comm_time(s.base_remote, 0, s.world, bw)
-    step_time = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s + comm - base_comm)
+    remote = {c: s.base[c][1] - saved[f"{c}_rem"] for c in costmodel.COLLECTIVES}
+    hot_ids = coverage * s.lookups_per_rank
+    k = np.arange(n + 1, dtype=np.float64)
+    is_sparse = costmodel.sync_choice(ctx, s, remote, dense, sparse, hot_ids, union_rows, k)
+    t = costmodel.timing(ctx, s, remote, is_sparse, np.where(is_sparse, sparse, dense), hot_ids,
+                         np.where(is_sparse, union_rows, k))
     replica = np.concatenate([zero, np.cumsum(rb)])
-    return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, coverage, union_rows, comm, step_time, saved)
+    return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, is_sparse, coverage, union_rows, t.comm_s,
+                 t.work_s, t.step_s, t.error_s, saved)
 
 
-def benefit_key(s: Setup, bw: dict[str, float]) -> str:
-    """SQL ORDER BY list over tk_rows: score_i descending (module docstring) while it is positive,
+def benefit_key(s: Setup, net: network.Network) -> str:
+    """SQL ORDER BY list over the rows: score_i descending (module docstring) while it is positive,
     then the rows that do not pay for their sync by all-to-all bytes freed per replica byte, so
     the curve past the optimum says what more memory would still take off the all-to-all."""
     w1 = s.world - 1
     sync = f"(({w1} * {s.id_bytes} * src_steps + 2 * {w1} * rb * steps) / {max(s.sampled_steps, 1)})"
-    score = f"((benefit_rem / {bw[A2A]!r} - {sync} / {bw[ALL_REDUCE]!r}) / rb)"
+    score = f"((benefit_rem - {sync}) / rb)"
     return f"{score} > 0 DESC, CASE WHEN {score} > 0 THEN {score} ELSE benefit_rem / rb END DESC"
 
 
 def best(c: Curve, limit: int | None, objective: str = "time") -> int:
-    """The K of least communication time (objective "time") or least network bytes, remote
-    all-to-all plus sync ("bytes"), with replica bytes within `limit` (the smallest on ties)."""
+    """The K of least predicted step time (objective "time"; communication time where the run has no
+    steps) or least network bytes, remote all-to-all plus sync ("bytes"), with replica bytes within
+    `limit` (the smallest on ties)."""
     allowed = c.replica_bytes <= (limit if limit is not None else math.inf)
-    merit = c.comm_time if objective == "time" else c.a2a_rem + c.sync
+    if objective == "time":
+        merit = c.step_time if c.step_time is not None else c.comm_time + c.work
+    else:
+        merit = c.a2a_rem + c.sync
     return int(np.argmin(np.where(allowed, merit, np.inf)))
 
 
-def hugectr(ctx: Context, s: Setup, bw: dict[str, float]) -> dict:
+def hugectr(ctx: Context, s: Setup) -> dict:
     """HugeCTR's count threshold (papers B.3) over the sampled steps, and how many rows pass it."""
     steps = max(s.sampled_steps, 1)
     batch = s.samples / steps
     per_rank = batch / s.world
     nodes = ctx.options.topology[0] if ctx.options.topology else 1
     if nodes > 1:
-        threshold = steps * nodes * (bw[A2A] / bw[ALL_REDUCE]) * nodes / (nodes - 1)
-        rule = "I·N·(BW_a2a/BW_ar)·N/(N−1)"
+        threshold = steps * nodes * nodes / (nodes - 1)  # BW_a2a / BW_ar = 1: one fitted link (analyses.network)
+        rule = "I·N·(BW_a2a/BW_ar)·N/(N−1), BW_a2a = BW_ar"
     else:
         threshold = batch * steps * math.sqrt(2 * P_DUP_MAX / max(per_rank * (per_rank - 1), 1e-12))
         rule = "B·I·sqrt(2·p_dup/(M(M−1)))"
@@ -197,23 +234,23 @@ def sweep(s: Setup, c: Curve, points: dict[str, int], ordering: str) -> pl.DataF
     return pl.DataFrame(rows, schema_overrides={"step_time_s": pl.Float64}).sort("hot_rows", maintain_order=True)
 
 
-def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+def derive(ctx: Context) -> PolicyResult:
     """The replication section, its hot_rows list, the budget sweep and the evidence."""
-    return costmodel.once_per_bandwidth(_cache, ctx, bandwidth, _derive)
+    return costmodel.once(_cache, ctx, _derive)
 
 
-def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
+def _derive(ctx: Context) -> PolicyResult:
     reason = cannot(ctx)
     if reason:
         return PolicyResult("replication", reason=reason)
     s = costmodel.setup(ctx)
-    bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
-    c = curve(ctx, s, bw, "tk_order_replication", benefit_key(s, bw))
+    net = network.network(ctx)
+    c = curve(ctx, s, "tk_order_replication", benefit_key(s, net))
     limit = budget(ctx)
     objective = ctx.options.objective
     k = best(c, limit, objective)
-    h = hugectr(ctx, s, bw)
-    by_count = curve(ctx, s, bw, "tk_order_count", "r.lookups DESC")
+    h = hugectr(ctx, s)
+    by_count = curve(ctx, s, "tk_order_count", "r.lookups DESC")
     points = {f"sweep {i}": p for i, p in enumerate(costmodel.log_points(c.order.height))}
     points.update({"optimum": best(c, None, objective)} if limit is None
                   else {"optimum": best(c, None, objective), "budget": k})
@@ -227,39 +264,50 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     predicted = {"a2a_bytes_per_step": float(c.a2a_out[k]), "a2a_remote_bytes_per_step": float(c.a2a_rem[k]),
                  "sync_bytes_per_step": float(c.sync[k]),
                  "step_time_s": None if c.step_time is None else float(c.step_time[k]),
-                 "comm_time_s": float(c.comm_time[k]), "hot_rows": k,
+                 "comm_time_s": float(c.comm_time[k]), "rank_work_s": float(c.work[k]), "hot_rows": k,
                  "replica_bytes_per_rank": float(c.replica_bytes[k]), "lookup_coverage": float(c.coverage[k])}
     saved = s.base_remote - c.a2a_rem[k]
     why = (f"{k} rows by benefit per replica byte ({c.coverage[k]:.0%} of lookups): the all-to-all sends "
            f"{saved / max(s.base_remote, 1):.0%} fewer remote bytes for a {sync.replace('_', ' ')} of "
            f"{c.sync[k] / max(saved, 1):.2f}× those bytes; "
-           + ("communication time per step least at this budget" if objective == "time"
+           + ("predicted step time least at this budget" if objective == "time"
               else "network bytes per step least at this budget"))
     if k == 0:
         why = (f"no row frees more all-to-all {objective} than its replica's synchronisation costs "
-               f"(latency {costmodel.latency(ctx) * 1e3:.2f} ms per added collective): nothing to replicate")
+               f"({net.alpha(network.ALL_REDUCE) * 1e3:.2f} ms per added all-reduce"
+               + (", with the rank-side work calibrated" if net.calibration else "") + "): nothing to replicate")
     section = {"kind": "hybrid", "rows": "policy/hot_rows.parquet",
                "budget_bytes_per_rank": int(limit if limit is not None else c.replica_bytes[k]),
-               "sync": sync, "predicted": predicted, "why": why}
-    evidence = _evidence(s, c, k, limit, h, by_count, bw, bw_source)
+               "sync": sync, "predicted": predicted, "intervals": intervals(ctx, s, c, k, "tk_order_replication"),
+               "why": why}
+    evidence = _evidence(s, c, k, limit, h, by_count, net)
     return PolicyResult("replication", section=section, rows={"hot_rows": rows}, evidence=evidence,
                         tables={"replication_sweep": table})
 
 
-def _evidence(s: Setup, c: Curve, k: int, limit: int | None, h: dict, by_count: Curve, bw: dict[str, float],
-              bw_source: str) -> dict:
+def intervals(ctx: Context, s: Setup, c: Curve, k: int, order: str) -> dict[str, list[float]]:
+    """The estimated figures at K = k with their intervals: the all-to-all bytes (from sampled
+    steps: costmodel.step_interval, none where every step was sampled) and the step time (± the
+    model's error, analyses.network)."""
+    out = costmodel.step_interval(ctx, s, order, k)
+    if c.step_time is not None:
+        out["step_time_s"] = [float(max(c.step_time[k] - c.error[k], 0.0)), float(c.step_time[k] + c.error[k])]
+    return out
+
+
+def _evidence(s: Setup, c: Curve, k: int, limit: int | None, h: dict, by_count: Curve, net: network.Network) -> dict:
     """Which trace rows and formulas the section comes from, and HugeCTR's rule beside it."""
     return {
         "trace": f"train_lookups of {s.sampled_steps} sampled steps, source ranks from the input dist "
                  f"({'exact' if s.attribution.exact else 'approximate'})",
-        "ordering": "score_i = (a2a_i/BW_a2a − sync_i/BW_ar)/(W·rb_i), descending",
+        "ordering": "score_i = (a2a_i − sync_i)/rb_i over every step's accesses, descending",
         "baseline": {"a2a_bytes_per_step": s.base_out, "a2a_remote_bytes_per_step": s.base_remote,
                      "step_time_s": s.step_time_s},
         "a2a_remote_bytes_saved_per_step": float(s.base_remote - c.a2a_rem[k]),
         "collectives": c.collectives(s, k),
         "sparse_sync_bytes_per_step": float(c.sparse[k]), "dense_sync_bytes_per_step": float(c.dense[k]),
         "union_hot_rows_per_step": float(c.union_rows[k]),
-        "budget_bytes_per_rank": limit, "bandwidth": bw, "bandwidth_source": bw_source,
+        "budget_bytes_per_rank": limit, "network": net.summary(), "step_error_s": float(c.error[k]),
         "hugectr": {**h, "a2a_remote_bytes_per_step": float(by_count.a2a_rem[h["rows"]]),
                     "sync_bytes_per_step": float(by_count.sync[h["rows"]]),
                     "comm_time_s": float(by_count.comm_time[h["rows"]]),

@@ -39,7 +39,7 @@ import weakref
 import numpy as np
 import polars as pl
 
-from analyses import costmodel
+from analyses import costmodel, network
 from analyses.context import Context, PolicyResult
 from analyses.costmodel import Setup
 from analyses.policies import replication
@@ -79,16 +79,7 @@ def classify(ctx: Context) -> int:
     return int(ctx.sql("SELECT coalesce(sum(b - hot), 0) FROM tk_fae_batches").fetchall()[0][0])
 
 
-def sync_choice(ctx: Context, s: Setup, sparse: float, dense: float, bw: dict[str, float]) -> str:
-    """The replica sync of less time (a collective's latency each: 3 for sparse, 1 for dense), or of
-    fewer bytes under `--objective bytes`."""
-    if ctx.options.objective == "time":
-        alpha, rate = costmodel.latency(ctx), s.world * bw[costmodel.ALL_REDUCE]
-        return "sparse_allreduce" if sparse / rate + 3 * alpha <= dense / rate + alpha else "dense_allreduce"
-    return "sparse_allreduce" if sparse <= dense else "dense_allreduce"
-
-
-def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, bw: dict[str, float]) -> tuple[float, str, float]:
+def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, hot_rows: int) -> tuple[float, str, float]:
     """(sync bytes per hot step, kind, hot batches replayed): hot samples in gid order cut into
     global batches of B (module docstring)."""
     batch = max(int(round(s.samples / max(s.sampled_steps, 1))), 1)
@@ -109,8 +100,9 @@ def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, bw: dict[str, float
         SELECT count(*), avg({w1} * {s.id_bytes} * u_r + 2 * {w1} * union_rb) FROM per_batch""").fetchall()[0]
     hot_batches, sparse = rows[0], float(rows[1] or 0.0) + costmodel.count_exchange(s.world)
     dense = 2 * w1 * hot_bytes
-    kind = sync_choice(ctx, s, sparse, dense, bw)
-    return (sparse if kind == "sparse_allreduce" else dense), kind, hot_batches
+    remote = {c: 0.0 for c in costmodel.COLLECTIVES}
+    is_sparse = bool(costmodel.sync_choice(ctx, s, remote, dense, sparse, s.lookups_per_rank, hot_rows, hot_rows))
+    return (sparse if is_sparse else dense), ("sparse_allreduce" if is_sparse else "dense_allreduce"), hot_batches
 
 
 def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
@@ -152,18 +144,17 @@ def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
                          "chosen": [p == chosen for p in points]})
 
 
-def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+def derive(ctx: Context) -> PolicyResult:
     """The schedule section and its hot-row list (module docstring)."""
-    return costmodel.once_per_bandwidth(_cache, ctx, bandwidth, _derive)
+    return costmodel.once(_cache, ctx, _derive)
 
 
-def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
+def _derive(ctx: Context) -> PolicyResult:
     reason = replication.cannot(ctx)
     if reason:
         return PolicyResult("schedule", reason=reason)
     s = costmodel.setup(ctx)
-    bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
-    rep = replication.derive(ctx, bandwidth)
+    rep = replication.derive(ctx)
     limit = replication.budget(ctx)
     if limit is None:
         limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
@@ -172,16 +163,22 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
                       .fetchall()[0][0])
     cold = classify(ctx)
     fraction = 1 - cold / s.samples if s.samples else 0.0
-    sync_hot, _, hot_batches = hot_batch_sync(ctx, s, hot_bytes, bw)
     k = rows.height
-    replicated = replication.curve(ctx, s, bw, "tk_order_count", "r.lookups DESC")
+    sync_hot, _, hot_batches = hot_batch_sync(ctx, s, hot_bytes, k)
+    replicated = replication.curve(ctx, s, "tk_order_count", "r.lookups DESC")
     lengths_out, lengths_rem = s.base["input_lengths"]
     a2a_out = float(replicated.a2a_out[k]) - fraction * lengths_out
     a2a_rem = float(replicated.a2a_rem[k]) - fraction * lengths_rem
-    sync_kind = sync_choice(ctx, s, float(replicated.sparse[k]), float(replicated.dense[k]), bw)
-    sync = float(replicated.sparse[k] if sync_kind == "sparse_allreduce" else replicated.dense[k]) if k else 0.0
-    collectives = (3 if sync_kind == "sparse_allreduce" else 1) if k else 0
-    step_time = costmodel.predicted_step_time(s, a2a_rem, sync, bw, collectives * costmodel.latency(ctx))
+    # hot steps make no exchange call: every collective of the exchange keeps (1 − H) of its bytes
+    remote = {c: (1 - fraction) * replicated.collectives(s, k)[c]["remote_bytes_per_step"]
+              for c in costmodel.COLLECTIVES}
+    sync_kind = replicated.sync_kind(k)
+    sync = float(replicated.sync[k]) if k else 0.0
+    rows_synced = replicated.union_rows[k] if sync_kind == "sparse_allreduce" else k
+    t = costmodel.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
+                         replicated.coverage[k] * s.lookups_per_rank, rows_synced,
+                         skipped_calls=fraction * len(costmodel.COLLECTIVES))
+    step_time = None if t.step_s is None else float(t.step_s)
     saved_rem = s.base_remote - a2a_rem
     switch = 2 * (s.world - 1) * hot_bytes
     predicted = {"a2a_bytes_per_step": a2a_out, "a2a_remote_bytes_per_step": a2a_rem, "sync_bytes_per_step": sync,
@@ -194,9 +191,12 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
            f"of steps skips the all-to-all ({saved_rem / max(s.base_remote, 1):.0%} of its remote bytes)")
     section = {"kind": "fae", "hot_rows": f"policy/{name}.parquet", "hot_sample_fraction": fraction,
                "budget_bytes_per_rank": int(limit), "sync": sync_kind, "predicted": predicted, "why": why}
+    if step_time is not None:
+        error = float(t.error_s)
+        section["intervals"] = {"step_time_s": [max(step_time - error, 0.0), step_time + error]}
     evidence = {"samples": s.samples, "cold_samples": cold, "hot_batches_replayed": hot_batches,
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
-                "shared_with_replication": shared, "bandwidth": bw, "bandwidth_source": bw_source,
+                "shared_with_replication": shared, "network": network.network(ctx).summary(),
                 "notes": list(s.notes)}
     return PolicyResult("schedule", section=section, rows={name: rows}, evidence=evidence,
                         tables={"schedule_sweep": sweep(ctx, s, rows.height)})

@@ -47,7 +47,7 @@ import weakref
 import numpy as np
 import polars as pl
 
-from analyses import costmodel
+from analyses import costmodel, network
 from analyses.context import Context, PolicyResult
 from analyses.costmodel import Setup
 from analyses.policies import replication
@@ -108,12 +108,12 @@ def _cumulative(hist: pl.DataFrame, n: int, where: pl.Expr) -> np.ndarray:
     return np.cumsum(per)
 
 
-def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
+def derive(ctx: Context) -> PolicyResult:
     """The tiers section and row list for the topology (module docstring)."""
-    return costmodel.once_per_bandwidth(_cache, ctx, bandwidth, _derive)
+    return costmodel.once(_cache, ctx, _derive)
 
 
-def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
+def _derive(ctx: Context) -> PolicyResult:
     reason = replication.cannot(ctx)
     if reason:
         return PolicyResult("tiers", reason=reason)
@@ -122,9 +122,9 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
         return PolicyResult("tiers", reason=f"topology {nodes}x{g} does not hold the run's "
                                             f"{ctx.model.world_size} ranks")
     s = costmodel.setup(ctx)
-    bw, bw_source = costmodel.bandwidths(ctx, bandwidth)
-    rep = replication.derive(ctx, bandwidth)
-    order = replication.order_table(ctx, "tk_order_tiers", replication.benefit_key(s, bw))
+    net = network.network(ctx)
+    rep = replication.derive(ctx)
+    order = replication.order_table(ctx, "tk_order_tiers", replication.benefit_key(s, net))
     n = order.height
     hist = classes(ctx, s, "tk_order_tiers", g)
     c0, c2 = pl.col("c0"), pl.col("c2")
@@ -141,7 +141,11 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
         limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
     limit = float(limit)
 
-    one = replication.curve(ctx, s, bw, "tk_order_tiers", replication.benefit_key(s, bw)) if nodes == 1 else None
+    one = replication.curve(ctx, s, "tk_order_tiers", replication.benefit_key(s, net)) if nodes == 1 else None
+    # across nodes the fitted link is the nodes' (a cluster run's calls cross it); within a node
+    # the ranks share memory: free beside it unless --intra-bw says otherwise
+    beta = net.fit.beta_s_per_byte
+    beta_intra = 1 / ctx.options.intra_bw if ctx.options.intra_bw else 0.0
 
     def figures(k1: int, k2: int) -> dict:
         if one is not None:  # one node: tier 1 is replication, as the trainer applies it
@@ -149,27 +153,30 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
                     "inter_bytes_per_step": 0.0, "a2a_bytes_per_step": float(one.a2a_out[k1]),
                     "a2a_remote_bytes_per_step": float(one.a2a_rem[k1]),
                     "sync_intra_bytes_per_step": float(one.sync[k1]), "sync_inter_bytes_per_step": 0.0,
-                    "comm_time_s": float(one.comm_time[k1]), "memory_bytes_per_rank": cum_rb[k1],
-                    "tier1_sync": one.sync_kind(k1)}
+                    "comm_time_s": float(one.comm_time[k1] + one.work[k1]), "memory_bytes_per_rank": cum_rb[k1],
+                    "tier1_sync": one.sync_kind(k1), "error_s": float(one.error[k1]),
+                    "step_time_s": None if one.step_time is None else float(one.step_time[k1])}
         k12 = k1 + k2
         intra = (total[1] - a_intra[k12]) + (a_t2[k12] - a_t2[k1])
         inter = total[2] - a_inter[k12]
         own = (total[0] - a_self[k12]) + (a_t2_self[k12] - a_t2_self[k1])
         tier2_inter = 2 * (nodes - 1) * (union[k12] - union[k1]) + (nodes - 1) * s.id_bytes * (pairs[k12] - pairs[k1])
-        slower = bw["all_reduce"] / bw["all_to_all_single"]  # an all-reduce's bus bandwidth against the a2a's
         options = []
+        exchange = len(costmodel.COLLECTIVES) * net.alpha(network.A2A)
         for kind, block, index in (("sparse_allreduce", union[k1], pairs[k1]), ("dense_allreduce", cum_rb[k1], 0.0)):
             sync_intra = 2 * nodes * (g - 1) * block + (g - 1) * s.id_bytes * index
             sync_inter = 2 * (nodes - 1) * block + (s.world - g) * s.id_bytes * index + tier2_inter
-            time = (intra / bw["intra"] + inter / bw["inter"]
-                    + sync_intra / (bw["intra"] * slower) + sync_inter / (bw["inter"] * slower)) / s.world
+            calls = net.sync_calls(kind) if sync_intra + sync_inter > 0 else 0
+            time = (exchange + calls * net.alpha(network.ALL_REDUCE)
+                    + (beta_intra * (intra + sync_intra) + beta * (inter + sync_inter)) / s.world)
             options.append((time, kind, sync_intra, sync_inter))
         time, kind, sync_intra, sync_inter = min(options)
+        calls = net.sync_calls(kind) if sync_intra + sync_inter > 0 else 0
         return {"tier1_rows": k1, "tier2_rows": k2, "intra_bytes_per_step": intra, "inter_bytes_per_step": inter,
                 "a2a_bytes_per_step": intra + inter + own, "a2a_remote_bytes_per_step": intra + inter,
                 "sync_intra_bytes_per_step": sync_intra, "sync_inter_bytes_per_step": sync_inter,
                 "comm_time_s": time, "memory_bytes_per_rank": cum_rb[k1] + (cum_rb[k12] - cum_rb[k1]) / g,
-                "tier1_sync": kind}
+                "tier1_sync": kind, "error_s": net.error(calls, time - exchange), "step_time_s": None}
 
     candidates = []
     chosen_k = int((rep.section or {}).get("predicted", {}).get("hot_rows", 0))
@@ -181,8 +188,10 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
         candidates.append(figures(k1, 0 if nodes == 1 else max(k12 - k1, 0)))
     chosen = min(candidates, key=lambda f: (f["comm_time_s"], f["tier1_rows"]))
     base = figures(0, 0)
-    step_time = None if s.step_time_s is None else max(0.0, s.step_time_s + chosen["comm_time_s"] - base["comm_time_s"])
-    predicted = {**{k: float(v) for k, v in chosen.items() if k != "tier1_sync"},
+    step_time = chosen["step_time_s"]
+    if step_time is None and s.step_time_s is not None:
+        step_time = max(0.0, s.step_time_s + chosen["comm_time_s"] - base["comm_time_s"])
+    predicted = {**{k: float(v) for k, v in chosen.items() if k not in ("tier1_sync", "error_s", "step_time_s")},
                  "sync_bytes_per_step": float(chosen["sync_intra_bytes_per_step"]
                                               + chosen["sync_inter_bytes_per_step"]),
                  "baseline_intra_bytes_per_step": float(base["intra_bytes_per_step"]),
@@ -199,10 +208,12 @@ def _derive(ctx: Context, bandwidth: dict | None) -> PolicyResult:
     section = {"topology": {"nodes": nodes, "ranks_per_node": g}, "rows": "policy/tiers.parquet",
                "tier1_sync": chosen["tier1_sync"],
                "budget_bytes_per_rank": int(limit), "predicted": predicted, "why": why}
+    if step_time is not None:
+        section["intervals"] = {"step_time_s": [max(step_time - chosen["error_s"], 0.0), step_time + chosen["error_s"]]}
     notes = list(s.notes)
-    if not one_node and not ctx.options.inter_bw and bandwidth is None:
-        notes.append("no --inter-bw: inter-node bandwidth taken equal to the measured all-to-all bandwidth")
+    if not one_node and not ctx.options.intra_bw:
+        notes.append("no --intra-bw: traffic within a node taken as free beside the fitted inter-node link")
     evidence = {"ordering": "replication's benefit per replica byte", "candidates": len(candidates),
-                "budget_bytes_per_rank": limit, "bandwidth": bw, "bandwidth_source": bw_source,
+                "budget_bytes_per_rank": limit, "network": net.summary(),
                 "reduces_to_replication": one_node, "notes": notes}
     return PolicyResult("tiers", section=section, rows={"tiers": rows}, evidence=evidence)

@@ -1,0 +1,337 @@
+"""The one model of time per training step that every prediction uses (policies, `simulate`,
+`compare`, the lag model, the report): collectives fitted from the run's own calls, the work a
+policy adds on the rank from a calibration, and one baseline step time.
+
+Collectives (an α–β model per process group). A synchronous training call, matched across ranks
+(step, op, group, order), takes its transfer time: the least duration a rank saw (the others also
+waited for the last rank to arrive). Its wire size x is what the busiest link carries one way:
+
+    all_to_all   max over ranks of max(remote bytes out, remote bytes in)   (lopsided exchanges)
+    all_reduce   2(n−1)/n · S      (ring, S the buffer)
+    all_gather   (n−1)/n · S_in    (S_in the gathered output)
+    other        bytes_out
+
+and time = α_op + β · x, fitted by least squares over every call of the group (one β: one link;
+one α per op: each op's fixed cost on the wire and on the rank), then refitted without the calls
+whose residual exceeds RESIDUAL_CLIP robust deviations (waits the least duration did not remove).
+`residual_s` is the robust spread (1.4826 · MAD) of the residuals. Where the calls' sizes do not
+spread enough to tell β (x_max < MIN_SPREAD · x_min), β comes from the options' link rate or
+stays 0 and says so. Options `--intra-bw`/`--inter-bw` fix β (1 / rate) and fit α alone.
+
+Rank-side work: a policy also adds work on the rank (the replica path's split, gather and sync
+bookkeeping, a compression hook's selection). `tracekit calibrate` (tracekit/dlrm/calibrate.py)
+measures it on the run's machine into analysis/calibration.json; `Network.work` reads its linear
+models. Without that file the added work is unknown: predictions say so and count one α per added
+collective only.
+
+Baseline step time: per training step the slowest rank's t_end − t_start, the first
+`warmup_steps(n)` = min(5, max(1, n // 4)) steps left out (the same rule in `compare`, `simulate`,
+the timeline and the lag model), median. `spread_s` is the run's own step-time drift: half the
+range of the medians of WINDOWS contiguous windows of the kept steps, the part of run-to-run
+variation one run can show.
+
+    net = network(ctx)
+    net.call("all_to_all_single", 64e3)          # seconds of one call moving 64 kB on its busiest link
+    net.sync("sparse_allreduce", 120e3)          # a replica sync of 120 kB per step (Σ ranks)
+    net.step.median_s, net.step.spread_s
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from analyses.context import Context
+
+A2A = "all_to_all_single"
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+SPARSE_SYNC_OPS = (ALL_GATHER, A2A, ALL_REDUCE)  # the count, the ids, the union rows
+MIN_SPREAD = 1.5
+RESIDUAL_CLIP = 4.0
+WINDOWS = 4
+MAX_WARMUP = 5
+WIRE_EFFICIENCY = 1448 / 1514
+"""TCP payload per byte on an Ethernet link at MTU 1500 (with TCP timestamps): what a rate-limited
+link such as `tracekit cluster`'s delivers."""
+
+
+def warmup_steps(n: int) -> int:
+    """Steps left out at the start of a run of n timed steps: min(5, max(1, n // 4)), none of one
+    step. The first step's window opens when the collectors start, so it holds start-up."""
+    return min(MAX_WARMUP, max(1, n // 4)) if n > 1 else 0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    median_s: float | None
+    spread_s: float
+    steps: int  # kept
+    warmup: int
+
+
+@dataclass(frozen=True)
+class Fit:
+    """time = alpha_s[op] + beta_s_per_byte · x, over one process-group size."""
+
+    group_size: int
+    alpha_s: dict[str, float]
+    beta_s_per_byte: float
+    residual_s: float
+    calls: int
+    kept: int
+    source: str
+
+    @property
+    def bandwidth(self) -> float | None:
+        return 1 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None
+
+
+@dataclass
+class Network:
+    world: int
+    fit: Fit
+    step: StepTime
+    calibration: dict | None
+    notes: list[str] = field(default_factory=list)
+
+    def alpha(self, op: str) -> float:
+        a = self.fit.alpha_s
+        return a.get(op, a.get(A2A, a.get(ALL_REDUCE, 0.0)))
+
+    def call(self, op: str, wire_bytes: float) -> float:
+        """Seconds of one call of `op` whose busiest link carries `wire_bytes` one way."""
+        return self.alpha(op) + self.fit.beta_s_per_byte * max(wire_bytes, 0.0)
+
+    def all_reduce(self, bytes_per_rank: float) -> float:
+        w = max(self.world, 1)
+        return self.call(ALL_REDUCE, 2 * (w - 1) / w * bytes_per_rank)
+
+    def sync(self, kind: str, total_bytes: float) -> float:
+        """A replica sync moving `total_bytes` per step (Σ ranks' wire bytes, analyses.exchange's
+        formulas): its collectives' α and its per-rank wire bytes at β; 0 for nothing to sync."""
+        if total_bytes <= 0:
+            return 0.0
+        ops = SPARSE_SYNC_OPS if kind == "sparse_allreduce" else (ALL_REDUCE,)
+        return sum(self.alpha(op) for op in ops) + self.fit.beta_s_per_byte * total_bytes / max(self.world, 1)
+
+    def sync_calls(self, kind: str) -> int:
+        return len(SPARSE_SYNC_OPS) if kind == "sparse_allreduce" else 1
+
+    def work(self, kind: str, **sizes):
+        """Seconds per step a policy path adds on the rank, from the calibration's linear model for
+        `kind` ("replication.sparse_allreduce", "dct_dp", ...) at `sizes` (its variables without
+        the c_ prefix and _s suffix: ids=, hot=, rows=, elements= ...); None: not calibrated."""
+        model = self._model(kind)
+        if model is None:
+            return None
+        total = float(model.get("c0_s", 0.0))
+        for name, value in sizes.items():
+            total = total + float(model.get(f"c_{name}_s", 0.0)) * np.asarray(value, dtype=np.float64)
+        return np.maximum(total, 0.0)
+
+    def work_residual(self, kind: str) -> float:
+        model = self._model(kind)
+        return float(model.get("residual_s", 0.0)) if model else 0.0
+
+    def _model(self, kind: str) -> dict | None:
+        node = self.calibration
+        for part in kind.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node if isinstance(node, dict) else None
+
+    def error(self, added_calls: float, wire_change_s: float, work_kind: str | None = None) -> float:
+        """The model's error on a predicted step time: each added or removed call's residual
+        (independent), the fitted β's share of the wire time changed, the calibration's residual,
+        and the baseline's own drift."""
+        fit = math.sqrt(max(added_calls, 0.0)) * self.fit.residual_s
+        beta = abs(wire_change_s) * (self.fit.residual_s / max(self.fit_scale, 1e-12) if self.fit.kept else 1.0)
+        work = self.work_residual(work_kind) if work_kind else 0.0
+        return math.sqrt(fit ** 2 + min(beta, abs(wire_change_s)) ** 2 + work ** 2) + self.step.spread_s
+
+    @property
+    def fit_scale(self) -> float:
+        """The typical call time the residual compares with."""
+        return max(self.fit.alpha_s.values(), default=0.0) or 1e-3
+
+    def summary(self) -> dict:
+        return {"group_size": self.fit.group_size, "alpha_s": self.fit.alpha_s,
+                "beta_s_per_byte": self.fit.beta_s_per_byte, "bandwidth_bytes_per_s": self.fit.bandwidth,
+                "residual_s": self.fit.residual_s, "calls": self.fit.calls, "calls_fitted": self.fit.kept,
+                "source": self.fit.source, "step_time_s": self.step.median_s, "step_spread_s": self.step.spread_s,
+                "timed_steps": self.step.steps, "warmup_steps": self.step.warmup,
+                "rank_work": "calibrated" if self.calibration else "not calibrated (tracekit calibrate RUN)",
+                "notes": self.notes}
+
+
+_networks: weakref.WeakKeyDictionary[Context, Network] = weakref.WeakKeyDictionary()
+
+
+def network(ctx: Context) -> Network:
+    """The run's network model (cached per context)."""
+    if ctx not in _networks:
+        notes: list[str] = []
+        calibration = _calibration(ctx, notes)
+        _networks[ctx] = Network(ctx.model.world_size, fit_calls(ctx, notes), step_time(ctx), calibration, notes)
+    return _networks[ctx]
+
+
+# the baseline step time -------------------------------------------------------------------------
+
+def step_frame(ctx: Context) -> pl.DataFrame:
+    """Per training step: step, step_time_s (the slowest rank's), in step order."""
+    if not ctx.has("steps"):
+        return pl.DataFrame(schema={"step": pl.Int64, "step_time_s": pl.Float64})
+    return ctx.frame("""SELECT step, max(t_end_ns - t_start_ns) / 1e9 AS step_time_s FROM steps
+                        WHERE t_end_ns >= t_start_ns GROUP BY step ORDER BY step""")
+
+
+def step_time(ctx: Context) -> StepTime:
+    return timed(step_frame(ctx)["step_time_s"].to_numpy())
+
+
+def timed(times: np.ndarray) -> StepTime:
+    """The baseline rule over step times in step order (module docstring)."""
+    n = len(times)
+    if not n:
+        return StepTime(None, 0.0, 0, 0)
+    skip = warmup_steps(n)
+    kept = np.asarray(times[skip:], dtype=np.float64)
+    windows = [w for w in np.array_split(kept, WINDOWS) if len(w)] if len(kept) >= 2 * WINDOWS else [kept]
+    medians = [float(np.median(w)) for w in windows]
+    return StepTime(float(np.median(kept)), (max(medians) - min(medians)) / 2, len(kept), skip)
+
+
+# the α–β fit ------------------------------------------------------------------------------------
+
+def calls_frame(ctx: Context) -> pl.DataFrame:
+    """One row per synchronous training collective matched across ranks: op, group_size, x (wire
+    bytes on its busiest link, module docstring), time_s (least duration over the ranks)."""
+    schema = {"op": pl.String, "group_size": pl.Int64, "x": pl.Float64, "time_s": pl.Float64}
+    if not ctx.has("comms"):
+        return pl.DataFrame(schema=schema)
+    frame = ctx.frame("""
+        SELECT step, op, "group", group_size, rank, bytes_out, bytes_in, splits_out,
+               (t_end_ns - t_start_ns) / 1e9 AS time_s,
+               row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
+        FROM train_comms
+        WHERE t_end_ns > t_start_ns AND group_size >= 2 AND op <> 'barrier' AND NOT "async"
+              AND greatest(bytes_out, bytes_in) > 0""")
+    if not frame.height:
+        return pl.DataFrame(schema=schema)
+    rows = []
+    for (_, op, _, _), call in frame.group_by("step", "op", "group", "nth"):
+        n = int(call["group_size"][0])
+        rows.append((op, n, _wire(op, n, call), float(call["time_s"].min())))
+    return pl.DataFrame(rows, schema=schema, orient="row")
+
+
+def _wire(op: str, n: int, call: pl.DataFrame) -> float:
+    if op.startswith("all_to_all") and call["splits_out"].null_count() == 0:
+        ranks = call["rank"].to_list()
+        if len(ranks) == n and sorted(ranks) == list(range(n)) and all(len(s) == n for s in call["splits_out"]):
+            m = np.zeros((n, n))
+            for r, splits in zip(ranks, call["splits_out"].to_list()):
+                m[r] = splits
+            np.fill_diagonal(m, 0)
+            return float(max(m.sum(axis=1).max(), m.sum(axis=0).max()))
+        return float(call["bytes_out"].max()) * (n - 1) / n
+    if op == ALL_REDUCE:
+        return 2 * (n - 1) / n * float(call["bytes_out"].max())
+    if op.startswith("all_gather"):
+        return (n - 1) / n * float(call["bytes_in"].max())
+    return float(call["bytes_out"].max())
+
+
+def fit_calls(ctx: Context, notes: list[str]) -> Fit:
+    """The α–β fit over the run's calls in its largest group (module docstring)."""
+    calls = calls_frame(ctx).with_columns(pl.col("op").str.replace(r"^all_gather.*", ALL_GATHER))
+    given = ctx.options.inter_bw or ctx.options.intra_bw
+    if not calls.height:
+        notes.append("no timed synchronous collective in the run: α = 0, β from the options or 0")
+        return Fit(ctx.model.world_size, {}, 1 / given if given else 0.0, 0.0, 0, 0, "none")
+    size = int(calls["group_size"].mode().max())
+    calls = calls.filter(pl.col("group_size") == size)
+    ops = sorted(calls["op"].unique())
+    x, t = calls["x"].to_numpy(), calls["time_s"].to_numpy()
+    op_index = np.array([ops.index(o) for o in calls["op"]])
+    spread = x.max() >= MIN_SPREAD * max(x.min(), 1.0)
+    beta_fixed = 1 / given if given else (None if spread else 0.0)
+    keep = np.ones(len(t), dtype=bool)
+    for _ in range(2):
+        alpha, beta = _lstsq(x[keep], t[keep], op_index[keep], len(ops), beta_fixed)
+        residual = t - (alpha[op_index] + beta * x)
+        scale = _robust(residual[keep])
+        keep = np.abs(residual) <= RESIDUAL_CLIP * max(scale, 1e-6)
+    source = ("β from --intra-bw/--inter-bw, α fitted" if given else
+              "α–β least squares over the run's calls" if spread else
+              "α fitted; the calls' sizes do not spread enough to tell β (taken 0)")
+    if beta_fixed == 0.0 and not given:
+        notes.append(f"network: {source}")
+    return Fit(size, {op: float(a) for op, a in zip(ops, alpha)}, float(beta), _robust(residual[keep]),
+               len(t), int(keep.sum()), source)
+
+
+def _lstsq(x: np.ndarray, t: np.ndarray, op: np.ndarray, n_ops: int, beta: float | None) -> tuple[np.ndarray, float]:
+    onehot = np.zeros((len(t), n_ops))
+    onehot[np.arange(len(t)), op] = 1.0
+    if beta is None:
+        coef, *_ = np.linalg.lstsq(np.column_stack([onehot, x]), t, rcond=None)
+        alpha, beta = coef[:n_ops], float(coef[n_ops])
+        if beta < 0:  # sizes that do not explain time: every call its op's median
+            beta = 0.0
+            alpha = np.array([np.median(t[op == i]) if (op == i).any() else 0.0 for i in range(n_ops)])
+    else:
+        alpha = np.array([np.median((t - beta * x)[op == i]) if (op == i).any() else 0.0 for i in range(n_ops)])
+    return np.maximum(alpha, 0.0), float(beta)
+
+
+def _robust(residual: np.ndarray) -> float:
+    if not len(residual):
+        return 0.0
+    return float(1.4826 * np.median(np.abs(residual - np.median(residual))))
+
+
+# links of a cluster (analyses.simulate projects a run onto one) --------------------------------
+
+def exchange_time(m: np.ndarray, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
+    """Seconds of an exchange of m[src, dst] bytes on nodes × per_node ranks (module docstring)."""
+    node = np.arange(m.shape[0]) // per_node
+    cross = node[:, None] != node[None, :]
+    same = ~cross & ~np.eye(len(node), dtype=bool)
+    out_n = np.bincount(node, weights=(m * cross).sum(axis=1), minlength=nodes)
+    in_n = np.bincount(node, weights=(m * cross).sum(axis=0), minlength=nodes)
+    out_r, in_r = (m * same).sum(axis=1), (m * same).sum(axis=0)
+    link = np.maximum(out_n, in_n) if duplex else out_n + in_n
+    local = np.maximum(out_r, in_r) if duplex else out_r + in_r
+    t_inter = float(link.max()) / inter if nodes > 1 else 0.0
+    t_intra = float(local.max()) / intra if per_node > 1 else 0.0
+    return max(t_inter, t_intra)
+
+
+def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
+    world = nodes * per_node
+    if world < 2 or not per_rank:
+        return 0.0
+    wire = 2 * (world - 1) / world * per_rank * (2 if world == 2 and not duplex else 1)
+    return max(wire / inter if nodes > 1 else 0.0, wire / intra if per_node > 1 else 0.0)
+
+
+# the rank-side work -----------------------------------------------------------------------------
+
+def _calibration(ctx: Context, notes: list[str]) -> dict | None:
+    path = ctx.path / "analysis" / "calibration.json"
+    if not path.is_file():
+        notes.append("rank-side work not calibrated (no analysis/calibration.json; `tracekit calibrate RUN` on the "
+                      "run's machine): a policy's added work counts one α per added collective only")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        notes.append(f"{path}: unreadable ({err}); rank-side work not calibrated")
+        return None
