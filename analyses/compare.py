@@ -1,15 +1,16 @@
 """Compare: recorded runs against a base run, and each against the policy it applied (DESIGN.md §6).
 
-    result = compare("runs/base", ["runs/hybrid"], skip_steps=5)
+    result = compare("runs/base", ["runs/hybrid"])   # skip_steps: analyses.network's warm-up rule
     result.summary["runs"][1]["ratios"]["step_time_s"]   # hybrid's median step time / base's
-    result.tables["compare_policy"]   # run | section | figure | unit | predicted | measured | diff | diff_pct
+    result.tables["compare_policy"]   # run | section | figure | unit | kind | predicted | predicted_low | ...
 
 Every figure comes from training rows: `comms` with phase = 'train' and the `steps` table (training
-steps). Bytes are exact and use every training step; times skip the first `skip_steps` (warm-up).
+steps). Bytes are exact and use every training step; times skip the first `skip_steps` (warm-up;
+by default analyses.network.warmup_steps of the run's steps, the rule analyze's baseline uses).
 
 Per run:
 - step_time_s (median) and step_time_p90_s: per step the slowest rank's t_end_ns − t_start_ns (as
-  analyses.costmodel), over the steps after the first `skip_steps` (all of them, with a warning, where
+  analyses.network), over the steps after the first `skip_steps` (all of them, with a warning, where
   the run has no more). samples_per_s = Σ global samples / Σ step time over those steps; a step's
   global samples are steps.samples summed over ranks or, where the trainer leaves that 0 (unknown),
   the batches of the input dist's lengths all-to-all (analyses.sources.batches; `samples_source`).
@@ -39,11 +40,13 @@ Per run:
   the steps both have (an exact policy gives ~1e-6).
 - ratios to BASE: run / base of each figure above (null where BASE's is 0 or unknown).
 
-Policies. A run that applied one names it in manifest `policy` ({"path", "sha256"}). The file is
-loaded with tracekit.policy.load_policy; a missing file, another sha256, an invalid file or one for
-another model is a warning, and what can be compared still is. Each section present (replication,
-tiers, schedule, compression.dp/.mp, lag) gives rows of predicted against measured for the figures it
-predicts: a2a_bytes_per_step, a2a_remote_bytes_per_step, sync_bytes_per_step, dp_bytes_per_step, total_bytes_per_step
+Policies. A run that applied one names it in manifest `policy` ({"path", "sha256", "applied",
+"skipped"}; runs recorded before the trainer named its sections applied every section present). The
+file is loaded with tracekit.policy.load_policy; a missing file, another sha256, an invalid file or
+one for another model is a warning, and what can be compared still is. Each section the run applied
+(replication, tiers, schedule, compression.dp/.mp, lag) gives rows of predicted against measured for
+the figures it predicts (a note names each section skipped, with why): a2a_bytes_per_step,
+a2a_remote_bytes_per_step, sync_bytes_per_step, dp_bytes_per_step, total_bytes_per_step
 (predicted: a2a + sync, sync 0 where the section predicts none), total_remote_bytes_per_step,
 step_time_s, makespan_s (lag: the recurrence's, against an inference run's measured makespan in
 its manifest `metrics`), and the savings against BASE's measured figures (the baseline used
@@ -53,8 +56,11 @@ throughout):
     remote_saving  the same with total_remote_bytes_per_step
 
 diff = measured − predicted; diff_pct = diff / predicted (0 where both are 0, null where only the
-prediction is). The trainer applies every section present together, so a run with several sections
-measures all of them at once against each section's own prediction (a note says so). The policy's
+prediction is). kind is `estimated` where the figure rests on a figure the section gives an interval
+for (`intervals`), with predicted_low/predicted_high the same formulas at the intervals' ends; else
+`exact`, with no interval. A run that applied several sections measures all of them at once against
+each section's own prediction (a note says so), and against the policy's `combined` prediction, in
+rows of section "combined", where that names exactly the sections applied. The policy's
 `baseline` is shown as section "baseline" against BASE's measured figures: a check that the policy
 was derived from a run like BASE. A predicted step time is the source run's median over every step
 plus the change in communication time; the measured one skips the warm-up steps.
@@ -67,14 +73,16 @@ number of training steps or samples per step, a recorded command that differs ot
 Tables (`compare(...).tables`): compare_runs (one row per run, the figures above), compare_bytes
 (run, op, tag, kind, calls, bytes_out_per_step, wire_bytes_per_step), compare_schedule (run,
 schedule, steps, bytes_per_step, embedding_bytes_per_step), compare_policy (run, section, figure,
-unit, predicted, measured, diff, diff_pct). The summary (JSON-able): base, skip_steps, runs (each
-with its figures, ratios, by_op_tag, schedule, metrics, policy), rows, warnings, notes.
+unit, kind, predicted, predicted_low, predicted_high, measured, diff, diff_pct). The summary
+(JSON-able): base, skip_steps, runs (each with its figures, ratios, by_op_tag, schedule, metrics,
+policy: path, sha256, status, sections applied, skipped), rows, warnings, notes.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,12 +93,12 @@ import polars as pl
 
 from analyses import sources, traffic
 from analyses.context import Context, Result, open_context
+from analyses.network import warmup_steps
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.errors import PolicyMismatch, RunMismatch, TracekitError
-from tracekit.policy import SECTIONS, PolicyError, check_model, load_policy
+from tracekit.policy import PolicyError, check_model, load_policy, sections
 from tracekit.schema import STATUS_COMPLETED
 
-SKIP_STEPS = 5
 SYNC_TAGS = ("replica_sync", "tier2_sync")
 """Tag prefixes of replica synchronisation (the trainer's tracekit.label names)."""
 DDP_TAGS = ("ddp_bucket",)
@@ -143,7 +151,7 @@ class Measured:
     notes: list[str] = field(default_factory=list)
 
 
-def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_steps: int = SKIP_STEPS) -> Result:
+def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_steps: int | None = None) -> Result:
     """BASE and each of `runs` measured (module docstring), with ratios to BASE and each run's policy
     predictions against its measurements. TracekitError for a path that is not a run, RunMismatch
     for runs of another model."""
@@ -174,17 +182,19 @@ def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_
         if policy is not None:
             rows += policy_rows(m, policy, first, result.notes)
     result.tables = tables(measured, rows)
-    result.summary = {"base": first.name, "skip_steps": skip_steps, "runs": [m.figures for m in measured],
+    result.summary = {"base": first.name, "skip_steps": max(m.figures["skip_steps"] for m in measured), "runs": [m.figures for m in measured],
                       "rows": rows, "warnings": warnings, "notes": result.notes}
     return result
 
 
 # one run ----------------------------------------------------------------------------------------
 
-def measure(ctx: Context, skip_steps: int) -> Measured:
-    """The figures of one run (module docstring)."""
+def measure(ctx: Context, skip_steps: int | None) -> Measured:
+    """The figures of one run (module docstring); `skip_steps` None: analyses.network's warm-up rule."""
     name, manifest, notes = str(ctx.path), ctx.manifest, []
     steps, samples_source = step_frame(ctx, notes)
+    if skip_steps is None:
+        skip_steps = warmup_steps(steps.height)
     calls = (ctx.frame(_CALLS.format(world=ctx.model.world_size)) if ctx.has("comms")
              else pl.DataFrame(schema=_CALLS_SCHEMA))
     n = traffic.training_steps(ctx)
@@ -196,6 +206,7 @@ def measure(ctx: Context, skip_steps: int) -> Measured:
     figures: dict[str, Any] = {
         "run": name, "status": manifest.get("status"), "exit_code": manifest.get("exit_code"),
         "where": where(manifest), "world_size": ctx.model.world_size, "steps": n, "timed_steps": kept.height,
+        "skip_steps": skip_steps,
         "step_time_s": kept["step_time_s"].median(),
         "step_time_p90_s": kept["step_time_s"].quantile(0.9, "linear"),
         "samples_per_step": steps["samples"].mean() if samples_known else None,
@@ -414,34 +425,36 @@ def applied_policy(m: Measured) -> tuple[dict | None, dict | None, list[str]]:
     except PolicyError as err:
         info["status"] = "invalid"
         return None, info, [*warnings, f"{m.name}: {err}"]
-    info["sections"] = [label for label, _ in sections(policy)]
+    applied = ref.get("applied")  # None: recorded before the trainer named them, when it applied every one
+    info["sections"] = list(applied) if applied is not None else [label for label, _ in sections(policy)]
+    info["skipped"] = ref.get("skipped") or {}
     return policy, info, warnings
 
 
-def sections(policy: dict) -> list[tuple[str, dict]]:
-    """(label, body) of each section present, compression's dp and mp separately."""
-    out = []
-    for name in SECTIONS:
-        if name == "compression":
-            out += [(f"compression.{sub}", body) for sub, body in policy.get(name, {}).items()]
-        elif name in policy:
-            out.append((name, policy[name]))
-    return out
-
-
 def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> list[dict]:
-    """Predicted against measured for each section of `policy` and its baseline (module docstring)."""
+    """Predicted against measured for each section the run applied, their combination and the
+    policy's baseline (module docstring)."""
     measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, "dp_bytes_per_step", "step_time_s")},
                 "makespan_s": (m.manifest.get("metrics") or {}).get("makespan_s"),  # inference runs
                 **savings(m.figures, base.figures)}
+    bodies, applied = dict(sections(policy)), m.figures["policy"]["sections"]
+    checked = [(label, bodies[label]) for label in applied if label in bodies]
+    notes += [f"{m.name} skipped {label}: {why}" for label, why in m.figures["policy"]["skipped"].items()]
+    if len(checked) > 1:
+        combined = policy.get("combined")
+        if combined is not None and sorted(combined["sections"]) == sorted(applied):
+            checked.append(("combined", combined))
+            joint = "; section combined is the policy's prediction for them together"
+        else:
+            joint = ("; the policy has no prediction for them together" if combined is None else
+                     f"; the policy's combined prediction is for {', '.join(combined['sections'])}, not compared")
+        notes.append(f"{m.name} applied {', '.join(applied)} together: each section's rows are its own prediction "
+                     f"against the measurement of all of them{joint}")
     rows = []
-    present = sections(policy)
-    for label, body in present:
-        predicted = predicted_figures(body["predicted"], base.figures)
-        rows += [row(m.name, label, figure, value, measured.get(figure)) for figure, value in predicted.items()]
-    if len(present) > 1:
-        notes.append(f"{m.name} applied {', '.join(label for label, _ in present)} together: each row is one "
-                     "section's own prediction against the measurement of all of them")
+    for label, body in checked:
+        intervals = predicted_intervals(body, base.figures)
+        rows += [row(m.name, label, figure, value, measured.get(figure), intervals.get(figure))
+                 for figure, value in predicted_figures(body["predicted"], base.figures).items()]
     baseline = {"a2a_bytes_per_step": "a2a_bytes_per_step", "allreduce_bytes_per_step": "allreduce_bytes_per_step",
                 "step_time_s": "step_time_s"}
     rows += [row(m.name, "baseline", key, policy["baseline"][key], base.figures.get(ours))
@@ -462,6 +475,17 @@ def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
     return out
 
 
+def predicted_intervals(body: dict, base: dict) -> dict[str, tuple[float, float]]:
+    """(low, high) of each figure predicted_figures derives from `body` that rests on an estimate (a
+    figure of its `intervals`): the same formulas at the intervals' low ends and at their high ends,
+    ordered (every derived figure moves one way with all the estimates it sums). Figures left out are
+    exact."""
+    intervals = body.get("intervals") or {}
+    ends = [predicted_figures(body["predicted"] | {k: pair[i] for k, pair in intervals.items()}, base) for i in (0, 1)]
+    unknown = predicted_figures(body["predicted"] | {k: math.nan for k in intervals}, base)
+    return {k: (min(ends[0][k], ends[1][k]), max(ends[0][k], ends[1][k])) for k, v in unknown.items() if math.isnan(v)}
+
+
 def savings(figures: dict, base: dict) -> dict[str, float]:
     """saving and remote_saving of `figures` against BASE's measured totals, where both exist."""
     out = {}
@@ -471,12 +495,15 @@ def savings(figures: dict, base: dict) -> dict[str, float]:
     return out
 
 
-def row(run: str, section: str, figure: str, predicted: float, measured: float | None) -> dict:
+def row(run: str, section: str, figure: str, predicted: float, measured: float | None,
+        interval: tuple[float, float] | None = None) -> dict:
     unit = "bytes" if figure.endswith("bytes_per_step") else "s" if figure.endswith("_s") else "fraction"
     diff = None if measured is None else measured - predicted
     diff_pct = None if diff is None else diff / predicted if predicted else 0.0 if diff == 0 else None
-    return {"run": run, "section": section, "figure": figure, "unit": unit, "predicted": predicted,
-            "measured": measured, "diff": diff, "diff_pct": diff_pct}
+    low, high = interval or (None, None)
+    return {"run": run, "section": section, "figure": figure, "unit": unit,
+            "kind": "exact" if interval is None else "estimated", "predicted": predicted, "predicted_low": low,
+            "predicted_high": high, "measured": measured, "diff": diff, "diff_pct": diff_pct}
 
 
 def _number(value: Any) -> bool:
@@ -493,7 +520,8 @@ def tables(measured: list[Measured], rows: list[dict]) -> dict[str, pl.DataFrame
     by_op = [by_op_tag(m.calls, m.figures["steps"]).with_columns(pl.lit(m.name).alias("run")) for m in measured]
     split = [schedule_split(m.steps, m.calls).with_columns(pl.lit(m.name).alias("run")) for m in measured]
     policy_schema = {"run": pl.String, "section": pl.String, "figure": pl.String, "unit": pl.String,
-                     "predicted": pl.Float64, "measured": pl.Float64, "diff": pl.Float64, "diff_pct": pl.Float64}
+                     "kind": pl.String, "predicted": pl.Float64, "predicted_low": pl.Float64,
+                     "predicted_high": pl.Float64, "measured": pl.Float64, "diff": pl.Float64, "diff_pct": pl.Float64}
     return {"compare_runs": pl.DataFrame(flat, infer_schema_length=None),
             "compare_bytes": pl.concat(by_op).select("run", pl.exclude("run")),
             "compare_schedule": pl.concat(split).select("run", pl.exclude("run")),

@@ -13,11 +13,12 @@ F_t the features looking table t up, 1 but for a TorchRec table: analyses.source
 
 Bytes are summed over ranks' `bytes_out`, self-splits included, so they compare with `comms`
 exactly (`*_bytes_per_step`); `remote_*` leaves out what a rank sends itself (what crosses the
-network). Time per step = remote bytes per rank / the all-to-all bandwidth (+ sync bytes per rank
-/ the all-reduce bandwidth, + a collective's latency per collective a policy adds), and a policy's
-predicted step time is the measured one plus the change in that communication time (SCARS's
-t_iter = t_compute + t_comm, no overlap). Bandwidths and latency come from transfer times: a
-call's least duration over the ranks (analyses.traffic), not the waits for late ranks.
+network). A policy's predicted step time (`timing`) is the measured one (analyses.network's
+baseline rule) less the baseline exchange's time plus the policy's: each all-to-all α + β · its
+busiest link's bytes (scaled with its remote bytes), the sync's collectives and bytes, and the
+rank-side work the calibration measured (SCARS's t_iter = t_compute + t_comm, no overlap); α and β
+are fitted from the run's own calls (analyses.network). `sync_choice` is the one rule for dense or
+sparse sync, used by every policy that replicates.
 
 Under hybrid replication of a hot set H (papers §7, SCARS step 5), as the trainer does it
 (tracekit/dlrm/sharding.py): a hot id is looked up where its sample is, so its id leaves the
@@ -44,7 +45,7 @@ fetches each distinct remote row once per device: id_bytes + 2·rb per row.
 replay is an average over those sampled steps; `accesses` (every step) are not needed here.
 Source ranks come from analyses.sources.
 
-`compute(ctx)` writes two tables:
+`compute(ctx, policies)` (after the policies: it reads what they derived) writes two tables:
 - `costmodel`: policy (baseline, dedup_fetch, replication, tiers, schedule), collective, method
   (replay | expected), bytes_per_step, remote_bytes_per_step, time_s;
 - `costmodel_check`: check, subject, predicted, measured, diff, rel_diff — `bytes_out` per
@@ -52,7 +53,7 @@ Source ranks come from analyses.sources.
   attribution and the layout hold), `distinct_rows` and `remote_rows` per table (E[U] against the
   replay's mean per device batch), `replication_a2a_remote` and `replication_union_rows` (the
   formulas against the replay at the chosen hot set);
-and a summary (baseline bytes and time, bandwidths and their source, baseline_matches_comms,
+and a summary (baseline bytes and time, the network model's fit, baseline_matches_comms,
 distinct_rows_max_rel_diff, source_attribution_exact).
 
     result = compute(ctx)      # tables costmodel, costmodel_check; summary
@@ -94,6 +95,7 @@ class Setup:
     lookups_per_rank: float  # ids of sharded tables a rank's samples look up per step
     base: dict[str, tuple[float, float]]  # collective -> (bytes_out, remote) per step, replayed
     busiest: dict[str, float]  # collective -> wire bytes per step on its busiest link (analyses.network)
+    cost: dict[str, float]  # collective -> seconds per step it holds the ranks, waits included (measured)
     step_time_s: float | None  # measured: analyses.network's baseline rule
     attribution: sources.Attribution
     notes: list[str] = field(default_factory=list)
@@ -142,6 +144,7 @@ def setup(ctx: Context) -> Setup:
     batch = samples / (steps * world) if steps else 0.0
     lookups = ctx.sql("SELECT count(*) FROM tk_x").fetchall()[0][0] / max(steps * world, 1)
     result = Setup(world, len_bytes, id_bytes, steps, samples, batch, lookups, base, _busiest(ctx, max(steps, 1)),
+                   _cost(ctx),
                    network.step_time(ctx).median_s, attribution, list(attribution.notes))
     _setups[ctx] = result
     return result
@@ -272,6 +275,25 @@ def _baseline(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
     return {c: found.get(c, (0.0, 0.0)) for c in COLLECTIVES}
 
 
+def _cost(ctx: Context) -> dict[str, float]:
+    """Per collective of the exchange, the seconds per step it holds the ranks (analyses.network.
+    exposed: waits included), from the k-th all-to-all of each rank's step; empty without timings."""
+    cases = " ".join(f"WHEN {k} THEN '{c}'" for k, c in enumerate(COLLECTIVES, 1))
+    ctx.sql(f"""CREATE OR REPLACE TEMP VIEW tk_a2a_k AS SELECT rank, step, seq, CASE k {cases} END AS collective
+                FROM tk_a2a WHERE k <= {len(COLLECTIVES)}""")
+    found = network.exposed(ctx, "EXISTS (SELECT 1 FROM tk_a2a_k a WHERE a.rank = train_comms.rank "
+                                 "AND a.step = train_comms.step AND a.seq = train_comms.seq)")
+    if not found:
+        return {}
+    rows = ctx.sql(f"""
+        WITH per AS (SELECT a.collective, c.step, c.rank, (c.t_end_ns - c.t_start_ns) / 1e9 AS d
+                     FROM train_comms c JOIN tk_a2a_k a USING (rank, step, seq) WHERE c.t_end_ns > c.t_start_ns),
+             steps AS (SELECT collective, step, avg(d) AS d FROM per GROUP BY ALL)
+        SELECT collective, median(d) FROM steps
+        WHERE step >= (SELECT min(step) FROM per) + {network.warmup_steps(ctx.train_steps())} GROUP BY ALL""").fetchall()
+    return {c: float(d) for c, d in rows}
+
+
 def _busiest(ctx: Context, steps: int) -> dict[str, float]:
     """Per collective, the replayed remote bytes on its busiest link per step: over ranks, the
     larger of what a rank sends and receives (analyses.network's wire size of an all-to-all)."""
@@ -329,26 +351,34 @@ def timing(ctx: Context, s: Setup, remote: dict[str, Any], sparse: Any, sync_byt
     calibration's residual, the baseline's drift)."""
     net = network.network(ctx)
     beta, alpha = net.fit.beta_s_per_byte, net.alpha(network.A2A)
-    base_wire = sum(s.busiest[c] for c in COLLECTIVES)
-    wire = sum(s.busiest[c] * np.asarray(remote[c], dtype=np.float64) / s.base[c][1] if s.base[c][1] else 0.0
-               for c in COLLECTIVES)
-    exchange = (len(COLLECTIVES) - np.asarray(skipped_calls, dtype=np.float64)) * alpha + beta * wire
+    # each collective: α + β · its busiest link's bytes (the transfer, scaled with its remote bytes),
+    # and what it measurably held the ranks beyond that (waits for a rank late from the link's
+    # previous transfers), scaled with the step's transfer time; on a link whose bytes cost nothing
+    # (β ≈ 0: loopback) the waits stay as they are
+    transfer = {c: beta * s.busiest[c] for c in COLLECTIVES}
+    waits = sum(max(s.cost.get(c, 0.0) - alpha - transfer[c], 0.0) for c in COLLECTIVES)
+    ratio = {c: np.asarray(remote[c], dtype=np.float64) / s.base[c][1] if s.base[c][1] else 0.0 for c in COLLECTIVES}
+    base_transfer = sum(transfer.values())
+    new_transfer = sum(transfer[c] * ratio[c] for c in COLLECTIVES)
     sync_bytes = np.asarray(sync_bytes, dtype=np.float64)
     sparse = np.asarray(sparse, dtype=bool)
     syncing = sync_bytes > 0
     calls = np.where(syncing, np.where(sparse, len(network.SPARSE_SYNC_OPS), 1), 0)
     sync_alpha = np.where(sparse, sum(net.alpha(op) for op in network.SPARSE_SYNC_OPS), net.alpha(network.ALL_REDUCE))
     sync = np.where(syncing, sync_alpha + beta * sync_bytes / max(s.world, 1), 0.0)
+    link = new_transfer + beta * sync_bytes / max(s.world, 1)
+    held = waits * (link / base_transfer if base_transfer > 0 else 1.0)
+    exchange = (len(COLLECTIVES) - np.asarray(skipped_calls, dtype=np.float64)) * alpha + new_transfer + held
     ids = s.lookups_per_rank
     work_sparse = net.work("replication.sparse_allreduce", ids=ids, hot=hot_ids, rows=rows)
     work_dense = net.work("replication.dense_allreduce", ids=ids, hot=hot_ids, rows=rows)
     work = (np.zeros_like(sync) if work_sparse is None or work_dense is None
             else np.where(syncing, np.where(sparse, work_sparse, work_dense), 0.0))
     comm = exchange + sync
-    base_comm = len(COLLECTIVES) * alpha + beta * base_wire
+    base_comm = len(COLLECTIVES) * alpha + base_transfer + waits
     step = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s - base_comm + comm + work)
     changed = calls + np.asarray(skipped_calls, dtype=np.float64)
-    wire_change = np.abs(beta * (wire - base_wire)) + beta * sync_bytes / max(s.world, 1)
+    wire_change = np.abs(new_transfer + held - base_transfer - waits) + beta * sync_bytes / max(s.world, 1)
     work_residual = np.where(sparse, net.work_residual("replication.sparse_allreduce"),
                              net.work_residual("replication.dense_allreduce")) * syncing
     error = (np.sqrt(changed * net.fit.residual_s ** 2 + (wire_change * WIRE_ERROR) ** 2 + work_residual ** 2)

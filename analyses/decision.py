@@ -20,18 +20,16 @@ from __future__ import annotations
 import math
 
 from analyses.network import Network
-from tracekit.policy import section_part
+from tracekit.policy import LABELS, TRAINING, recommended, section_part
 
-TRAINING = ("replication", "tiers", "schedule", "compression.dp", "compression.mp")
 EXCHANGE = ("replication", "tiers", "schedule")
-ALL = (*TRAINING, "lag")
 
 
 def decide(policy: dict, net: Network) -> None:
     """Set `recommended` (and `reason` where false) on every section of `policy`, and its
     `combined` prediction where more than one training section is recommended."""
     base = net.step.median_s
-    for label in ALL:
+    for label in LABELS:
         body = section_part(policy, label)
         if body is None:
             continue
@@ -57,8 +55,10 @@ def decide(policy: dict, net: Network) -> None:
 
 def not_applicable(label: str, body: dict) -> str | None:
     predicted = body.get("predicted", {})
-    if label in ("replication", "schedule") and not predicted.get("hot_rows"):
+    if label == "replication" and not predicted.get("hot_rows"):
         return "no row is worth replicating: nothing would change"
+    if label == "schedule" and not predicted.get("hot_rows"):
+        return "no hot row within the budget: no sample is hot, nothing would change"
     if label == "tiers":
         nodes = int(body.get("topology", {}).get("nodes", 1))
         if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
@@ -125,7 +125,7 @@ def combined(policy: dict, labels: list[str], base: float, net: Network) -> dict
 
 def _recommended(policy: dict, label: str) -> bool:
     body = section_part(policy, label)
-    return body is not None and bool(body.get("recommended"))
+    return body is not None and recommended(body)
 
 
 def _ms(body: dict) -> str:

@@ -47,6 +47,7 @@ import numpy as np
 import polars as pl
 
 from analyses.context import Context
+from tracekit.schema import CALIBRATION_PATH
 
 A2A = "all_to_all_single"
 ALL_REDUCE = "all_reduce"
@@ -207,6 +208,26 @@ def timed(times: np.ndarray) -> StepTime:
     return StepTime(float(np.median(kept)), (max(medians) - min(medians)) / 2, len(kept), skip)
 
 
+# what a collective costs the step -------------------------------------------------------------
+
+def exposed(ctx: Context, where: str = "true") -> dict[tuple[str, str], float]:
+    """Seconds per step each (op, tag) of synchronous training calls holds the ranks, waits included:
+    per step the mean over ranks of their calls' total duration, the median over the steps after
+    warm-up. A policy that shrinks a collective's bytes shrinks this in proportion (its waits come
+    from the same link: a late rank is late from the previous exchange), down to the call's α."""
+    if not ctx.has("comms"):
+        return {}
+    n = ctx.train_steps()
+    rows = ctx.sql(f"""
+        WITH per AS (SELECT op, coalesce(tag, '') AS tag, step, rank, sum(t_end_ns - t_start_ns) / 1e9 AS d
+                     FROM train_comms WHERE NOT "async" AND t_end_ns > t_start_ns AND group_size >= 2 AND ({where})
+                     GROUP BY ALL),
+             steps AS (SELECT op, tag, step, avg(d) AS d FROM per GROUP BY ALL)
+        SELECT op, tag, median(d) FROM steps WHERE step >= (SELECT min(step) FROM per) + {warmup_steps(n)}
+        GROUP BY ALL""").fetchall()
+    return {(op, tag): float(d) for op, tag, d in rows}
+
+
 # the α–β fit ------------------------------------------------------------------------------------
 
 def calls_frame(ctx: Context) -> pl.DataFrame:
@@ -325,7 +346,7 @@ def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: f
 # the rank-side work -----------------------------------------------------------------------------
 
 def _calibration(ctx: Context, notes: list[str]) -> dict | None:
-    path = ctx.path / "analysis" / "calibration.json"
+    path = ctx.path / CALIBRATION_PATH
     if not path.is_file():
         notes.append("rank-side work not calibrated (no analysis/calibration.json; `tracekit calibrate RUN` on the "
                       "run's machine): a policy's added work counts one α per added collective only")

@@ -3,6 +3,13 @@ and the eval AUC after the same steps.
 
     .venv/bin/python bench/dct_dp.py [--steps 200] [--samples N] [--keep 0.005,0.001,0.005:10] [--refresh-every 1000]
         [--reuse] [--out DIR]
+    .venv/bin/python bench/dct_dp.py --from-analyze [--steps 1000 --samples 5000000] [--reuse] [--out DIR]
+
+--from-analyze runs the loop a user runs instead of hand-written policies (issue 25): `tracekit record`
+of the baseline with default settings, `tracekit analyze` with default settings, then the trainer with
+the compression.dp section analyze wrote, alone in a file as `tracekit optimize` writes
+policy.compression.dp.json; it prints the section, its predicted gradient bytes (and interval)
+against the measured ones, the ratio to the baseline's and both AUCs.
 
 Preset criteo-kaggle x 0.01, the default MLPs (512,256,64 and 512,256,1; ~0.5 M dense parameters),
 batch 2048 per rank, 2 gloo ranks. Each run is recorded (`tracekit record --lookup-every 0
@@ -32,7 +39,8 @@ from tracekit.dlrm import config as config_mod  # noqa: E402
 from tracekit.dlrm.compression import LABEL  # noqa: E402
 from tracekit.dlrm.data import open_dataset  # noqa: E402
 from tracekit.dlrm.train import build_tables  # noqa: E402
-from tracekit.policy import new_policy, write_policy  # noqa: E402
+from tracekit.optimize import reruns  # noqa: E402
+from tracekit.policy import SECTIONS, load_policy, new_policy, section_part, write_policy  # noqa: E402
 from tracekit.run import open_run  # noqa: E402
 
 WORLD = 2
@@ -49,6 +57,8 @@ def main() -> None:
     p.add_argument("--reuse", action="store_true", help="read runs already recorded under --out, do not re-run them")
     p.add_argument("--refresh-every", type=int, default=1000)
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-dct-dp"))
+    p.add_argument("--from-analyze", action="store_true",
+                   help="derive compression.dp with record + analyze (default settings) and apply what analyze wrote")
     args = p.parse_args()
     train_args = ["--preset", "criteo-kaggle", "--scale", "0.01", "--batch-size", "2048", "--steps", str(args.steps),
                   *(["--samples", str(args.samples)] if args.samples else []),
@@ -57,6 +67,8 @@ def main() -> None:
              *train_args]
     print(f"machine: {_cpu()}, {os.cpu_count()} cores, gloo on CPU, {WORLD} ranks; "
           f"{' '.join(train_args)}", flush=True)
+    if args.from_analyze:
+        return _from_analyze(args.out, train, args.reuse)
     runs = {"baseline": _record(args.out / "base", train, args.reuse)}
     for spec in args.keep.split(","):
         keep, _, refresh = spec.partition(":")
@@ -72,6 +84,44 @@ def main() -> None:
               f"(vs baseline {r['eval_auc'] - runs['baseline']['eval_auc']:+.4f})  "
               f"samples/s {r['samples_per_s']:,.0f} (traced, indicative)", flush=True)
     print(json.dumps(runs))
+
+
+def _from_analyze(out: Path, train: list[str], reuse: bool) -> None:
+    """record (defaults) -> analyze (defaults) -> the trainer with the compression.dp section analyze wrote."""
+    base_dir, dp_dir = out / "analyzed-base", out / "analyzed-dp"
+    base = _record(base_dir, train, reuse, default_settings=True)
+    if not (reuse and (base_dir / "policy.json").exists()):
+        proc = subprocess.run([sys.executable, "-m", "tracekit", "analyze", str(base_dir), "--no-report"],
+                              cwd=REPO, capture_output=True, text=True)
+        print(proc.stderr[-3000:] + proc.stdout[-3000:], flush=True)
+        if proc.returncode:
+            sys.exit(f"tracekit analyze {base_dir} failed (exit {proc.returncode})")
+    policy = load_policy(base_dir / "policy.json")
+    section = section_part(policy, "compression.dp")
+    if section is None:
+        sys.exit(f"analyze derived no compression.dp: see {base_dir}/analysis")
+    print("compression.dp as analyze wrote it:\n" + json.dumps(section, indent=1), flush=True)
+    plans, notes = reruns(base_dir / "policy.json")
+    by_name = {plan.name: plan.policy for plan in plans}
+    path = by_name.get("compression.dp")
+    if path is None:  # not recommended here: the same one-section file, applied anyway, and said so
+        print("; ".join(notes) + "\nanalyze did not recommend compression.dp: applying its section anyway "
+              "(recommended set true in a copy)", flush=True)
+        single = {k: v for k, v in policy.items() if k not in (*SECTIONS, "combined")}
+        single["compression"] = {"dp": {**section, "recommended": True}}
+        single["compression"]["dp"].pop("reason", None)
+        path = write_policy(base_dir / "policy.compression.dp.applied.json", single)
+    dp = _record(dp_dir, [*train, "--policy", str(path)], reuse)
+    predicted = section["predicted"]["dp_bytes_per_step"]
+    low, high = section.get("intervals", {}).get("dp_bytes_per_step", [predicted, predicted])
+    measured, baseline = dp["dp_bytes_per_step"], base["dp_bytes_per_step"]
+    print(f"keep {section['keep_ratio']:g}, refresh_every {section['refresh_every']} (from {path.name})\n"
+          f"DP bytes/step: predicted {predicted:,.0f} [{low:,.0f}, {high:,.0f}], measured {measured:,.0f} "
+          f"({measured / predicted - 1:+.1%}); baseline {baseline:,.0f}: {baseline / measured:.1f}x fewer "
+          f"(predicted {baseline / predicted:.1f}x)\n"
+          f"eval AUC: baseline {base['eval_auc']:.4f}, DCT-DP {dp['eval_auc']:.4f} "
+          f"({dp['eval_auc'] - base['eval_auc']:+.4f})", flush=True)
+    print(json.dumps({"baseline": base, "dct_dp": dp, "section": section, "policy": str(path)}))
 
 
 def _policy(path: Path, train_args: list[str], keep: float, refresh_every: int) -> Path:
@@ -95,9 +145,9 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def _record(run_dir: Path, command: list[str], reuse: bool) -> dict:
+def _record(run_dir: Path, command: list[str], reuse: bool, *, default_settings: bool = False) -> dict:
     if not (reuse and (run_dir / "manifest.json").exists()):
-        _run(run_dir, command)
+        _run(run_dir, command, default_settings)
     run = open_run(run_dir)
     comms = run.scan("comms").filter((pl.col("phase") == "train") & pl.col("tag").is_in([BASE_TAG, LABEL])).collect()
     steps = run.scan("steps").filter(pl.col("rank") == 0).select(pl.col("step").n_unique()).collect().item()
@@ -107,9 +157,10 @@ def _record(run_dir: Path, command: list[str], reuse: bool) -> dict:
             "eval_auc": metrics.get("eval_auc"), "samples_per_s": metrics.get("samples_per_s")}
 
 
-def _run(run_dir: Path, command: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", "--lookup-every",
-                           "0", "--grad-every", "0", "--", *command], cwd=REPO, capture_output=True, text=True)
+def _run(run_dir: Path, command: list[str], default_settings: bool = False) -> None:
+    settings = [] if default_settings else ["--lookup-every", "0", "--grad-every", "0"]
+    proc = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", *settings,
+                           "--", *command], cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"recording {run_dir} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 

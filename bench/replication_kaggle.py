@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from analyses import costmodel  # noqa: E402
+from analyses.network import network  # noqa: E402
 from analyses.compare import compare  # noqa: E402
 from analyses.context import open_context  # noqa: E402
 from analyses.policies import replication  # noqa: E402
@@ -73,8 +74,7 @@ def share_policy(base: Path, share: float) -> Path:
     """policy.share.json: the first rows of replication's order within `share` of the embedding bytes."""
     ctx = open_context(base)
     s = costmodel.setup(ctx)
-    bw, _ = costmodel.bandwidths(ctx)
-    c = replication.curve(ctx, s, bw, "tk_order_share", replication.benefit_key(s, bw))
+    c = replication.curve(ctx, s, "tk_order_share", replication.benefit_key(s, network(ctx)))
     total = sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
     k = int((c.replica_bytes <= share * total).nonzero()[0].max())
     policy = load_policy(base / "policy.json")

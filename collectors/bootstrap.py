@@ -96,10 +96,10 @@ def name_step(kind: str | None, samples: int | None) -> None:
             _clock.samples = samples
 
 
-def policy_applied(path: str | os.PathLike) -> None:
-    """`tracekit.policy_applied()`: note the policy file the process applies."""
+def policy_applied(path: str | os.PathLike, applied=None, skipped=None) -> None:
+    """`tracekit.policy_applied()`: note the policy file the process applies (and its sections)."""
     if _declared is not None:
-        _declared.policy_applied(path)
+        _declared.policy_applied(path, applied, skipped)
 
 
 def add_metrics(values: dict) -> None:

@@ -25,7 +25,11 @@ ones are rounded):
   X * numel between refreshes: DCT's actual compression at that step. There is no error feedback
   here: DCT's f = g + e is taken as f = g.
 
-They are computed on the gradients' device for many tensors at once, in a number of device
+Beside them, on every step, `dct_replay` rows: DCT-DP replayed with error feedback on each rank's own
+gradients, for the keep ratios 0.1%/1%/10% and the refresh periods of `refresh_ladder`, the entries
+the trainer's hook would send (collectors/dct_replay.py); `grad_every` 0 turns them off too.
+
+The statistics are computed on the gradients' device for many tensors at once, in a number of device
 operations that does not grow with theirs: the |g| of up to BATCH_ELEMENTS elements are
 concatenated and sorted together as int64 keys `tensor index << 31 | float32 bits of |g|` (a
 non-negative float's bits order like its value), which sorts each tensor's values within its own
@@ -54,6 +58,7 @@ from torch.nn.modules import module as torch_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from collectors.dct_replay import REFRESH_LADDER, Replays
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
@@ -166,13 +171,15 @@ def batches(params: list[torch.Tensor], budget: int) -> Iterator[list[torch.Tens
 class GradsHandle:
     """The installed grads collector; `uninstall()` removes every hook it registered."""
 
-    def __init__(self, writer: RunWriter, clock: StepClock, grad_every: int, refresh_every: int) -> None:
+    def __init__(self, writer: RunWriter, clock: StepClock, grad_every: int, refresh_every: int,
+                 refresh_ladder: tuple[int, ...]) -> None:
         self.writer = writer
         self.clock = clock
         self.grad_every = grad_every
         self.refresh_every = refresh_every
         self.guard = Guard("grads")
         self.names = ModuleNames()
+        self.replays = Replays(self.names, refresh_ladder) if grad_every and refresh_ladder else None
         self._thresholds = WeakIdKeyDictionary()  # parameter -> (step computed, float64 [keep ratios])
         self._layouts: dict[tuple[tuple[int, ...], torch.device], Layout] = {}
         self._rows: list[tuple[list[str], list[int], torch.Tensor]] = []  # this step's, a batch at a time
@@ -191,6 +198,8 @@ class GradsHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self.replays is not None:
+            self.replays.uninstall()
         self.clock.remove_listener(self)
         self._rows, self._covered = [], set()
         if _installed is self:
@@ -200,15 +209,21 @@ class GradsHandle:
         rows, self._rows, self._covered = self._rows, [], set()
         if rows:
             self._ended.append((step, rows))
+        if self.replays is not None:
+            self.replays.on_step_end(step)
 
     def _on_module(self, parent: torch.nn.Module, attr: str, child: torch.nn.Module | None) -> None:
         self.guard.run(self.names.on_module, parent, attr, child)  # returns None: child unchanged
 
     def _on_parameter(self, module: torch.nn.Module, attr: str, param: torch.nn.Parameter | None) -> None:
         self.guard.run(self.names.on_parameter, module, attr, param)  # returns None: param unchanged
+        if self.replays is not None and param is not None:
+            self.replays.watch(param)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         step = self.clock.step
+        if self.replays is not None:
+            self.replays.on_optimizer_step(optimizer)  # returns None: the step's arguments unchanged
         if self.grad_every and step % self.grad_every == 0:
             self.guard.run(self._record, optimizer, step)  # returns None: the step's arguments unchanged
 
@@ -259,6 +274,8 @@ class GradsHandle:
         for _ in range(len(self._ended)):
             step, rows = self._ended.popleft()
             yield "grads", self._columns(step, rows)
+        if self.replays is not None:
+            yield from self.replays.drain()
 
     @staticmethod
     def _columns(step: int, rows: list[tuple[list[str], list[int], torch.Tensor]]) -> dict:
@@ -276,15 +293,17 @@ _installed: GradsHandle | None = None
 
 
 def install(writer: RunWriter, clock: StepClock, *, grad_every: int = 100,
-            refresh_every: int = REFRESH_EVERY) -> GradsHandle:
+            refresh_every: int = REFRESH_EVERY, refresh_ladder: tuple[int, ...] = REFRESH_LADDER) -> GradsHandle:
     """Write `grads` rows for every parameter an optimizer steps, every `grad_every`-th step (0:
-    never), with DCT thresholds refreshed every `refresh_every` steps or more. A second call while
-    installed returns the installed handle unchanged."""
+    never), with DCT thresholds refreshed every `refresh_every` steps or more; and, unless
+    grad_every is 0 or `refresh_ladder` empty, `dct_replay` rows every step for the refresh periods
+    of `refresh_ladder` (collectors/dct_replay.py). A second call while installed returns the
+    installed handle unchanged."""
     global _installed
     if grad_every < 0:
         raise ValueError(f"grad_every must be >= 0 (0 writes no grads), got {grad_every}")
-    if refresh_every < 1:
-        raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+    if refresh_every < 1 or any(r < 1 for r in refresh_ladder):
+        raise ValueError(f"refresh periods must be >= 1, got {refresh_every} and {tuple(refresh_ladder)}")
     if _installed is None:
-        _installed = GradsHandle(writer, clock, grad_every, refresh_every)
+        _installed = GradsHandle(writer, clock, grad_every, refresh_every, tuple(refresh_ladder))
     return _installed

@@ -82,6 +82,8 @@ def verdict(runs: list[RunInputs], compare: dict | None) -> list[str]:
             continue
         text = f"{name} predicts {_signed(-saving)} embedding bytes per step"
         text += f", measured {_signed(-measured[name])}" if name in measured else " (not measured: no run applied it here)"
+        if "recommended" in body:
+            text += "; recommended" if body["recommended"] else "; not recommended (the Policies section says why)"
         lines.append(text)
     if base.manifest.get("status") != "completed":
         lines.append(f"the run is {base.manifest.get('status')} (exit code {base.manifest.get('exit_code')}): "
@@ -319,10 +321,16 @@ def policies(run: RunInputs) -> Section:
         if not isinstance(body, dict) or "predicted" not in body and name not in ("compression", "lag"):
             continue
         saving = _predicted_saving(run, body) if "predicted" in body else None
-        s.intro.append(f"<h3>{esc(name)}</h3><p>{esc(body.get('why', ''))}</p>"
-                       + (f"<p>Predicted saving of embedding bytes: {esc(_pct(saving))}</p>" if saving else ""))
+        parts = [(f"{name}.{sub}", part) for sub, part in body.items() if isinstance(part, dict) and "predicted" in part] \
+            if name in ("compression", "combined") and "predicted" not in body else [(name, body)]
+        for label, part in parts:
+            s.intro.append(f"<h3>{esc(label)}</h3><p>{_decision(part)}{esc(part.get('why', ''))}</p>")
+        s.intro.append(f"<p>Predicted saving of embedding bytes: {esc(_pct(saving))}</p>" if saving else "")
         flat = _flatten(body)
-        s.intro.append(table(["figure", "value"], [[k, _num(v, 6)] for k, v in flat.items()]))
+        s.intro.append(table(["figure", "value"], [[k, _num(v, 6) if not isinstance(v, list) else
+                                                    " – ".join(_num(x, 6) for x in v)] for k, v in flat.items()]))
+    s.intro.append("<p>A figure with an interval (<code>intervals.*</code>, low – high) is an estimate: from sampled "
+                   "steps, or a step time with the model's error; a figure without one is exact.</p>")
     sections = {k for k, v in policy.items() if isinstance(v, dict) and k not in ("model", "baseline")}
     absent = [p for p in ("replication", "tiers", "schedule", "compression", "lag") if p not in sections]
     reasons = (run.summary or {}).get("not_derived", {})
@@ -362,10 +370,19 @@ def _sweep_chart(sweep: pl.DataFrame) -> Chart:
                       "chosen.")
 
 
+def _decision(body: dict) -> str:
+    """The decision of analyses.decision, first in a section's paragraph."""
+    if "recommended" not in body:
+        return ""
+    if body["recommended"]:
+        return "<b>Recommended.</b> "
+    return f"<b>Not recommended:</b> {esc(body.get('reason', ''))}. "
+
+
 def _flatten(body: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in body.items():
-        if k == "why":
+        if k in ("why", "reason", "recommended"):
             continue
         if isinstance(v, dict):
             out.update(_flatten(v, f"{prefix}{k}."))

@@ -84,6 +84,7 @@ def test_the_synchronous_runs_exchange_and_waiting_reach_the_timeline(tmp_path: 
     # the timeline (training steps) would count neither the exchange nor the waiting: the lag
     # recurrence would take the waits for work
     from analyses.context import open_context
+    from analyses.network import warmup_steps
     from analyses.policies import lag
     from analyses.timeline import compute as timeline
 
@@ -93,7 +94,7 @@ def test_the_synchronous_runs_exchange_and_waiting_reach_the_timeline(tmp_path: 
     frame = timeline(open_context(run_dir)).tables["timeline"]
     assert frame["wait_s"].sum() > 0.015  # at least one delay waited for
     c, x, ranks, steps = lag.work_matrix(frame)
-    assert ranks == [0, 1] and len(steps) == STEPS - 1 and (x > 0).all()
+    assert ranks == [0, 1] and len(steps) == STEPS - warmup_steps(STEPS) and (x > 0).all()
     assert lag.replay(c, None, x) < lag.replay(c, 0, x)
 
 
@@ -101,16 +102,21 @@ def test_analyze_predicts_the_lag_makespan_and_compare_sets_it_beside_the_measur
     from analyses.analyze import analyze
     from analyses.compare import compare
     from analyses.context import Options
-    from tracekit.policy import load_policy
+    from tracekit.policy import load_policy, write_policy
 
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
              str(REPO / "train.py"), *MODEL, "--json", "--straggler", "0.4:15"]
     code, base = record(tmp_path / "base", *train)
     assert code == 0
     analyze(base, Options(policies=("lag",)))  # an inference run applies lag alone
-    section = load_policy(base / "policy.json")["lag"]
+    policy = load_policy(base / "policy.json")
+    section = policy["lag"]
     assert section["predicted"]["makespan_s"] > 0
-    code, run = record(tmp_path / "bls", *train, "--policy", str(base / "policy.json"))
+    # applied whether analyze recommends it on this short run or not (as `optimize --check-all` does)
+    section.update(recommended=True)
+    section.pop("reason", None)
+    checked = write_policy(base / "policy.lag.json", policy)
+    code, run = record(tmp_path / "bls", *train, "--policy", str(checked))
     assert code == 0
     rows = compare(base, [run]).tables["compare_policy"].filter(pl.col("figure") == "makespan_s").to_dicts()
     measured = json.loads((run / "manifest.json").read_text())["metrics"]["makespan_s"]
@@ -157,10 +163,10 @@ def test_bad_options_are_refused(args: list[str], message: str) -> None:
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
-def test_a_policy_lag_bound_applies_to_inference_only(tmp_path: Path) -> None:
+def test_a_policy_lag_bound_applies_to_inference_only_and_training_skips_it(tmp_path: Path) -> None:
     from tracekit.dlrm import policies
     from tracekit.dlrm.sharding import TableSpec
-    from tracekit.policy import PolicyError, new_policy, write_policy
+    from tracekit.policy import new_policy, write_policy
 
     tables = [TableSpec(f"t{i}", 500, 8) for i in range(4)]
     model = {"tables": [{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables], "world_size": 2}
@@ -168,9 +174,12 @@ def test_a_policy_lag_bound_applies_to_inference_only(tmp_path: Path) -> None:
     policy["lag"] = {"bound": 2, "predicted": {}, "why": "stragglers"}
     path = write_policy(tmp_path / "policy.json", policy)
     assert policies.load(path, tables, world_size=2, local_world_size=2, inference=True).lag_bound == 2
-    with pytest.raises(PolicyError, match="applies to inference"):
-        policies.load(path, tables, world_size=2, local_world_size=2)
+    training = policies.load(path, tables, world_size=2, local_world_size=2)
+    assert (training.sections, training.lag_bound) == ((), None)
+    assert training.lines() == [f"policy {path}: no section applies; the run goes on as it would without --policy",
+                                "policy: skipped lag: inference-only (train.py --inference --policy FILE applies it)"]
     policy["compression"] = {"mp": {"keep_ratio": 0.5, "predicted": {}, "why": "mp"}}
     path = write_policy(tmp_path / "policy.json", policy)
-    with pytest.raises(PolicyError, match="an --inference run applies only `lag`"):
-        policies.load(path, tables, world_size=2, local_world_size=2, inference=True)
+    inference = policies.load(path, tables, world_size=2, local_world_size=2, inference=True)
+    assert (inference.sections, inference.lag_bound, inference.mp_keep_ratio) == (("lag",), 2, None)
+    assert inference.skipped == {"compression.mp": "training-only (an --inference run applies only lag)"}

@@ -201,4 +201,4 @@ def test_a_bad_a2a_dtype_or_keep_ratio_is_refused(tmp_path: Path) -> None:
         _policy(tmp_path, 0.0)
     tables = [TableSpec(f"t{i}", SMALL["rows"][0], D) for i in range(T)]
     applied = policies.load(_policy(tmp_path, 0.05), tables, world_size=2, local_world_size=2)
-    assert applied.mp_keep_ratio == 0.05 and "compression" in applied.sections
+    assert applied.mp_keep_ratio == 0.05 and applied.sections == ("compression.mp",)

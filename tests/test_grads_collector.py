@@ -1,18 +1,24 @@
 """Tests for the grads collector: every column of `grads` against statistics computed independently
-(numpy, torch.quantile) from the gradients fed, written through a real RunWriter and read back."""
+(numpy, torch.quantile) from the gradients fed, written through a real RunWriter and read back; and
+its DCT-DP replay (collectors/dct_replay.py) against the hook's rule written out step by step (that
+it takes each rank's own gradient, before DDP's all-reduce, is tests/test_dct_dp.py's)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from torch import nn
 
-from collectors import grads, steps
+from collectors import dct_replay, grads, steps
 from collectors.steps import StepClock
 from tests.test_collectors_inprocess import global_hook_counts, read
 from tracekit.schema import GRAD_QUANTILES, KEEP_RATIOS
-from tracekit.store import RunWriter, to_batch
+from tracekit.run import open_run
+from tracekit.store import RunWriter, to_batch, write_manifest
 
 
 def make_model() -> nn.Sequential:
@@ -232,24 +238,101 @@ class Rows:
 
     @property
     def rows(self) -> list[dict]:
+        """Every row so far, with its table's name in `table`."""
         for drain in self._sources:
             for table, columns in drain(False):
-                self._rows += to_batch(table, columns).to_pylist()
+                self._rows += [{"table": table, **row} for row in to_batch(table, columns).to_pylist()]
         return self._rows
 
 
 @pytest.mark.gpu
 def test_cuda_gradients_give_the_statistics_of_cpu_ones(installed):
-    def rows_on(device: str) -> list[dict]:
+    def rows_on(device: str) -> tuple[list[dict], list[dict]]:
         writer, clock = Rows(), StepClock()
-        handle = grads.install(writer, clock, grad_every=1, refresh_every=2)
+        handle = grads.install(writer, clock, grad_every=1, refresh_every=2, refresh_ladder=(2,))
         train(make_model().to(device), clock)
         handle.uninstall()
-        return sorted(writer.rows, key=lambda r: (r["step"], r["name"]))
+        rows = sorted(writer.rows, key=lambda r: (r["step"], r["name"], r.get("keep_ratio", 0)))
+        return [r for r in rows if r["table"] == "grads"], [r for r in rows if r["table"] == "dct_replay"]
 
-    cpu, cuda = rows_on("cpu"), rows_on("cuda")
+    (cpu, cpu_replay), (cuda, cuda_replay) = rows_on("cpu"), rows_on("cuda")
     floats = [c for c in cpu[0] if isinstance(cpu[0][c], float)]
     assert len(cpu) == 12
     for a, b in zip(cpu, cuda, strict=True):
         assert {c: v for c, v in a.items() if c not in floats} == {c: v for c, v in b.items() if c not in floats}
         assert [b[c] for c in floats] == pytest.approx([a[c] for c in floats], rel=1e-12, abs=0)
+    # the replay's thresholds by one sort on the device, by numpy partitions on CPU: the same counts
+    assert len(cpu_replay) == 3 * len(KEEP_RATIOS) * 4 and cuda_replay == cpu_replay
+
+
+def _hook_rule_counts(values: list[torch.Tensor], keep: float, refresh_every: int, subsampled: bool) -> list[int]:
+    """What tracekit/dlrm/compression.py's hook sends of one parameter per step, with error feedback,
+    written out independently: f = g + e, τ the k-th largest |f| every `refresh_every` steps (from
+    the first), send |f| >= τ and f != 0, keep the rest. On a subset, k = ⌈keep · its size⌉."""
+    from tracekit.dlrm.compression import _threshold
+
+    residual, tau, sent = torch.zeros_like(values[0]), 0.0, []
+    for step, g in enumerate(values):
+        f = g + residual
+        if step % refresh_every == 0:
+            m = f.numel()
+            k = math.ceil(keep * m)
+            tau = float(f.abs().kthvalue(m - k + 1).values) if subsampled else _threshold(f.abs(), keep)
+        mask = (f.abs() >= tau) & (f != 0)
+        sent.append(int(mask.sum()))
+        residual = torch.where(mask, torch.zeros_like(f), f)
+    return sent
+
+
+def test_the_replay_counts_what_the_hook_sends_with_error_feedback() -> None:
+    sizes = [100, 700, 7, 20000, 8001]  # whole at every ratio (7 < 128), replayed whole, and two subsets
+    replay = dct_replay.Replay(sizes, device=torch.device("cpu"), ladder=(5, 2), sample=8000)
+    gen = torch.Generator().manual_seed(0)
+    fed = [[torch.randn(n, generator=gen) * (1 + step / 4) for n in sizes] for step in range(11)]
+    fed[3][2][1] = 0.0  # a zero is never sent, even by a threshold of 0
+    counts = []
+    for grads_fed in fed:
+        for i, g in enumerate(grads_fed):
+            replay.put(i, dct_replay.entries(g, replay.index[i]))
+        sent, refreshed, positions = replay.step([None] * len(sizes))
+        assert positions == list(range(len(sizes)))
+        counts.append(sent)
+        assert (sent[1] <= sent[0]).all()
+    assert replay.replayed == [100, 700, 7, 8000, 8000]  # 0.01 * 700 is 7.000000000000001: k = 8, as the hook
+    for pair, (keep, refresh) in enumerate(replay.pairs):
+        for i, n in enumerate(sizes):
+            values = [dct_replay.entries(g[i], replay.index[i]) for g in fed]
+            expected = _hook_rule_counts(values, keep, refresh, subsampled=n > 8000)
+            assert [int(c[0, pair, i]) for c in counts] == expected, (keep, refresh, n)
+    stale = [int(c[0, 0, 3]) for c in counts]  # keep 0.1%, refreshed every 5 steps: 8 at a refresh, more after
+    assert stale[0] == stale[5] == stale[10] == 8 and max(stale) > 8
+
+
+def test_the_replay_thresholds_are_the_same_sorted_or_partitioned() -> None:
+    replay = dct_replay.Replay([300, 9000, 50], device=torch.device("cpu"), ladder=(3,), sample=8000)
+    magnitude = torch.rand(len(replay.pairs), replay.grad.numel(), generator=torch.Generator().manual_seed(1))
+    rows = torch.arange(len(replay.pairs))
+    assert torch.equal(replay._sorted(magnitude, rows), replay._partitioned(magnitude, rows))
+
+
+def test_dct_replay_rows_are_written_every_step_with_the_local_gradient(clock_and_writer, installed, tmp_path) -> None:
+    clock, writer = clock_and_writer
+    handle = grads.install(writer, clock, grad_every=3, refresh_ladder=(4, 2))
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(5):
+        model(torch.randn(8, 5)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    writer.flush()
+    write_manifest(tmp_path, {"status": "completed"})
+    rows = open_run(tmp_path).scan("dct_replay").collect()
+    assert rows.height == 5 * len(KEEP_RATIOS) * 2 * 4 and sorted(set(rows["step"])) == [0, 1, 2, 3, 4]
+    assert set(rows["position"]) == {0, 1, 2, 3}, "every gradient was taken as autograd accumulated it"
+    assert set(rows.select("name", "numel", "replayed").iter_rows()) == {
+        ("0.weight", 200, 200), ("0.bias", 40, 40), ("2.0.weight", 1200, 1200), ("2.0.bias", 30, 30)}
+    refreshed = rows.filter(pl.col("refreshed")).group_by("refresh_every").agg(pl.col("step").unique().sort())
+    assert dict(refreshed.iter_rows()) == {4: [0, 4], 2: [0, 2, 4]}
+    assert (rows["sent"] <= rows["numel"]).all() and (rows["sent_first_half"] <= rows["sent"]).all()
+    handle.uninstall()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters()), "uninstall removes the hooks"

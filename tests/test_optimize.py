@@ -30,7 +30,7 @@ def optimized(tmp_path_factory) -> tuple[Path, dict]:
                str(REPO / "train.py"), *TRAIN]
     # the bytes objective makes the chosen hot set independent of this machine's timings
     r = CliRunner().invoke(cli, ["optimize", "-o", str(out), "--policies", "replication,schedule", "--budget", "20%",
-                                 "--objective", "bytes", "--json", "--", *command])
+                                 "--objective", "bytes", "--check-all", "--json", "--", *command])
     assert r.exit_code == 0, r.output
     return out, json.loads(r.output.strip().splitlines()[-1])
 

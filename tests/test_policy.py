@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from tracekit.errors import PolicyMismatch
-from tracekit.policy import PolicyError, check_model, load_policy, new_policy, write_policy
+from tracekit.policy import PolicyError, check_model, load_policy, new_policy, recommended, sections, write_policy
 
 MODEL = {"tables": [{"name": "t0", "num_rows": 1000, "dim": 8}, {"name": "t1", "num_rows": 500, "dim": 8}],
          "world_size": 2}
@@ -23,13 +23,18 @@ def full_policy() -> dict:
                              "sync": "sparse_allreduce", "predicted": {"a2a_bytes_per_step": 400,
                                                                        "sync_bytes_per_step": 100,
                                                                        "step_time_s": 0.02},
+                             "intervals": {"a2a_bytes_per_step": [380, 430], "step_time_s": [0.018, 0.024]},
                              "why": "rows by benefit per byte"}
     policy["schedule"] = {"kind": "fae", "hot_rows": "policy/hot_rows.parquet", "hot_sample_fraction": 0.4,
-                          "predicted": {"a2a_bytes_per_step": 600}, "why": "40% of samples are all hot"}
+                          "predicted": {"a2a_bytes_per_step": 600}, "why": "40% of samples are all hot",
+                          "recommended": False, "reason": "the gain is within the model's error on this run"}
     policy["compression"] = {"dp": {"keep_ratio": 0.01, "refresh_every": 1000, "error_feedback": True,
                                     "predicted": {"dp_bytes_per_step": 10}, "why": "1% keeps the drift bounded"},
                              "mp": {"keep_ratio": 0.05, "predicted": {"a2a_bytes_per_step": 50}, "why": "DCT's 20x"}}
     policy["lag"] = {"bound": 0, "predicted": {"gain": 0.0}, "why": "balanced ranks: no lag helps"}
+    policy["combined"] = {"sections": ["replication", "compression.dp", "compression.mp"],
+                          "predicted": {"a2a_bytes_per_step": 40, "step_time_s": 0.021},
+                          "intervals": {"step_time_s": [0.017, 0.026]}, "why": "the recommended sections together"}
     return policy
 
 
@@ -58,6 +63,34 @@ def test_a_written_policy_loads_back_unchanged(tmp_path: Path) -> None:
     (lambda p: p["compression"]["dp"].update(keep_ratio=1.5), "compression.dp.keep_ratio: expected a number in (0, 1]"),
     (lambda p: p["compression"].update(qp={}), "compression.qp: expected compression holds only dp and mp"),
     (lambda p: p["lag"].update(bound=-1), "lag.bound: expected a non-negative integer"),
+    # recommended, reason, intervals, combined
+    (lambda p: p["replication"].update(recommended="yes"),
+     "replication.recommended: expected true or false, got 'yes'"),
+    (lambda p: p["schedule"].pop("reason"), "schedule.reason: expected a one-line reason why the section is not"),
+    (lambda p: p["schedule"].update(reason=""), "schedule.reason: expected a one-line reason"),
+    (lambda p: p["schedule"].update(reason="two\nlines"), "schedule.reason: expected a one-line reason"),
+    (lambda p: p["compression"]["mp"].update(recommended=False), "compression.mp.reason: expected a one-line reason"),
+    (lambda p: p["replication"].update(intervals=[1, 2]), "replication.intervals: expected an object of figure"),
+    (lambda p: p["replication"]["intervals"].update(hot_rows=[1, 2]),
+     "replication.intervals.hot_rows: expected a figure of replication.predicted (a2a_bytes_per_step, "
+     "sync_bytes_per_step, step_time_s)"),
+    (lambda p: p["replication"]["intervals"].update(step_time_s=[0.01]),
+     "replication.intervals.step_time_s: expected [low, high], two numbers, got [0.01]"),
+    (lambda p: p["replication"]["intervals"].update(step_time_s=["a", "b"]), "expected [low, high], two numbers"),
+    (lambda p: p["replication"]["intervals"].update(step_time_s=[0.03, 0.02]),
+     "replication.intervals.step_time_s: expected low <= high, got [0.03, 0.02]"),
+    (lambda p: p["lag"].update(intervals={"gain": [0.1, 0.0]}), "lag.intervals.gain: expected low <= high"),
+    (lambda p: p.update(combined=[]), "combined: expected an object"),
+    (lambda p: p["combined"].update(sections=[]), "combined.sections: expected a list of distinct training sections"),
+    (lambda p: p["combined"].update(sections=["replication", "lag"]),
+     "combined.sections: expected a list of distinct training sections (replication, tiers, schedule, "
+     "compression.dp, compression.mp), got ['replication', 'lag']"),
+    (lambda p: p["combined"].update(sections=["compression"]), "combined.sections: expected a list of distinct"),
+    (lambda p: p["combined"].update(sections=["replication", "replication"]), "combined.sections: expected a list"),
+    (lambda p: p["combined"]["predicted"].update(step_time_s="fast"),
+     "combined.predicted: expected an object of numbers"),
+    (lambda p: p["combined"].pop("why"), "combined.why: expected a one-line explanation"),
+    (lambda p: p["combined"]["intervals"].update(saving=[0, 1]), "combined.intervals.saving: expected a figure of"),
 ])
 def test_a_malformed_policy_is_refused_naming_the_field(tmp_path: Path, mutate, message: str) -> None:
     path = write_policy(tmp_path / "policy.json", full_policy(), rows={"hot_rows": hot_rows()})
@@ -67,6 +100,12 @@ def test_a_malformed_policy_is_refused_naming_the_field(tmp_path: Path, mutate, 
     with pytest.raises(PolicyError) as err:
         load_policy(path)
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value), str(err.value)
+
+
+def test_sections_are_labelled_and_recommended_unless_marked_otherwise(tmp_path: Path) -> None:
+    policy = load_policy(write_policy(tmp_path / "policy.json", full_policy(), rows={"hot_rows": hot_rows()}))
+    assert [(label, recommended(body)) for label, body in sections(policy)] == [
+        ("replication", True), ("schedule", False), ("compression.dp", True), ("compression.mp", True), ("lag", True)]
 
 
 def test_not_json_or_missing_is_refused(tmp_path: Path) -> None:

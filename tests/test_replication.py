@@ -403,8 +403,6 @@ REFUSALS = {
     "dct-dp-refresh": Refusal(lambda d: _policy(d, compression={"dp": {"keep_ratio": 0.01, "refresh_every": 0,
                                                                        "predicted": {}, "why": "test"}}),
                               "compression.dp: refresh_every must be a positive integer, got 0"),
-    "lag": Refusal(lambda d: _policy(d, lag={"bound": 2, "predicted": {}, "why": "test"}),
-                   "section 'lag' (a bounded-lag"),
     "tiers-topology": Refusal(lambda d: _tiers(d, nodes=2, per_node=1), TIERS_SAYS, launch="rank0-of-2"),
     "tiers-topology-torchrun": Refusal(lambda d: _tiers(d, nodes=2, per_node=1), TIERS_SAYS, launch="torchrun"),
 }
@@ -428,7 +426,9 @@ def _train_py(policy: Path, extra: tuple[str, ...], launch: str) -> subprocess.C
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory) -> dict:
     """Every case of REFUSALS, and an accepted policy, each its own train.py; two at a time."""
-    jobs = {"accepted": (_policy(tmp_path_factory.mktemp("accepted")), (), "python")}
+    jobs = {"accepted": (_policy(tmp_path_factory.mktemp("accepted")), (), "python"),
+            "lag": (_policy(tmp_path_factory.mktemp("lag"), lag={"bound": 2, "predicted": {}, "why": "test"}), (),
+                    "python")}
     for name, case in REFUSALS.items():
         jobs[name] = (case.build(tmp_path_factory.mktemp(name)), case.args, case.launch)
     with ThreadPoolExecutor(2) as pool:
@@ -440,6 +440,15 @@ def test_a_matching_policy_is_applied(refusals: dict) -> None:
     _, proc = refusals["accepted"]
     assert proc.returncode == 0, proc.stderr
     assert "done: 2 steps" in proc.stdout
+
+
+def test_a_lag_section_is_skipped_in_training_with_one_line(refusals: dict) -> None:
+    policy, proc = refusals["lag"]
+    assert proc.returncode == 0, proc.stderr
+    assert "done: 2 steps" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("policy")]
+    assert lines == [f"policy {policy}: applying replication",
+                     "policy: skipped lag: inference-only (train.py --inference --policy FILE applies it)"], proc.stdout
 
 
 @pytest.mark.parametrize("name", list(REFUSALS))

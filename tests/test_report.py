@@ -47,7 +47,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """base: TINY on 2 ranks for 8 steps, analysed; replicated: the same with base's replication policy."""
     base = _trainer(tmp_path_factory.mktemp("base"))
     analyze(base, Options(objective="bytes"))
-    plans, notes = reruns(base / "policy.json")  # as `tracekit optimize` re-runs it
+    plans, notes = reruns(base / "policy.json", checked=True)  # as `tracekit optimize --check-all` re-runs it
     policy = next((p.policy for p in plans if p.name == "replication"), None)
     assert policy is not None, notes
     replicated = _trainer(tmp_path_factory.mktemp("replicated"), 2, "--policy", str(policy))

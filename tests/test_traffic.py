@@ -39,9 +39,11 @@ def comm(step: int, op: str, *, splits_out: list[int] | None = None, splits_in: 
 def make_run(path: Path, *, comms: dict[int, list[dict]] | None = None,
              steps: dict[int, list[tuple[int, int]]] | None = None, grads: dict[int, list[dict]] | None = None,
              world_size: int | None = None, hosts: tuple[str, ...] = ("h0",),
-             anchors: dict[int, tuple[int, int]] | None = None) -> Path:
+             anchors: dict[int, tuple[int, int]] | None = None,
+             tables: dict[str, dict[int, list[dict]]] | None = None) -> Path:
     """A run directory written with RunWriter: per rank its comms rows (seq in list order), step
-    windows [(t_start_ns, t_end_ns)] for steps 0.., and grads rows; and its manifest."""
+    windows [(t_start_ns, t_end_ns)] for steps 0.., grads rows and the rows of other `tables`
+    ({table: {rank: rows}}); and its manifest."""
     ranks = sorted(set(comms or {}) | set(steps or {}) | set(grads or {}))
     for rank in ranks:
         with RunWriter(path, rank=rank) as writer:
@@ -57,6 +59,10 @@ def make_run(path: Path, *, comms: dict[int, list[dict]] | None = None,
             rows = (grads or {}).get(rank, [])
             if rows:
                 writer.append("grads", {key: [row[key] for row in rows] for key in rows[0]})
+            for table, by_rank in (tables or {}).items():
+                rows = by_rank.get(rank, [])
+                if rows:
+                    writer.append(table, {key: [row[key] for row in rows] for key in rows[0]})
     anchors = anchors or {rank: (0, 0) for rank in ranks}
     write_manifest(path, {"schema_version": "1.1", "status": "completed", "ranks": ranks,
                           "world_size": world_size or len(ranks), "hosts": list(hosts),

@@ -8,7 +8,7 @@ The optional API for traced programs (each call is a no-op when the process is n
     with tracekit.phase("eval"): ...        # the lookups and collectives inside are evaluation
     tracekit.shard(emb, table="t0", first_row=start, num_rows=rows)  # emb holds t0's rows from start on
     tracekit.step_schedule("hot")           # the kind of the step now running (steps.schedule)
-    tracekit.policy_applied("runs/base/policy.json")  # the manifest's policy: its path and sha256
+    tracekit.policy_applied("runs/base/policy.json", applied=["replication"])  # the manifest's policy
     tracekit.metrics(eval_auc=0.79, samples_per_s=5e4)  # the run's final figures (the manifest's metrics)
     run = tracekit.open_run("runs/base")    # read a recorded run (Polars / DuckDB)
 """
@@ -19,6 +19,7 @@ import math
 import numbers
 import os
 import sys
+from collections.abc import Mapping, Sequence
 
 from tracekit.labels import label
 from tracekit.phases import phase
@@ -53,11 +54,13 @@ def step_schedule(kind: str | None, samples: int | None = None) -> None:
         bootstrap.name_step(kind, samples)
 
 
-def policy_applied(path: str | os.PathLike) -> None:
+def policy_applied(path: str | os.PathLike, *, applied: Sequence[str] | None = None,
+                   skipped: Mapping[str, str] | None = None) -> None:
     """Say that the process applies the policy file at `path`: the manifest's `policy` gets its absolute
-    path and the sha256 of its bytes as read now (rank 0's, where ranks name different files)."""
+    path and the sha256 of its bytes as read now (rank 0's, where ranks name different files) and, where
+    given, the sections `applied` (their labels, e.g. "compression.dp") and those `skipped`, each with why."""
     if (bootstrap := _bootstrap()) is not None:
-        bootstrap.policy_applied(path)
+        bootstrap.policy_applied(path, applied, skipped)
 
 
 def metrics(**values: int | float | None) -> None:

@@ -214,13 +214,17 @@ def _options(budget: str | None, topology: str | None, intra_bw: str | None, int
                    "or the bytes that cross the network (what a slower cluster pays for).")
 @click.option("--report/--no-report", "with_report", default=True, show_default=True,
               help="Write the HTML report, RUN/report.html.")
+@click.option("--calibrate/--no-calibrate", "calibrate_first", default=True, show_default=True,
+              help="Where RUN/analysis/calibration.json is missing, torch is importable and this host recorded "
+                   "RUN, run `tracekit calibrate RUN` first (~5-20 s).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the summary.")
 def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-            policies: str | None, objective: str, with_report: bool, as_json: bool) -> None:
+            policies: str | None, objective: str, with_report: bool, calibrate_first: bool, as_json: bool) -> None:
     """Derive skew, traffic, timeline, cache and cost figures and the policies of a recorded run.
 
     Writes RUN/analysis/*.parquet, RUN/policy.json, RUN/policy/*.parquet and RUN/report.html;
-    prints what a person reads in a minute (or one JSON object with --json).
+    prints what a person reads in a minute (or one JSON object with --json). First, unless
+    --no-calibrate, calibrates the work policies add on a rank (see `tracekit calibrate`).
 
     \b
     Example:
@@ -233,7 +237,13 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
     options = _options(budget, topology, intra_bw, inter_bw, policies, objective)
     try:
         with analysis_progress(enabled=not as_json) as progress:
+            calibration_note = None
+            if calibrate_first:
+                progress("calibration (rank-side costs, in a subprocess)")
+                calibration_note = _calibrate_first(run_dir)
             report = run_analysis(run_dir, options, progress=progress)
+            if calibration_note is not None:
+                report["notes"].append(calibration_note)
             if with_report:
                 progress("report")
                 report["report"] = str(_write_report([run_dir], run_dir / "report.html"))
@@ -245,6 +255,113 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
         print_analysis(report)
         if with_report:
             click.echo(f"report: {report['report']}")
+
+
+CALIBRATE_TIMEOUT_S = 120  # analyze's calibration subprocess; it takes ~5-20 s on a 2-core machine
+
+
+def _calibrate_first(run_dir: Path) -> str | None:
+    """analyze's first step: `python -m tracekit.dlrm.calibrate --run RUN` where RUN has no calibration,
+    torch is importable and this host recorded RUN. Returns a note saying why it did not run or failed
+    (None when it ran, or RUN had one already); analyze goes on either way."""
+    import importlib.util
+    import socket
+    import subprocess
+
+    from tracekit.errors import TracekitError
+    from tracekit.schema import CALIBRATION_PATH
+    from tracekit.store import read_manifest
+
+    if (run_dir / CALIBRATION_PATH).is_file():
+        return None
+    try:
+        hosts = read_manifest(run_dir).get("hosts") or []
+    except TracekitError:
+        return None  # analyze says what is wrong with the run
+    host = socket.gethostname()
+    rerun = f"`tracekit calibrate {shlex.quote(str(run_dir))}` on the host that recorded it writes it"
+    if importlib.util.find_spec("torch") is None:
+        return f"rank-side costs not calibrated: torch is not importable here; {rerun}"
+    if host not in hosts:
+        return f"rank-side costs not calibrated: {host} did not record this run ({', '.join(hosts) or 'no host'}); {rerun}"
+    try:
+        done = subprocess.run([sys.executable, "-m", "tracekit.dlrm.calibrate", "--run", str(run_dir)],
+                              capture_output=True, text=True, timeout=CALIBRATE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"rank-side calibration stopped after {CALIBRATE_TIMEOUT_S} s; {rerun}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"rank-side calibration failed (exit code {done.returncode}: {last}); {rerun}"
+    return None
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--repeats", type=click.IntRange(min=3), default=15, show_default=True,
+              help="Timings per measured point; every figure is their median.")
+@click.option("--json", "as_json", is_flag=True, help="Print the calibration as one JSON object instead of the table.")
+def calibrate(run_dir: Path, repeats: int, as_json: bool) -> None:
+    """Measure what each policy's code path adds on a rank per training step, on this machine.
+
+    Times the trainer's own code at RUN's sizes (tables, ids per sample, per-rank batch): the replica
+    path with either sync, a collective's call, the DCT-DP hook, the DCT-MP codec and FAE's batching,
+    in one process with a world-1 gloo group (so the wire costs nothing), ~5-20 s. Writes
+    RUN/analysis/calibration.json for the analyses, which never import torch (analyze runs this first where
+    the file is missing).
+
+    \b
+    Example:
+      tracekit calibrate runs/base --json
+    """
+    from tracekit.dlrm import calibrate as calibration
+    from tracekit.errors import TracekitError
+    from tracekit.views import run_progress
+
+    try:
+        inputs = calibration.read_inputs(run_dir)
+        with run_progress(enabled=not as_json) as progress:
+            result = calibration.calibrate(inputs, repeats=repeats, progress=lambda what: progress(f"calibrating {what}"))
+        path = calibration.write(run_dir, result)
+    except TracekitError as err:
+        raise InputError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    _print_calibration(result)
+    click.echo(f"wrote {path}")
+
+
+def _print_calibration(c: dict) -> None:
+    """calibrate's table: each model's coefficients and residual, in µs (ns for per-element figures)."""
+    def us(seconds: float) -> str:
+        return f"{seconds * 1e6:,.1f} µs"
+
+    def ns(seconds: float) -> str:
+        return f"{seconds * 1e9:,.1f} ns"
+
+    m, i = c["machine"], c["inputs"]
+    click.echo(f"calibration of {i['run']} ({i['world_size']} rank(s), batch {i['batch_per_rank']} per rank, "
+               f"{i['optimizer']}) on {m['host']}: {m['cpu']}, {m['cores']} cores, {m['threads']} thread(s), "
+               f"torch {m['torch']}, {m['backend']} world {m['world_size']}, {m['clock']} time, "
+               f"load {m['load_avg']}; took {c['seconds']:.1f} s")
+    click.echo("replication: extra per step = c0 + c_ids·ids + c_hot·hot ids + c_rows·rows synchronised")
+    click.echo(f"  {'sync':<18}{'c0':>12}{'c_ids':>12}{'c_hot':>12}{'c_rows':>12}{'residual':>12}  collectives")
+    for sync, r in c["replication"].items():
+        calls = ", ".join(f"{n} {op}" for op, n in r["collectives"].items())
+        click.echo(f"  {sync:<18}{us(r['c0_s']):>12}{ns(r['c_ids_s']):>12}{ns(r['c_hot_s']):>12}"
+                   f"{ns(r['c_rows_s']):>12}{us(r['residual_s']):>12}  {calls}")
+    click.echo("collective call (world 1, no wire): "
+               + ", ".join(f"{op} {us(s)}" for op, s in c["collective_call_s"].items()))
+    dp, mp, fae = c["dct_dp"], c["dct_mp"], c["schedule"]
+    click.echo(f"DCT-DP hook over the plain one (keep ratio {dp['keep_ratio']}): {us(dp['c_bucket_s'])} per bucket + "
+               f"{ns(dp['c_elem_s'])} per element (residual {us(dp['residual_s'])}); a refresh adds "
+               f"{ns(dp['c_refresh_elem_s'])} per element (residual {us(dp['refresh_residual_s'])})")
+    click.echo(f"DCT-MP codec (dim {mp['dim']}): {us(mp['c0_s'])} per step + {ns(mp['c_value_s'])} per value sent + "
+               f"{ns(mp['c_kept_s'])} per value kept (residual {us(mp['residual_s'])})")
+    click.echo(f"FAE schedule: {ns(fae['c_sample_s'])} per sample taken by index (in-memory data); hot split "
+               f"{ns(fae['setup_s_per_sample'])} per training sample, once")
+    for note in c["notes"]:
+        click.echo(f"note: {note}")
 
 
 @cli.command()
@@ -341,14 +458,15 @@ def _csv(frame) -> str:
 @cli.command()
 @click.argument("base", type=click.Path(path_type=Path))
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--skip-steps", type=click.IntRange(min=0), default=5, show_default=True,
-              help="Leave the first N training steps (warm-up) out of step times and samples/s; bytes use every step.")
+@click.option("--skip-steps", type=click.IntRange(min=0), default=None,
+              help="Leave the first N training steps (warm-up) out of step times and samples/s; bytes use every step. "
+                   "Default: min(5, max(1, steps // 4)), the rule of every baseline analyze predicts from.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
               help="Where to write the HTML report of the comparison (default: BASE/compare.html).")
 @click.option("--no-report", is_flag=True, help="Write no HTML report.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document (runs, rows, warnings) instead of tables.")
-def compare(base: Path, runs: tuple[Path, ...], skip_steps: int, report_path: Path | None, no_report: bool,
+def compare(base: Path, runs: tuple[Path, ...], skip_steps: int | None, report_path: Path | None, no_report: bool,
             as_json: bool) -> None:
     """Compare runs with BASE: measured figures side by side, and each policy's predicted against measured.
 
@@ -475,11 +593,13 @@ def report(runs: tuple[Path, ...], output: Path | None, plotly_js: str) -> None:
 @click.option("--cluster", "cluster_shape", default=None, metavar="NODESxRANKS",
               help="Run every run on an emulated cluster (tracekit cluster), e.g. 2x2; needs --link.")
 @click.option("--link", default=None, help="With --cluster: each node's link rate, e.g. 200mbit.")
+@click.option("--check-all", is_flag=True,
+              help="Re-run the sections analyze did not recommend too, each alone: the measurement checks the decision.")
 @click.option("--json", "as_json", is_flag=True, help="Print compare's JSON document at the end instead of tables.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str | None, intra_bw: str | None,
              inter_bw: str | None, policies: str | None, objective: str, cluster_shape: str | None, link: str | None,
-             as_json: bool, command: tuple[str, ...]) -> None:
+             check_all: bool, as_json: bool, command: tuple[str, ...]) -> None:
     """Record COMMAND, analyse it, re-run it with each policy and their combination, and compare.
 
     COMMAND must accept `--policy PATH` at its end (the reference trainer's train.py does). Every run
@@ -521,7 +641,7 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
                 progress("simulate")
                 project(base, Target(on_cluster.nodes, on_cluster.ranks_per_node, on_cluster.link_bytes_per_s),
                         base / "policy.json")
-        reruns, notes = plan.reruns(base / "policy.json")
+        reruns, notes = plan.reruns(base / "policy.json", checked=check_all)
     except TracekitError as err:
         raise InputError(str(err)) from None
     done = []
@@ -535,8 +655,14 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
                 done.append(out_dir / rerun.name)
             else:
                 notes.append(f"{rerun.name}: the run failed (exit code {code}); see {out_dir / (rerun.name + '.log')}")
+    if not reruns:
+        for note in notes:
+            click.echo(note, err=as_json)
+        click.echo("optimize: analyze recommends no section for this run (each line above says why); nothing to "
+                   "re-run (--check-all re-runs them anyway)", err=as_json)
+        return
     if not done:
-        raise click.ClickException("no policy run completed: " + "; ".join(notes or ["no policy to apply"]))
+        raise click.ClickException("no policy run completed: " + "; ".join(notes))
     try:
         result = compare_runs(base, done)
     except TracekitError as err:

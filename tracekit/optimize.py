@@ -1,9 +1,10 @@
 """`tracekit optimize`: the whole loop in one command (DESIGN.md §1).
 
     DIR/base            the command recorded as given (lookups on every step, so predictions are exact)
-    DIR/base/policy.json and one file per section the trainer applies: policy.<section>.json
+    DIR/base/policy.json and one file per recommended training section: policy.<section>.json
     DIR/<section>       the command re-run with `--policy DIR/base/policy.<section>.json`
-    DIR/combined        ... with every applicable section together, where there are several
+    DIR/combined        ... with every one re-run together, where there are several (policy.combined.json,
+                        which keeps policy.json's `combined` prediction for `compare` to check)
 
 then `tracekit compare DIR/base DIR/<section> ... DIR/combined`. The command must take
 `--policy PATH` as its last option (the reference trainer's train.py does). Each run's output goes
@@ -19,11 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracekit.cluster import Topology
-from tracekit.policy import SECTIONS, load_policy, section_part, write_policy
+from tracekit.policy import SECTIONS, TRAINING, load_policy, recommended, section_part, write_policy
 
-APPLIED = ("replication", "tiers", "schedule", "compression.dp", "compression.mp")
-"""The sections (compression's parts apart) the reference trainer applies; optimize re-runs each
-one alone, then together."""
 MIN_HOT_SAMPLES = 0.01
 """An FAE schedule with fewer all-hot samples than this is not re-run."""
 
@@ -34,16 +32,25 @@ class Rerun:
     policy: Path
 
 
-def reruns(policy_path: Path) -> tuple[list[Rerun], list[str]]:
-    """One policy file per applicable section (beside policy.json, so row paths hold), and one for
-    their combination; with notes on the sections left out and why."""
-    policy = load_policy(policy_path)
+def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], list[str]]:
+    """One policy file per recommended training section worth a run (beside policy.json, so row paths
+    hold), and one for their combination; with notes on the sections left out and why. `checked`:
+    re-run the sections analyze did not recommend as well (each alone, marked recommended in its own
+    file, and all of them together), so that the measurement checks the decision."""
+    written = policy = load_policy(policy_path)
     chosen, notes = [], []
-    for name in APPLIED:
+    for name in TRAINING:
         body = section_part(policy, name)
         if body is None:
             continue
         reason = _why_not(name, body)
+        if reason and checked and not recommended(body) and not _why_not(name, {**body, "recommended": True}):
+            notes.append(f"{name} re-run although not recommended, to check the decision ({body['reason']})")
+            section, _, part = name.partition(".")
+            overridden = {**body, "recommended": True, "not_recommended_because": body["reason"]}
+            overridden.pop("reason")
+            policy = {**policy, section: {**policy[section], part: overridden} if part else overridden}
+            reason = None
         if reason:
             notes.append(f"{name} not re-run: {reason}")
             continue
@@ -51,12 +58,15 @@ def reruns(policy_path: Path) -> tuple[list[Rerun], list[str]]:
     if "lag" in policy:
         notes.append("lag not re-run: it applies to inference (train.py --inference --policy FILE), optimize re-runs training")
     plans = [Rerun(name, _write_sections(policy_path, policy, [name])) for name in chosen]
-    if len(chosen) > 1:
-        plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
+    together = chosen if checked else [name for name in chosen if recommended(section_part(written, name))]
+    if len(together) > 1:
+        plans.append(Rerun("combined", _write_sections(policy_path, policy, together, "combined")))
     return plans, notes
 
 
 def _why_not(name: str, section: dict) -> str | None:
+    if not recommended(section):
+        return f"not recommended ({section['reason']})"
     predicted = section.get("predicted", {})
     if name == "replication" and not predicted.get("hot_rows"):
         return "no row is worth replicating at this budget"
@@ -74,7 +84,10 @@ def _why_not(name: str, section: dict) -> str | None:
 
 
 def _write_sections(policy_path: Path, policy: dict, names: list[str], label: str | None = None) -> Path:
-    keep = {k: v for k, v in policy.items() if k not in SECTIONS}
+    """policy.<label>.json: the sections `names` of `policy`; its `combined` only in the combined file."""
+    keep = {k: v for k, v in policy.items() if k not in (*SECTIONS, "combined")}
+    if label == "combined" and "combined" in policy:
+        keep["combined"] = policy["combined"]
     for name in names:
         section, _, part = name.partition(".")
         if part:

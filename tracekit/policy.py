@@ -8,10 +8,17 @@ and neither imports the other.
     policy = load_policy("runs/base/policy.json")                              # validated
     check_model(policy, tables=[{"name": "t0", "num_rows": 100000, "dim": 32}], world_size=2)
 
-Every section is optional; each present carries a `predicted` object of numbers and a one-line
-`why`. Byte figures are per training step, summed over all ranks' `bytes_out`. Row lists are
-Parquet files whose paths are relative to the JSON file. A file that breaks any rule is refused
-with a PolicyError naming the file, the field and what was expected.
+Every section is optional; each present carries a `predicted` object of numbers, a one-line `why`,
+`recommended` (true or false; absent means true, so hand-written files keep working) with a one-line
+`reason` where it is false, and `intervals` ({figure: [low, high]}) for the figures of `predicted`
+that are estimates (a figure without one is exact). The optional top-level `combined` holds the
+prediction for the recommended training sections applied together: {"sections": [labels],
+"predicted", "intervals", "why"}. Byte figures are per training step, summed over all ranks'
+`bytes_out`. Row lists are Parquet files whose paths are relative to the JSON file. A file that
+breaks any rule is refused with a PolicyError naming the file, the field and what was expected.
+
+    for label, body in sections(policy):   # ("compression.dp", {...}), ...
+        recommended(body)                  # what the trainer and `optimize` apply
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow.parquet as pq
 
@@ -29,6 +36,11 @@ from tracekit.errors import PolicyMismatch, TracekitError
 
 SCHEMA = "tracekit.policy/1"
 SECTIONS = ("replication", "tiers", "schedule", "compression", "lag")
+LABELS = ("replication", "tiers", "schedule", "compression.dp", "compression.mp", "lag")
+"""Every section by its label, compression's parts apart (what `combined.sections` and the trainer name)."""
+INFERENCE_ONLY = ("lag",)
+"""The sections an `--inference` run applies; a training run applies the others (TRAINING)."""
+TRAINING = tuple(label for label in LABELS if label not in INFERENCE_ONLY)
 ROW_FIELDS = {"replication": ("rows",), "tiers": ("rows",), "schedule": ("hot_rows",)}
 """Fields of a section that name a Parquet row list, relative to the JSON file."""
 REPLICATION_SYNCS = ("sparse_allreduce", "dense_allreduce")
@@ -43,6 +55,16 @@ def section_part(policy: dict, name: str) -> dict | None:
     section, _, part = name.partition(".")
     body = policy.get(section)
     return body.get(part) if part and isinstance(body, dict) else body
+
+
+def sections(policy: dict) -> list[tuple[str, dict]]:
+    """(label, body) of each section present, in LABELS order, compression's dp and mp apart."""
+    return [(label, body) for label in LABELS if (body := section_part(policy, label)) is not None]
+
+
+def recommended(body: dict) -> bool:
+    """Whether a section is recommended: its `recommended`, true where absent (hand-written files)."""
+    return body.get("recommended", True)
 
 
 def new_policy(*, source_run: str, model: dict, baseline: dict | None = None) -> dict:
@@ -111,9 +133,9 @@ def validate(policy: Any, path: str | os.PathLike) -> None:
                 fail(f"model.tables[{i}].{key}", f"a positive integer, got {table.get(key)!r}")
     if not _positive_int(model.get("world_size")):
         fail("model.world_size", f"a positive integer, got {model.get('world_size')!r}")
-    unknown = set(policy) - {"schema", "source_run", "created_at", "model", "baseline", *SECTIONS}
+    unknown = set(policy) - {"schema", "source_run", "created_at", "model", "baseline", "combined", *SECTIONS}
     if unknown:
-        fail(", ".join(sorted(unknown)), f"no such field; the sections are {', '.join(SECTIONS)}")
+        fail(", ".join(sorted(unknown)), f"no such field; the sections are {', '.join(SECTIONS)} (and combined)")
     if not isinstance(policy.get("baseline", {}), dict) or not _numbers(policy.get("baseline", {})):
         fail("baseline", "an object of numbers")
     for name in SECTIONS:
@@ -127,10 +149,12 @@ def validate(policy: Any, path: str | os.PathLike) -> None:
                 fail(where, "compression holds only dp and mp")
             if not isinstance(body, dict):
                 fail(where, "an object")
-            if not isinstance(body.get("predicted"), dict) or not _numbers(body["predicted"]):
-                fail(f"{where}.predicted", "an object of numbers")
-            if not isinstance(body.get("why"), str) or not body["why"]:
-                fail(f"{where}.why", "a one-line explanation")
+            _check_prediction(body, where, fail)
+            if not isinstance(body.get("recommended", True), bool):
+                fail(f"{where}.recommended", f"true or false, got {body['recommended']!r}")
+            reason = body.get("reason")
+            if not recommended(body) and not (isinstance(reason, str) and reason.strip() and "\n" not in reason):
+                fail(f"{where}.reason", "a one-line reason why the section is not recommended")
         for field in ROW_FIELDS.get(name, ()):
             relative = section.get(field)
             if not isinstance(relative, str) or Path(relative).is_absolute():
@@ -146,6 +170,34 @@ def validate(policy: Any, path: str | os.PathLike) -> None:
         body = policy.get("compression", {}).get(sub)
         if body is not None and not (isinstance(body.get(key), (int, float)) and 0 < body[key] <= 1):
             fail(f"compression.{sub}.{key}", "a number in (0, 1]")
+    if "combined" in policy:
+        combined = policy["combined"]
+        if not isinstance(combined, dict):
+            fail("combined", "an object")
+        labels = combined.get("sections")
+        if not (isinstance(labels, list) and labels and all(label in TRAINING for label in labels)
+                and len(set(labels)) == len(labels)):
+            fail("combined.sections", f"a list of distinct training sections ({', '.join(TRAINING)}), got {labels!r}")
+        _check_prediction(combined, "combined", fail)
+
+
+def _check_prediction(body: dict, where: str, fail: Callable[[str, str], None]) -> None:
+    """`predicted` (numbers), `why` (one line) and `intervals` ({figure of predicted: [low, high]})."""
+    if not isinstance(body.get("predicted"), dict) or not _numbers(body["predicted"]):
+        fail(f"{where}.predicted", "an object of numbers")
+    if not isinstance(body.get("why"), str) or not body["why"]:
+        fail(f"{where}.why", "a one-line explanation")
+    intervals = body.get("intervals", {})
+    if not isinstance(intervals, dict):
+        fail(f"{where}.intervals", "an object of figure: [low, high]")
+    for figure, pair in intervals.items():
+        if figure not in body["predicted"]:
+            fail(f"{where}.intervals.{figure}",
+                 f"a figure of {where}.predicted ({', '.join(body['predicted']) or 'none'})")
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_number(x) for x in pair)):
+            fail(f"{where}.intervals.{figure}", f"[low, high], two numbers, got {pair!r}")
+        if pair[0] > pair[1]:
+            fail(f"{where}.intervals.{figure}", f"low <= high, got [{pair[0]}, {pair[1]}]")
 
 
 def check_model(policy: dict, *, tables: list[dict], world_size: int, path: str | os.PathLike = "policy.json") -> None:
@@ -172,6 +224,10 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _numbers(obj: dict) -> bool:
     """Whether every value is a number or null, or an object/list of such (nested figures)."""
     def ok(v: Any) -> bool:
@@ -179,5 +235,5 @@ def _numbers(obj: dict) -> bool:
             return all(ok(x) for x in v.values())
         if isinstance(v, list):
             return all(ok(x) for x in v)
-        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+        return v is None or _number(v)
     return ok(obj)

@@ -288,8 +288,9 @@ def merge_tables(ranks: list[dict]) -> list[dict]:
 
 def merge_policy(ranks: list[dict], errors: list[str]) -> dict | None:
     """The manifest's `policy`: {"path", "sha256"} of the policy file that rank 0 (else the lowest rank
-    that named one) applied, None if none did. A rank that applied another file (another path or
-    other bytes) is named in `errors`."""
+    that named one) applied, with the sections it `applied` and `skipped` ({label: why}) where the
+    program named them; None if none did. A rank that applied another file (another path or other
+    bytes) or other sections is named in `errors`."""
     named = [report for report in ranks if report["policy"] is not None]
     if not named:
         return None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 """major.minor; readers accept any minor of a major they know. 1.1 added `phase` to accesses, lookups
 and comms (readers show `train` for a 1.0 run); 1.2 added `schedule` to steps (readers show null for
-an older run)."""
+an older run); 1.3 added the dct_replay table (absent from an older run)."""
 
 VERSION_KEY = b"tracekit.schema_version"
 """Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
@@ -28,6 +28,12 @@ STATUS_COMPLETED = "completed"
 STATUS_FAILED = "failed"
 STATUS_INTERRUPTED = "interrupted"
 STATUSES = (STATUS_RUNNING, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED)
+
+CALIBRATION_SCHEMA = "tracekit.calibration/1"
+"""`schema` of the rank-side cost calibration (tracekit/dlrm/calibrate.py documents its fields)."""
+
+CALIBRATION_PATH = "analysis/calibration.json"
+"""Where a run's calibration lives, relative to the run directory; analyses read only this file."""
 
 
 def _required(name: str, type_: pa.DataType) -> pa.Field:
@@ -109,6 +115,27 @@ GRADS = pa.schema(
     ]
 )
 
+# DCT-DP replayed with error feedback on every step's local gradients (collectors/dct_replay.py): per
+# step, parameter, keep ratio and refresh period, `sent` of the `replayed` entries (all `numel` of
+# them, or a fixed random subset) would be sent by the trainer's hook, `sent_first_half` of them are
+# in the first half of the replayed entries (a random half of a subset); `position` is the order the
+# rank's own gradient was taken in that step (-1: the all-reduced one was replayed), `refreshed`
+# whether the thresholds were recomputed at that step.
+DCT_REPLAY = pa.schema(
+    [
+        _STEP,
+        _required("name", pa.string()),
+        _required("numel", pa.int64()),
+        _required("replayed", pa.int32()),
+        _required("position", pa.int32()),
+        _required("keep_ratio", pa.float64()),
+        _required("refresh_every", pa.int32()),
+        _required("sent", pa.int32()),
+        _required("sent_first_half", pa.int32()),
+        _required("refreshed", pa.bool_()),
+    ]
+)
+
 # Units as NVML reports them: utilisation in percent, memory in bytes, PCIe throughput in KB/s;
 # device is the NVML index. A metric is null where the GPU does not report it (collectors/gpu.py).
 GPU = pa.schema(
@@ -131,6 +158,7 @@ TABLES: dict[str, pa.Schema] = {
     "comms": COMMS,
     "steps": STEPS,
     "grads": GRADS,
+    "dct_replay": DCT_REPLAY,
     "gpu": GPU,
 }
 

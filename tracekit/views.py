@@ -317,8 +317,8 @@ def _compare_policies(rows: list[dict], base: str) -> None:
         return
     table = Table("run", "section", "figure", "predicted", "measured", "diff",
                   title=f"policies: predicted against measured (savings against BASE's measured totals; "
-                        f"section baseline: policy.json's against BASE {base}; an estimate shows its interval "
-                        f"[low, high], a figure without one is exact)", title_justify="left")
+                        f"section baseline: policy.json's against BASE {base}; an estimate is ~value \\[low, high], "
+                        f"a figure without an interval is exact)", title_justify="left")
     for r in rows:
         table.add_row(r["run"], r["section"], r["figure"], _policy_predicted(r), _policy_value(r, r["measured"]),
                       _policy_diff(r))
@@ -333,10 +333,10 @@ def _policy_value(row: dict, value: float | None) -> str:
 
 
 def _policy_predicted(row: dict) -> str:
-    """The predicted figure, with its interval where it is an estimate: `11.34 ms [10.10 ms, 12.40 ms]`."""
+    """The predicted figure; an estimate as in `analyze`'s table, `~11.34 ms [10.10 ms, 12.40 ms]`."""
     shown = _policy_value(row, row["predicted"])
     if row["kind"] == "estimated":
-        shown += f" [{_policy_value(row, row['predicted_low'])}, {_policy_value(row, row['predicted_high'])}]"
+        return f"~{shown} [{_policy_value(row, row['predicted_low'])}, {_policy_value(row, row['predicted_high'])}]"
     return shown
 
 

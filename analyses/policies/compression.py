@@ -2,6 +2,11 @@
 (compression.dp) and the model-parallel embedding outputs (compression.mp), with the bytes each
 would put in `comms`.
 
+compression.dp, from the DCT-DP replay (`dct_replay`, collectors/dct_replay.py) where the run has it:
+the keep ratio, the refresh period and the bytes with error feedback's growth between refreshes
+(analyses/policies/dct_dp.py). A run recorded before the replay (schema < 1.3) falls back to `grads`
+without error feedback, as follows.
+
 compression.dp, from `grads` (collectors/grads.py). For keep ratio X ∈ KEEP_RATIOS, a sampled row
 holds thr_keep_X, the (1 − X) quantile of |g| when last refreshed and then left in force (stale)
 for REFRESH_EVERY steps, and count_above_keep_X, the elements above it at that step. Per parameter
@@ -43,11 +48,12 @@ evidence, what TorchRec-style quantized payloads would send instead (`--a2a-dtyp
 half the fp32 bytes, fp8 D + 4 bytes a row (e4m3 values and an fp32 scale). Table `dct_mp`, per
 tag and dtype: calls, bytes_per_step, predicted_bytes_per_step.
 
-Predicted step times (both sections) charge the saved bytes to the run's measured bus bandwidth
-(analyses/traffic.measured_bandwidth): time = bytes per rank × factor(W) / busbw, with the
-all-reduce's busbw for both the all-reduce and the all-gather (bus bandwidth is the link's, the
-same for every collective). As if the exchange were not overlapped with compute: an upper bound on
-the saving.
+Predicted step times (`step_time`, both parts) come from analyses.network: dp swaps DDP's bucket
+all-reduces (α each + β · their ring bytes) for the hook's all-gathers (two per bucket) and adds
+the hook's calibrated work (selection per entry and bucket, a threshold refresh every
+`refresh_every` steps); mp shrinks what the output all-to-alls held the ranks (beyond their α) by
+its byte ratio and adds the codec's calibrated work. As if the exchange were not overlapped with
+compute: an upper bound on the saving, which analyses.decision weighs against the model's error.
 
     policy = derive(open_context("runs/base"))
     policy.section["dp"]["keep_ratio"], policy.section["mp"]["predicted"]["ratio"]
@@ -59,29 +65,31 @@ import math
 
 import polars as pl
 
-from analyses import traffic
+from analyses import network, traffic
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
+from analyses.policies import dct_dp
+from analyses.policies.dct_dp import DRIFT_BOUND
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
 
-DRIFT_BOUND = 2.0
 REFRESH_EVERY = 1000
 """Steps a DCT-DP threshold stays in force: the period the grads collector refreshes its thresholds
 at (kraken's `life_span`; the paper's "once every few thousand iterations")."""
 MP_KEEP_RATIO = 0.05
 FLOAT_BYTES = {dtype: size for dtype, size in DTYPE_BYTES.items() if "float" in dtype}
+FLOAT_DTYPE_SQL = "dtype LIKE '%float%' OR dtype LIKE '%half%'"  # the embedding outputs and their gradients
 DP_ROWS = "op = 'all_reduce' AND (tag LIKE 'ddp_bucket_%' OR \"async\")"
 
 
-def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
-    """The compression section (dp and/or mp); `bandwidth` as `analyze` resolved it (the options'
-    rates or the run's), else the run's measured bus bandwidths."""
+def derive(ctx: Context) -> PolicyResult:
+    """The compression section (dp and/or mp), each part's step time from analyses.network."""
     result = PolicyResult("compression")
-    base = traffic.baseline(ctx)
-    bandwidth = bandwidth or traffic.measured_bandwidth(ctx)
     world = ctx.model.world_size
     steps = traffic.training_steps(ctx)
-    dp, dp_reason = _derive_dp(ctx, world, steps, base, bandwidth, result)
-    mp, mp_reason = _derive_mp(ctx, world, steps, base, bandwidth, result)
+    dp, dp_reason = _derive_dp(ctx, world, steps, result)
+    mp, mp_reason = _derive_mp(ctx, world, steps, result)
+    for name, body in (("dp", dp), ("mp", mp)):
+        if body is not None:
+            step_time(ctx, name, body)
     section = {name: body for name, body in (("dp", dp), ("mp", mp)) if body is not None}
     reasons = {name: why for name, why in (("dp", dp_reason), ("mp", mp_reason)) if why}
     result.evidence["not_derived"] = reasons
@@ -90,6 +98,51 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     else:
         result.reason = "; ".join(f"compression.{name}: {why}" for name, why in reasons.items())
     return result
+
+
+def step_time(ctx: Context, name: str, body: dict) -> None:
+    """Set body's predicted step_time_s and its interval from analyses.network: the baseline step
+    less the collectives a part takes away, plus those it adds and its calibrated rank-side work
+    (dp: B all-reduces of DDP's buckets become 2B all-gathers of counts and kept entries; mp: the
+    output all-to-all's bytes shrink, each value encoded and decoded). As if the collectives were
+    not overlapped with compute: the saving is an upper bound, and the decision rule
+    (analyses.decision) weighs it against the model's error."""
+    net = network.network(ctx)
+    predicted = body["predicted"]
+    if net.step.median_s is None:
+        return
+    world = max(ctx.model.world_size, 1)
+    beta = net.fit.beta_s_per_byte
+    if name == "dp":
+        baseline = predicted.get("baseline_dp_bytes_per_step")
+        if not baseline:
+            return
+        buckets = _dp_calls_per_rank(ctx, traffic.training_steps(ctx), world)
+        removed = buckets * net.alpha(network.ALL_REDUCE) + beta * 2 * (world - 1) / world * baseline / world
+        added = 2 * buckets * net.alpha(network.ALL_GATHER) + beta * (world - 1) / world * predicted["dp_bytes_per_step"]
+        elements = baseline / world / 4  # fp32 gradient entries a rank all-reduces per step
+        refresh = max(int(body.get("refresh_every") or 1), 1)  # thresholds recomputed every `refresh` steps
+        work = net.work("dct_dp", elem=elements, bucket=buckets, refresh_elem=elements / refresh)
+        calls = 3 * buckets
+        kind = "dct_dp"
+    else:
+        saved = predicted["baseline_output_a2a_bytes_per_step"] - predicted["output_a2a_bytes_per_step"]
+        # what the output all-to-alls (floating point) held the ranks, beyond their α, shrinks with their bytes
+        held = network.exposed(ctx, f"op = 'all_to_all_single' AND ({FLOAT_DTYPE_SQL})")
+        if held:
+            removed = max(sum(held.values()) - len(held) * net.alpha(network.A2A), 0.0) * (1 - predicted["ratio"])
+        else:
+            removed = beta * saved / world
+        added = 0.0
+        values = predicted["baseline_output_a2a_bytes_per_step"] / 4 / world  # fp32 values a rank sends
+        work = net.work("dct_mp", value=values, kept=values * body["keep_ratio"])
+        calls = 0
+        kind = "dct_mp"
+    step = max(0.0, net.step.median_s - removed + added + (0.0 if work is None else float(work)))
+    error = net.error(calls, added - removed, kind if work is not None else None)
+    predicted["step_time_s"] = step
+    predicted["rank_work_s"] = None if work is None else float(work)
+    body.setdefault("intervals", {})["step_time_s"] = [max(step - error, 0.0), step + error]
 
 
 def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -113,8 +166,9 @@ def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:
             .sort("name")), per_step
 
 
-def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict,
-              result: PolicyResult) -> tuple[dict | None, str | None]:
+def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tuple[dict | None, str | None]:
+    if ctx.has("dct_replay"):  # error feedback replayed: the keep ratio, refresh period and bytes from it
+        return dct_dp.derive(ctx, world, steps, _dp_baseline(ctx, steps), DP_ROWS, result)
     if not ctx.has("grads"):
         return None, "no grads table (recorded with --grad-every 0?): no gradient statistics to set thresholds from"
     table, per_step = drift_table(ctx)
@@ -140,7 +194,6 @@ def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
     payload = min(8 * kept, 6 * kept + 4 * math.ceil(numel / 65536), math.ceil(numel / 8) + 4 * kept, 4 * numel)
     dp_bytes = world * (payload + 4 * buckets)
     baseline_dp = _dp_baseline(ctx, steps)
-    ar_bw = bandwidth.get("all_reduce")
     predicted = {
         "dp_bytes_per_step": dp_bytes,
         "baseline_dp_bytes_per_step": baseline_dp,
@@ -150,10 +203,6 @@ def _derive_dp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
         "kept_elements_per_rank": kept,
         "step_time_s": None,
     }
-    if ar_bw and baseline_dp is not None and base["step_time_s"] is not None:
-        t_allreduce = baseline_dp / world * traffic.bus_factor("all_reduce", world) / ar_bw
-        t_allgather = dp_bytes * traffic.bus_factor("all_gather", world) / ar_bw  # all-gather S = W·8K per rank
-        predicted["step_time_s"] = max(0.0, base["step_time_s"] - t_allreduce + t_allgather)
     params = table.height
     why = (f"keep {keep:.1%} of each gradient: the smallest of {', '.join(f'{k:.1%}' for k in KEEP_RATIOS.values())} "
            f"whose stale threshold lets through at most {overall[suffix]:.2f}x its target over "
@@ -197,8 +246,7 @@ def _dp_baseline(ctx: Context, steps: int) -> float | None:
     return total / steps
 
 
-def _derive_mp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict,
-              result: PolicyResult) -> tuple[dict | None, str | None]:
+def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tuple[dict | None, str | None]:
     if not ctx.has("comms") or not steps:
         return None, "no training comms: no embedding output all-to-all to compress"
     calls = ctx.frame(f"""
@@ -230,10 +278,6 @@ def _derive_mp(ctx: Context, world: int, steps: int, base: dict, bandwidth: dict
         "a2a_bytes_per_step": input_dist + predicted_out,
         "step_time_s": None,
     }
-    a2a_bw = bandwidth.get("all_to_all_single")
-    if a2a_bw and base["step_time_s"] is not None:
-        saved = (measured - predicted_out) / world * traffic.bus_factor("all_to_all_single", world) / a2a_bw
-        predicted["step_time_s"] = max(0.0, base["step_time_s"] - saved)
     fp32_rows = float((output["bytes_per_step"] / (output["value_bytes"] * dim)).sum())
     result.evidence["mp"] = {
         "quantized_alternatives_bytes_per_step": {"bf16": fp32_rows * dim * 2, "fp16": fp32_rows * dim * 2,

@@ -3,22 +3,28 @@ the rows chosen are replicated on every rank and looked up where the sample is; 
 sharded and go through the all-to-all.
 
 Rows are taken in order of benefit per replica byte (SCARS B.1, FlexShard B.6), net of the sparse
-synchronisation they add, in seconds per step (rows whose score is not positive follow, by
-all-to-all bytes freed per replica byte alone):
+synchronisation they add, in bytes per step (one link carries both: analyses.network; rows whose
+score is not positive follow, by all-to-all bytes freed per replica byte alone):
 
-    score_i = (a2a_i / BW_a2a − sync_i / BW_ar) / (W · rb_i)
+    score_i = (a2a_i − sync_i) / rb_i
     a2a_i   = remote all-to-all bytes per step row i's lookups free: a sequence lookup's ids and
               rows, a pooled bag's lengths, ids and rows shared among its ids (exact for one-hot
               bags; a bag leaves only when all its ids are hot, which the replay counts exactly)
     sync_i  = ((W−1) · id_bytes · (step, rank) pairs touching i + 2(W−1) · rb_i · steps touching i) / steps
 
-Every prefix K of that order is replayed exactly over the recorded lookups (costmodel.hot_curve:
-an item leaves at K > its last position), with both syncs per step (analyses.costmodel):
-dense 2(W−1)·Σ rb over the K rows, sparse over the union of hot rows touched that step. The policy
-takes the cheaper sync and the K of least predicted step time = measured step time − baseline
-communication time + (remote a2a bytes / W / BW_a2a + sync bytes / W / BW_ar + α · the sync's
-collectives: 1 dense, 3 sparse; α from analyses.traffic.latency), with Σ rb ≤ the budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes; without one,
-the unconstrained optimum). Bandwidths are bus bandwidths (analyses.costmodel.bandwidths).
+The rows' figures come from EVERY training step's `accesses` (exact counts; `estimated_rows`), each
+row's bytes per lookup from the sampled `lookups`: choosing the hot set on the sampled steps that
+then evaluate it would be optimistic by construction (a row seen once in a few sampled steps looks
+hot). Every prefix K of that order is replayed over the recorded lookups (costmodel.hot_curve: an
+item leaves at K > its last position), with both syncs per step: dense 2(W−1)·Σ rb over the K
+rows, sparse over the union of hot rows touched that step. Where lookups were sampled, the bytes
+at the chosen K are estimates with an interval over the sampled steps (costmodel.step_interval);
+with --lookup-every 1 they are exact. The sync is costmodel.sync_choice's; the K is the one of
+least predicted step time (costmodel.timing: the measured step less the baseline exchange's time,
+plus the policy's exchange, sync collectives and calibrated rank-side work, analyses.network),
+with Σ rb ≤ the budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes;
+without one, the unconstrained optimum). Its step time carries the model's error as an interval;
+analyses.decision recommends it only when the gain exceeds that error.
 
 HugeCTR's frequent set is computed beside it (calibration_data.cu, papers B.3): over the I sampled
 steps with global batch B and per-rank batch M = B/W, a row is frequent if its count ≥

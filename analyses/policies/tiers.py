@@ -29,12 +29,12 @@ union U of touched rows of a tier (bytes summed over ranks, rb row bytes):
 Memory per rank: rb per tier-1 row, rb/G per tier-2 row; within the budget (Options, else the
 replication policy's chosen replica bytes), K1 runs over log-spaced points (and replication's
 choice) and K2 takes the rest of the budget (none on one node, where tier 2 changes nothing); the
-pair with least time is chosen: (intra a2a / BW_intra + inter a2a / BW_inter + sync bytes over the
-same links, slowed by the measured all-reduce/all-to-all bus bandwidth ratio) / W. BW_intra and
-BW_inter come from --intra-bw/--inter-bw, else the run's all-to-all bus bandwidth (the evidence
-then says inter-node bandwidth is assumed equal). On one node every figure is replication's
-(its exact replay, what the trainer does: the hot ids of a mixed bag are served locally); across
-nodes items move whole, and the trainer does not apply tier 2 there yet.
+pair with least time is chosen (analyses.network): the exchange's and the sync's collectives' α,
+plus (β_intra · (intra a2a + intra sync) + β · (inter a2a + inter sync)) / W, β the run's fitted
+link (across nodes on a cluster run), β_intra 1 / --intra-bw, else 0 (ranks of a node share
+memory). On one node every figure is replication's (its exact replay, what the trainer does: the
+hot ids of a mixed bag are served locally); across nodes items move whole, and the trainer does
+not apply tier 2 there yet (analyses.decision then does not recommend the section).
 
 Outputs: the `tiers` section (topology, predicted intra- and inter-node bytes separately) and
 policy/tiers.parquet (table_name, row, tier) listing tier 1 and 2 rows (unlisted rows: tier 3).

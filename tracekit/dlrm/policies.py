@@ -2,26 +2,36 @@
 group starts.
 
     applied = load("runs/base/policy.json", tables, world_size=2, local_world_size=2)
+    applied.sections      # the labels it applies, e.g. ("replication", "compression.dp")
+    applied.skipped       # each other section present, with why: {"lag": "inference-only (...)"}
+    applied.lines()       # what the trainer prints once (rank 0): what applies, one line per section skipped
     applied.hot_rows      # per table: the rows every rank holds a replica of (int64, sorted)
     applied.sync          # how the replicas' gradients are summed: sparse_allreduce | dense_allreduce
     applied.fae_hot_rows  # per table: the rows that make a sample hot (FAE), or None
     applied.dct_dp        # DCT-DP settings for DDP's comm hook (tracekit/dlrm/compression.py), or None
     applied.mp_keep_ratio # DCT-MP: the share of each embedding output row's values kept, or None
+    applied.lag_bound     # BLS: --inference runs' bound, or None (synchronous collectives)
 
-The sections it applies: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2
-once per node, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold
-minibatches; its hot rows are replicated too, and serve cold batches as well). Sections applied
-together replicate the union of their rows, synchronised the way the section with the most rows
-says. `compression.dp` (DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied;
-`compression.mp` (DCT-MP) keeps each embedding output row's largest values in the output
-all-to-all, forward and backward (tracekit/dlrm/output_codec.py). `lag` (BLS) bounds how far a
-rank runs ahead in `--inference` runs (tracekit/dlrm/inference.py), which apply nothing else: a
-training run refuses `lag`, an inference run every other section, never ignoring one.
+The file applies as written: a training run applies every recommended training section, an
+`--inference` run the `lag` section if recommended, and each other section present is skipped with
+its reason (not recommended, inference-only, training-only) and never read further. A section it
+applies but cannot (a corrupt row list, a topology it does not fit) is refused with PolicyError, as
+is a file for another model (PolicyMismatch). Where no section applies, the run goes on as it would
+without `--policy`.
+
+The sections: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2 once per node,
+which on one node is the recorded sharding itself), `schedule` (FAE hot/cold minibatches; its hot
+rows are replicated too, and serve cold batches as well). Sections applied together replicate the
+union of their rows, synchronised the way the section with the most rows says. `compression.dp`
+(DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied; `compression.mp` (DCT-MP)
+keeps each embedding output row's largest values in the output all-to-all, forward and backward
+(tracekit/dlrm/output_codec.py). `lag` (BLS) bounds how far a rank runs ahead in `--inference` runs
+(tracekit/dlrm/inference.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -30,18 +40,18 @@ import torch
 from tracekit.dlrm.compression import DctDp
 from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.sharding import TableSpec
-from tracekit.policy import PolicyError, check_model, load_policy, row_path
-
-NOT_APPLIED: dict[str, str] = {}  # a section, or section.part, the trainer cannot apply yet
+from tracekit.policy import (INFERENCE_ONLY, PolicyError, check_model, load_policy, recommended, row_path,
+                             section_part, sections)
 
 
 @dataclass(frozen=True)
 class AppliedPolicy:
     path: Path
-    sections: tuple[str, ...]
-    hot_rows: list[torch.Tensor] | None  # per table, sorted; None: nothing replicated
-    sync: str
-    fae_hot_rows: list[torch.Tensor] | None  # per table, sorted; None: no FAE schedule
+    sections: tuple[str, ...]  # the labels applied (tracekit.policy.LABELS)
+    skipped: dict[str, str] = field(default_factory=dict)  # label -> why it is not applied
+    hot_rows: list[torch.Tensor] | None = None  # per table, sorted; None: nothing replicated
+    sync: str = "sparse_allreduce"
+    fae_hot_rows: list[torch.Tensor] | None = None  # per table, sorted; None: no FAE schedule
     dct_dp: DctDp | None = None  # None: DDP's gradients go uncompressed
     mp_keep_ratio: float | None = None  # DCT-MP on the output all-to-all; None: rows go whole
     lag_bound: int | None = None  # BLS, inference runs only; None: synchronous collectives
@@ -50,42 +60,50 @@ class AppliedPolicy:
     def replicated_rows(self) -> int:
         return sum(r.numel() for r in self.hot_rows) if self.hot_rows else 0
 
+    def lines(self) -> list[str]:
+        """What applies, then one line per section skipped: for the run's log, printed once."""
+        head = (f"policy {self.path}: applying {', '.join(self.sections)}" if self.sections else
+                f"policy {self.path}: no section applies; the run goes on as it would without --policy")
+        return [head, *(f"policy: skipped {label}: {why}" for label, why in self.skipped.items())]
+
+
+def choose(policy: dict, *, inference: bool) -> tuple[list[str], dict[str, str]]:
+    """The labels of the sections a run applies (the recommended ones of its kind: training, or
+    `--inference`), and each other section present with why it is skipped."""
+    applied, skipped = [], {}
+    for label, body in sections(policy):
+        if not recommended(body):
+            skipped[label] = f"not recommended ({body['reason']})"
+        elif label in INFERENCE_ONLY and not inference:
+            skipped[label] = "inference-only (train.py --inference --policy FILE applies it)"
+        elif label not in INFERENCE_ONLY and inference:
+            skipped[label] = f"training-only (an --inference run applies only {', '.join(INFERENCE_ONLY)})"
+        else:
+            applied.append(label)
+    return applied, skipped
+
 
 def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_world_size: int,
          inference: bool = False) -> AppliedPolicy:
-    """The policy at `path` as the trainer applies it; PolicyError (or PolicyMismatch) saying what
-    differs or what cannot be applied."""
+    """The policy at `path` as the trainer applies it (module docstring); PolicyError (or
+    PolicyMismatch) saying what differs or what cannot be applied."""
     path = Path(path)
     policy = load_policy(path)
     check_model(policy, tables=[{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables],
                 world_size=world_size, path=path)
-    for name, what in NOT_APPLIED.items():
-        section, _, part = name.partition(".")
-        if section in policy and (not part or part in policy[section]):
-            raise PolicyError(f"{path}: section {name!r} ({what}) is not applied by the reference trainer yet; "
-                              f"remove it, or derive the policy without it: tracekit analyze RUN "
-                              f"--policies replication,tiers,schedule")
+    applied, skipped = choose(policy, inference=inference)
     if inference:
-        others = [name for name in ("replication", "tiers", "schedule", "compression") if name in policy]
-        if others:
-            raise PolicyError(f"{path}: {', '.join(others)}: an --inference run applies only `lag` (the others change "
-                              f"training); derive it alone: tracekit analyze RUN --policies lag")
-        if "lag" not in policy:
-            raise PolicyError(f"{path}: no `lag` section, the only one an --inference run applies")
-        return AppliedPolicy(path, ("lag",), None, "sparse_allreduce", None, lag_bound=int(policy["lag"]["bound"]))
-    if "lag" in policy:
-        raise PolicyError(f"{path}: section 'lag' (a bounded-lag exchange, BLS) applies to inference: "
-                          f"train.py --inference --policy {path}; remove it to train with the rest")
-    sections = tuple(name for name in ("replication", "tiers", "schedule") if name in policy)
+        bound = int(policy["lag"]["bound"]) if "lag" in applied else None
+        return AppliedPolicy(path, tuple(applied), skipped, lag_bound=bound)
     replicated: list[tuple[torch.Tensor, str, str]] = []  # (keys, sync, where the sync is named)
-    if "replication" in policy:
+    if "replication" in applied:
         replicated.append((_rows(path, policy["replication"]["rows"], tables), policy["replication"]["sync"],
                            "replication.sync"))
-    if "tiers" in policy:
+    if "tiers" in applied:
         replicated.append((_tier_one(path, policy["tiers"], tables, world_size, local_world_size),
                            policy["tiers"].get("tier1_sync", "sparse_allreduce"), "tiers.tier1_sync"))
     fae = None
-    if "schedule" in policy:
+    if "schedule" in applied:
         schedule = policy["schedule"]
         if schedule.get("kind") != "fae":
             raise PolicyError(f"{path}: schedule.kind: expected \"fae\", got {schedule.get('kind')!r}")
@@ -99,18 +117,15 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
         hot = _split(torch.unique(torch.cat([keys for keys, _, _ in replicated])), tables)
         sync = max(replicated, key=lambda r: r[0].numel())[1]
     dct_dp = None
-    if "dp" in policy.get("compression", {}):
-        dp = policy["compression"]["dp"]
+    if "compression.dp" in applied:
+        dp = section_part(policy, "compression.dp")
         try:
             dct_dp = DctDp(**{key: dp[key] for key in ("keep_ratio", "refresh_every", "error_feedback") if key in dp})
         except ValueError as err:
             raise PolicyError(f"{path}: compression.dp: {err}") from None
-        sections += ("compression",)
-    mp = policy.get("compression", {}).get("mp")
-    if mp is not None and "compression" not in sections:
-        sections += ("compression",)
-    return AppliedPolicy(path, sections, hot, sync, None if fae is None else _split(fae, tables), dct_dp,
-                         mp_keep_ratio=None if mp is None else float(mp["keep_ratio"]))
+    mp = section_part(policy, "compression.mp") if "compression.mp" in applied else None
+    return AppliedPolicy(path, tuple(applied), skipped, hot, sync, None if fae is None else _split(fae, tables),
+                         dct_dp, mp_keep_ratio=None if mp is None else float(mp["keep_ratio"]))
 
 
 def _rows(policy_path: Path, relative: str, tables: list[TableSpec]) -> torch.Tensor:
@@ -168,6 +183,7 @@ def _tier_one(path: Path, section: dict, tables: list[TableSpec], world_size: in
         raise PolicyError(f"{file}: tier must be 1 or 2 (unlisted rows are tier 3), got {bad[0]}")
     if nodes > 1 and 2 in frame["tier"]:
         raise PolicyError(f"{path}: tier-2 rows across {nodes} nodes (one copy per node) are not applied by the "
-                          f"reference trainer yet; apply the replication section instead")
+                          f"reference trainer yet; with `recommended: false` and a `reason` (as `tracekit analyze` "
+                          f"writes it) the trainer skips the section")
     ones = [i for i, tier in enumerate(frame["tier"]) if tier == 1]
     return _keys(file, [frame["table_name"][i] for i in ones], [frame["row"][i] for i in ones], tables)

@@ -2,10 +2,14 @@
 
     python train.py --steps 200                                  # one process
     torchrun --standalone --nproc-per-node 2 train.py --steps 200  # two ranks (gloo on CPU)
+    torchrun ... train.py --policy runs/base/policy.json           # its recommended sections applied
 
 Step s consumes global samples [s*B, (s+1)*B) of the training split (B = batch per rank x
 world size); rank r takes its contiguous slice. So a run at world 1 with batch 1024 and one at
 world 2 with batch 512 see the same samples in the same steps, and give the same losses.
+
+With `--policy FILE`, rank 0 prints which sections apply and one line for each section skipped
+(tracekit/dlrm/policies.py); the manifest, when traced, names both.
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
     """Train on an initialised process group (or none at world size 1) and evaluate, applying
     `policy` (loaded and checked before the process group started) if given."""
     backend = dist.get_backend() if dist.is_initialized() else "none"
-    if policy is not None:
-        tracekit.policy_applied(policy.path)  # named in the manifest when traced
+    if policy is not None:  # named in the manifest when traced
+        tracekit.policy_applied(policy.path, applied=policy.sections, skipped=policy.skipped)
     schedule = make_schedule(cfg, dataset, world_size, policy.fae_hot_rows if policy is not None else None)
     plan = ShardingPlan.build(build_tables(cfg, dataset), world_size, cfg.sharding)
 
@@ -233,7 +237,7 @@ def _infer(cfg, dataset, rank, world_size, device, policy, straggler) -> None:
     """`--inference`: forward only, synchronous or bounded-lag (tracekit/dlrm/inference.py)."""
     bound = cfg.lag_bound if cfg.lag_bound is not None else policy.lag_bound if policy is not None else None
     if policy is not None:
-        tracekit.policy_applied(policy.path)
+        tracekit.policy_applied(policy.path, applied=policy.sections, skipped=policy.skipped)
     result = inference.run(cfg, dataset, rank=rank, world_size=world_size, device=device,
                            tables=build_tables(cfg, dataset), bound=bound, straggler=straggler)
     tracekit.metrics(eval_auc=result.auc, eval_logloss=result.logloss, makespan_s=result.makespan_s,
@@ -274,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    if policy is not None:  # what the policy file applies, and each section skipped with why
+        for line in policy.lines():
+            _log(cfg, rank, line)
 
     device = _device(cfg)
     keep_freed_memory()
