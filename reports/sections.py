@@ -370,6 +370,13 @@ def _sweep_chart(sweep: pl.DataFrame) -> Chart:
                       "chosen.")
 
 
+def _interval(row: dict) -> str:
+    """`exact`, or an estimate's interval, of a compare row (analyses.compare's kind and bounds)."""
+    if row.get("kind") != "estimated" or row.get("predicted_low") is None:
+        return "exact" if row.get("kind") == "exact" else "–"
+    return f"{_num(row['predicted_low'], 4)} – {_num(row['predicted_high'], 4)}"
+
+
 def _decision(body: dict) -> str:
     """The decision of analyses.decision, first in a section's paragraph."""
     if "recommended" not in body:
@@ -427,10 +434,11 @@ def compare(summary: dict) -> Section:
         labels = [esc(f"{r['run'].rsplit('/', 1)[-1]} · {r['section']} · {r['figure']}") for r in rows]
         fig.add_bar(x=labels, y=[r["predicted"] for r in rows], name="predicted")
         fig.add_bar(x=labels, y=[r["measured"] for r in rows], name="measured")
-        s.charts.append(Chart(fig, "Each pair should match: bytes are exact, so a gap is a model the trace "
-                                   "disproves."))
-    s.intro.append(table(["run", "section", "figure", "unit", "predicted", "measured", "diff"],
-                         [[r["run"], r["section"], r["figure"], r["unit"], _num(r["predicted"], 6),
+        s.charts.append(Chart(fig, "Each pair should match where the prediction is exact (bytes from lookups "
+                                   "recorded on every step); an estimate should hold the measurement within "
+                                   "its interval."))
+    s.intro.append(table(["run", "section", "figure", "unit", "predicted", "interval", "measured", "diff"],
+                         [[r["run"], r["section"], r["figure"], r["unit"], _num(r["predicted"], 6), _interval(r),
                            _num(r["measured"], 6), "–" if r["diff_pct"] is None else f"{r['diff_pct']:+.2%}"]
                           for r in summary["rows"]], left=4))
     s.intro.extend(f'<p class="warn">{esc(w)}</p>' for w in summary.get("warnings", []))

@@ -245,11 +245,15 @@ def recorded(tmp_path_factory) -> dict:
     assert chosen[column[section["sync"]]][0] == pytest.approx(section["predicted"]["sync_bytes_per_step"], rel=1e-12)
 
     other = next(s for s in SYNCS if s != section["sync"])
-    switched = base / "policy-switched.json"  # beside policy.json: the same policy/hot_rows.parquet
-    switched.write_text(json.dumps({**policy, "replication": {**section, "sync": other}}))
+    # applied whether this tiny loopback run recommends it or not (as `optimize --check-all` does):
+    # beside policy.json, so the same policy/hot_rows.parquet
+    applied = {key: value for key, value in section.items() if key != "reason"} | {"recommended": True}
+    checked, switched = base / "policy-checked.json", base / "policy-switched.json"
+    checked.write_text(json.dumps({**policy, "replication": applied}))
+    switched.write_text(json.dumps({**policy, "replication": {**applied, "sync": other}}))
     return {
         "base": (base, None, None),
-        "analysed": (_record_trainer(tmp_path_factory.mktemp("analysed"), "--policy", str(base / "policy.json")),
+        "analysed": (_record_trainer(tmp_path_factory.mktemp("analysed"), "--policy", str(checked)),
                      section["predicted"], section["sync"]),
         "switched": (_record_trainer(tmp_path_factory.mktemp("switched"), "--policy", str(switched)),
                      {**section["predicted"], "sync_bytes_per_step": chosen[column[other]][0]}, other),

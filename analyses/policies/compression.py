@@ -194,15 +194,7 @@ def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
     payload = min(8 * kept, 6 * kept + 4 * math.ceil(numel / 65536), math.ceil(numel / 8) + 4 * kept, 4 * numel)
     dp_bytes = world * (payload + 4 * buckets)
     baseline_dp = _dp_baseline(ctx, steps)
-    predicted = {
-        "dp_bytes_per_step": dp_bytes,
-        "baseline_dp_bytes_per_step": baseline_dp,
-        "ratio": dp_bytes / baseline_dp if baseline_dp else None,
-        "dp_wire_bytes_per_step": (world - 1) * dp_bytes,
-        "baseline_dp_wire_bytes_per_step": 2 * (world - 1) / world * baseline_dp if baseline_dp is not None else None,
-        "kept_elements_per_rank": kept,
-        "step_time_s": None,
-    }
+    predicted = dct_dp.figures(world, dp_bytes, baseline_dp, kept)
     params = table.height
     why = (f"keep {keep:.1%} of each gradient: the smallest of {', '.join(f'{k:.1%}' for k in KEEP_RATIOS.values())} "
            f"whose stale threshold lets through at most {overall[suffix]:.2f}x its target over "

@@ -257,16 +257,7 @@ def _section(keep: float, refresh: int, dp_bytes: float, interval: list[float] |
         why += f", {dp_bytes / baseline_dp:.2%} of the {baseline_dp:,.0f} bytes DDP all-reduces"
     why += ("; replayed on this run's gradients: a run that applies it trains on compressed ones and drifts a "
             "little differently")
-    predicted = {
-        "dp_bytes_per_step": dp_bytes,
-        "baseline_dp_bytes_per_step": baseline_dp,
-        "ratio": dp_bytes / baseline_dp if baseline_dp else None,
-        "dp_wire_bytes_per_step": (world - 1) * dp_bytes,
-        "baseline_dp_wire_bytes_per_step": 2 * (world - 1) / world * baseline_dp if baseline_dp is not None else None,
-        "kept_elements_per_rank": kept,
-        "drift": drift,
-        "step_time_s": None,
-    }
+    predicted = {**figures(world, dp_bytes, baseline_dp, kept), "drift": drift}
     section = {"keep_ratio": keep, "refresh_every": refresh, "error_feedback": True, "predicted": predicted,
                "why": why}
     if interval is not None:
@@ -286,3 +277,13 @@ def _section(keep: float, refresh: int, dp_bytes: float, interval: list[float] |
                    "counts are estimates (the interval holds two standard deviations of their sampling error).",
     }
     return section
+
+
+def figures(world: int, dp_bytes: float, baseline_dp: float | None, kept: float) -> dict:
+    """The predicted figures of a compression.dp section sending `dp_bytes` per step (Σ ranks) in
+    place of DDP's `baseline_dp`; its step time is set afterwards (compression.step_time)."""
+    return {"dp_bytes_per_step": dp_bytes, "baseline_dp_bytes_per_step": baseline_dp,
+            "ratio": dp_bytes / baseline_dp if baseline_dp else None,
+            "dp_wire_bytes_per_step": (world - 1) * dp_bytes,
+            "baseline_dp_wire_bytes_per_step": 2 * (world - 1) / world * baseline_dp if baseline_dp is not None else None,
+            "kept_elements_per_rank": kept, "step_time_s": None}
