@@ -39,7 +39,7 @@ link carries TCP over IPv4 on Ethernet at MTU 1500: 1448 payload bytes per 1514 
 (WIRE_EFFICIENCY), which is what a rate-limited link such as `tracekit cluster`'s delivers.
 
 Bytes. At the run's own world size and batch they are exact: the baseline's are the recorded ones
-and a policy's are its replayed `predicted` figures (analyses.costmodel), and the network does not
+and a policy's are its replayed `predicted` figures (analyses.exchange), and the network does not
 change what is sent (method `replay`). At another world size W' or per-device batch b' each
 collective keeps its bytes per sample, spread evenly over the W'·W' rank pairs (balanced sharding
 assumed), all-reduces keep their size (the model's), a policy keeps its share of the remote
@@ -72,7 +72,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from analyses import costmodel, network, sources, traffic
+from analyses import exchange, network, sources, traffic
 from analyses.compare import SYNC_TAGS
 from analyses.context import Context, Result, open_context
 from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
@@ -272,7 +272,7 @@ def with_compression(t: Traffic, name: str, part: dict) -> Traffic:
 def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
     """Bytes per step, by trainer tag and (sender, receiver), that replicating `rows` (table_name,
     row) takes out of the recorded exchange, replayed over the sampled lookups (module docstring)."""
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     w = ctx.model.world_size
     ctx.con.register("tk_sim_rows", rows.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_sim_x AS
@@ -294,7 +294,7 @@ def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
         UNION ALL SELECT 'output_bwd', src, owner, sum(bytes) FROM rows_back GROUP BY ALL""").fetchall()
     freed: dict[str, np.ndarray] = {}
     for collective, sender, receiver, b in flows:
-        tag = costmodel.TRAINER_TAGS[collective]
+        tag = exchange.TRAINER_TAGS[collective]
         freed.setdefault(tag, np.zeros((w, w)))[sender, receiver] += b / max(s.sampled_steps, 1)
     return freed
 

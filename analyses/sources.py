@@ -26,7 +26,7 @@ E[U] is per device batch. The rule (DESIGN.md §4 layout, TorchRec's input dist)
   the lookup ran on the sample's own rank, `src = rank`, `src_sample = sample`.
 
 The check: replaying the exchange from the attributed lookups gives every split of every
-input-dist and output-dist all-to-all in `comms` byte for byte (analyses.costmodel,
+input-dist and output-dist all-to-all in `comms` byte for byte (analyses.exchange,
 `costmodel_check`); tests/test_sources.py holds the attribution against the samples the trainer
 consumed on 2-rank runs (table- and row-wise, pooled and sequence).
 

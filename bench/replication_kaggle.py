@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from analyses import costmodel  # noqa: E402
+from analyses import exchange
 from analyses.network import network  # noqa: E402
 from analyses.compare import compare  # noqa: E402
 from analyses.context import open_context  # noqa: E402
@@ -73,7 +73,7 @@ def record(run_dir: Path, command: list[str]) -> None:
 def share_policy(base: Path, share: float) -> Path:
     """policy.share.json: the first rows of replication's order within `share` of the embedding bytes."""
     ctx = open_context(base)
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     c = replication.curve(ctx, s, "tk_order_share", replication.benefit_key(s, network(ctx)))
     total = sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
     k = int((c.replica_bytes <= share * total).nonzero()[0].max())

@@ -11,7 +11,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from analyses import costmodel
+from analyses import costmodel, exchange
 from analyses.context import Options, open_context
 from analyses.policies import replication, schedule, tiers
 from tests.recorded import REPO, TINY, record
@@ -67,7 +67,7 @@ def test_formula_and_replay_agree_on_iid_lookups(tmp_path: Path) -> None:
 
 def _assert_replay_equals_comms(run: Path) -> pl.DataFrame:
     ctx = open_context(run)
-    frame = costmodel.comms_replay(ctx)
+    frame = exchange.comms_replay(ctx)
     assert frame.height > 0
     for column in ("bytes_out", "bytes_in", "splits_out", "splits_in"):
         pred, rec = frame[f"{column}_pred"], frame[f"{column}_comms"]
@@ -84,8 +84,8 @@ def test_baseline_replay_equals_comms_on_built_runs(tmp_path: Path) -> None:
              {"a": [[9, 9]], "s": [[8, 8]], "r": [[35]]}]
     build_run(tmp_path / "run", tables, 3, [batch, batch])
     frame = _assert_replay_equals_comms(tmp_path / "run")
-    assert set(frame["collective"]) == set(costmodel.COLLECTIVES)
-    s = costmodel.setup(open_context(tmp_path / "run"))
+    assert set(frame["collective"]) == set(exchange.COLLECTIVES)
+    s = exchange.setup(open_context(tmp_path / "run"))
     # by hand: lengths 4·T_o·b_q summed over pairs, T = (2, 2, 1) tables on ranks 0..2, b = (2, 3, 1)
     assert s.base["input_lengths"][0] == 4 * (2 + 2 + 1) * (2 + 3 + 1)
     assert s.base["input_ids"][0] == 8 * (8 + 9 + 7)  # ids of a, s, r
@@ -99,7 +99,7 @@ def test_replay_detects_a_wrong_byte_count(tmp_path: Path) -> None:
     lookups = pq.read_table(part)
     pq.write_table(lookups.slice(1), part)  # one lookup lost; the schema metadata stays
     ctx = open_context(tmp_path / "run")
-    replay = costmodel.comms_replay(ctx)
+    replay = exchange.comms_replay(ctx)
     assert (replay["bytes_out_pred"] != replay["bytes_out_comms"]).any()  # a lost lookup shows
     assert costmodel.compute(ctx).summary["baseline_matches_comms"] is False
 
@@ -112,11 +112,11 @@ def test_cost_model_tables_hold_every_policy(tmp_path: Path) -> None:
     model = result.tables["costmodel"]
     assert set(model["policy"]) == {"baseline", "dedup_fetch", "replication", "tiers", "schedule"}
     replayed = model.filter((pl.col("policy") == "replication") & (pl.col("method") == "replay"))
-    assert set(replayed["collective"]) == {*costmodel.COLLECTIVES, "sync"}
+    assert set(replayed["collective"]) == {*exchange.COLLECTIVES, "sync"}
     base = model.filter(pl.col("policy") == "baseline")
     assert base["bytes_per_step"].sum() == result.summary["baseline_a2a_bytes_per_step"]
     # time from bytes (analyses.network): each call's α plus its busiest link's bytes at β = 1/1e9
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     alpha = result.summary["network"]["alpha_s"].get("all_to_all_single", 0.0)
     assert base["time_s"].sum() == pytest.approx(4 * alpha + sum(s.busiest.values()) / 1e9)
     replication_rows = model.filter(pl.col("policy") == "replication")
@@ -133,7 +133,7 @@ def test_baseline_bytes_equal_a_recorded_trainer_run(tmp_path: Path, sharding: s
                            "--sequence-tables", str(sequence_tables), options=("--lookup-every", "2"))
     assert code == 0
     frame = _assert_replay_equals_comms(run_dir)
-    assert dict(zip(frame["collective"], frame["tag"])) == costmodel.TRAINER_TAGS
+    assert dict(zip(frame["collective"], frame["tag"])) == exchange.TRAINER_TAGS
     assert sorted(set(frame["step"])) == [0, 2]
     ctx = open_context(run_dir)
     result = costmodel.compute(ctx)

@@ -9,7 +9,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from analyses import costmodel
+from analyses import exchange
 from analyses.context import Options, open_context
 from analyses.policies import replication, schedule, tiers
 from tests.test_costmodel import one_hot_run
@@ -37,9 +37,9 @@ def test_items_leave_the_exchange_as_the_layout_says(tmp_path: Path) -> None:
     mixed_run(tmp_path / "run")
     ctx = open_context(tmp_path / "run")
     hot_order(ctx, [("a", 1), ("b", 5), ("s", 7)])
-    saved = costmodel.hot_curve(ctx, "tk_test_order", 3)
-    remote = sum(saved[f"{c}_rem"][3] for c in costmodel.COLLECTIVES)
-    everything = sum(saved[f"{c}_out"][3] for c in costmodel.COLLECTIVES)
+    saved = exchange.hot_curve(ctx, "tk_test_order", 3)
+    remote = sum(saved[f"{c}_rem"][3] for c in exchange.COLLECTIVES)
+    everything = sum(saved[f"{c}_out"][3] for c in exchange.COLLECTIVES)
     # remote: rank 1's two bags [1] of a (8 + 2·16 each); rank 0's all-hot bag [5, 5] of b (16 + 32)
     # and the hot id of its two bags [5, 6] (8 each: the bag stays, its cold id goes); rank 0's three
     # ids 7 of s (8 + 2·16 each)
@@ -56,30 +56,30 @@ def test_a_row_wise_bag_leaves_with_all_its_partial_bags(tmp_path: Path) -> None
     batch = [{"r": [[1, 7], [2]]}, {"r": [[3], [8, 9]]}]
     build_run(tmp_path / "run", tables, 2, [batch])
     ctx = open_context(tmp_path / "run")
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     hot_order(ctx, [("r", 1), ("r", 2), ("r", 3), ("r", 7), ("r", 8), ("r", 9)])
-    saved = costmodel.hot_curve(ctx, "tk_test_order", 6)
+    saved = exchange.hot_curve(ctx, "tk_test_order", 6)
     # every bag hot: the whole recorded exchange leaves, empty partial bags included, but the
     # lengths (2 ranks × 2 owners × 2 samples × 4 bytes)
     assert s.base_out == 336
-    assert sum(saved[f"{c}_out"][6] for c in costmodel.COLLECTIVES) == 336 - 32
+    assert sum(saved[f"{c}_out"][6] for c in exchange.COLLECTIVES) == 336 - 32
     # remote: each bag's partial bag on the other rank (rows 2·16) and its remote ids (7 and 3)
     assert s.base_remote == 4 * 36 + 2 * 8
-    assert sum(saved[f"{c}_rem"][6] for c in costmodel.COLLECTIVES) == 4 * 32 + 2 * 8
-    assert sum(saved[f"{c}_out"][1] for c in costmodel.COLLECTIVES) == 8  # row 1 alone: [1, 7] stays, id 1 goes
+    assert sum(saved[f"{c}_rem"][6] for c in exchange.COLLECTIVES) == 4 * 32 + 2 * 8
+    assert sum(saved[f"{c}_out"][1] for c in exchange.COLLECTIVES) == 8  # row 1 alone: [1, 7] stays, id 1 goes
 
 
 def test_replica_sync_follows_the_touched_rows(tmp_path: Path) -> None:
     mixed_run(tmp_path / "run")
     ctx = open_context(tmp_path / "run")
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     rows = ctx.frame("""SELECT n.table_name, r."row", r.rb, r.steps, r.src_steps FROM tk_rows r JOIN tk_names n
                         USING (tid) ORDER BY n.table_name, r."row" """)
     hot = rows.filter(pl.struct("table_name", "row").is_in([{"table_name": "a", "row": 1},
                                                             {"table_name": "b", "row": 5},
                                                             {"table_name": "s", "row": 7}]))
     assert hot["steps"].to_list() == [2, 2, 2] and hot["src_steps"].to_list() == [4, 4, 4]
-    dense, sparse = costmodel.sync_bytes(s.world, s.id_bytes, hot["rb"].to_numpy(), hot["steps"].to_numpy(),
+    dense, sparse = exchange.sync_bytes(s.world, s.id_bytes, hot["rb"].to_numpy(), hot["steps"].to_numpy(),
                                          hot["src_steps"].to_numpy(), s.sampled_steps)
     # per step: every hot row touched by both ranks; sparse = W(W−1)·8 (the counts) + (W−1)·8·Σ u_r
     # + 2(W−1)·16·|U|

@@ -30,7 +30,8 @@ import torch
 
 from analyses.analyze import analyze
 from analyses.context import Options
-from analyses.costmodel import A2A, TRAINER_TAGS
+from analyses.network import A2A
+from analyses.exchange import TRAINER_TAGS
 from tests.multiprocess import run_ranks
 from tests.recorded import REPO, record
 from tests.test_trainer_equivalence import SCENARIOS as EQUIVALENCE_SCENARIOS

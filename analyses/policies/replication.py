@@ -15,12 +15,12 @@ score is not positive follow, by all-to-all bytes freed per replica byte alone):
 The rows' figures come from EVERY training step's `accesses` (exact counts; `estimated_rows`), each
 row's bytes per lookup from the sampled `lookups`: choosing the hot set on the sampled steps that
 then evaluate it would be optimistic by construction (a row seen once in a few sampled steps looks
-hot). Every prefix K of that order is replayed over the recorded lookups (costmodel.hot_curve: an
+hot). Every prefix K of that order is replayed over the recorded lookups (exchange.hot_curve: an
 item leaves at K > its last position), with both syncs per step: dense 2(W−1)·Σ rb over the K
 rows, sparse over the union of hot rows touched that step. Where lookups were sampled, the bytes
-at the chosen K are estimates with an interval over the sampled steps (costmodel.step_interval);
-with --lookup-every 1 they are exact. The sync is costmodel.sync_choice's; the K is the one of
-least predicted step time (costmodel.timing: the measured step less the baseline exchange's time,
+at the chosen K are estimates with an interval over the sampled steps (exchange.step_interval);
+with --lookup-every 1 they are exact. The sync is network.sync_choice's; the K is the one of
+least predicted step time (network.timing: the measured step less the baseline exchange's time,
 plus the policy's exchange, sync collectives and calibrated rank-side work, analyses.network),
 with Σ rb ≤ the budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes;
 without one, the unconstrained optimum). Its step time carries the model's error as an interval;
@@ -47,9 +47,9 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import costmodel, network
+from analyses import exchange, network
 from analyses.context import Context, PolicyResult
-from analyses.costmodel import Setup
+from analyses.exchange import Setup
 
 P_DUP_MAX = 0.01  # HugeCTR's default
 
@@ -64,20 +64,20 @@ class Curve:
     a2a_rem: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
-    is_sparse: np.ndarray  # costmodel.sync_choice at each K
+    is_sparse: np.ndarray  # network.sync_choice at each K
     coverage: np.ndarray  # share of lookups on hot rows
     union_rows: np.ndarray  # hot rows touched per step (union over ranks)
     comm_time: np.ndarray
     work: np.ndarray  # rank-side seconds per step (analyses.network's calibration; 0 without one)
     step_time: np.ndarray | None
     error: np.ndarray  # the model's error on step_time, seconds
-    saved: dict[str, np.ndarray]  # '<collective>_out' / '_rem': bytes per step freed, costmodel.hot_curve
+    saved: dict[str, np.ndarray]  # '<collective>_out' / '_rem': bytes per step freed, exchange.hot_curve
 
     def collectives(self, s: Setup, k: int) -> dict[str, dict[str, float]]:
         """Per collective of the exchange: bytes_out and remote bytes per step left at K = k."""
         return {c: {"bytes_per_step": s.base[c][0] - float(self.saved[f"{c}_out"][k]),
                     "remote_bytes_per_step": s.base[c][1] - float(self.saved[f"{c}_rem"][k])}
-                for c in costmodel.COLLECTIVES}
+                for c in exchange.COLLECTIVES}
 
     @property
     def sync(self) -> np.ndarray:
@@ -98,7 +98,7 @@ def cannot(ctx: Context) -> str | None:
         return "one rank: every lookup is already local, nothing travels"
     if not ctx.has("comms"):
         return "the run has no comms: the source rank of each lookup is unknown"
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     if s.sampled_steps == 0 or not s.base_remote:
         return "no training lookup could be attributed to a source rank (no input-dist all-to-all)"
     return None
@@ -148,7 +148,7 @@ def estimated_rows(ctx: Context, s: Setup) -> str:
 def order_table(ctx: Context, name: str, order_by: str) -> pl.DataFrame:
     """Write temp table `name` (tid, row, pos) ordering the rows (`estimated_rows`) by the SQL
     `order_by` list, ties by lookups, tid, row; return the ordered rows with their figures."""
-    rows = estimated_rows(ctx, costmodel.setup(ctx))
+    rows = estimated_rows(ctx, exchange.setup(ctx))
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE {name} AS
                 SELECT r.*, n.table_name,
                        (row_number() OVER (ORDER BY {order_by}, r.lookups DESC, r.tid, r."row") - 1)::BIGINT AS pos
@@ -161,20 +161,20 @@ def curve(ctx: Context, s: Setup, name: str, order_by: str) -> Curve:
     """Replay every prefix of the order `order_by` (module docstring)."""
     order = order_table(ctx, name, order_by)
     n = order.height
-    saved = costmodel.hot_curve(ctx, name, n)
-    a2a_out, a2a_rem = costmodel.curve_totals(s, saved, np.arange(n + 1))
+    saved = exchange.hot_curve(ctx, name, n)
+    a2a_out, a2a_rem = exchange.curve_totals(s, saved, np.arange(n + 1))
     rb, steps, src_steps = (order[c].to_numpy().astype(np.float64) for c in ("rb", "steps", "src_steps"))
-    dense, sparse = costmodel.sync_bytes(s.world, s.id_bytes, rb, steps, src_steps, s.sampled_steps)
+    dense, sparse = exchange.sync_bytes(s.world, s.id_bytes, rb, steps, src_steps, s.sampled_steps)
     zero = np.zeros(1)
     dense, sparse = np.concatenate([zero, dense]), np.concatenate([zero, sparse])
     lookups = order["lookups"].to_numpy().astype(np.float64)
     coverage = np.concatenate([zero, np.cumsum(lookups)]) / max(lookups.sum(), 1.0)
     union_rows = np.concatenate([zero, np.cumsum(steps)]) / max(s.sampled_steps, 1)
-    remote = {c: s.base[c][1] - saved[f"{c}_rem"] for c in costmodel.COLLECTIVES}
+    remote = {c: s.base[c][1] - saved[f"{c}_rem"] for c in exchange.COLLECTIVES}
     hot_ids = coverage * s.lookups_per_rank
     k = np.arange(n + 1, dtype=np.float64)
-    is_sparse = costmodel.sync_choice(ctx, s, remote, dense, sparse, hot_ids, union_rows, k)
-    t = costmodel.timing(ctx, s, remote, is_sparse, np.where(is_sparse, sparse, dense), hot_ids,
+    is_sparse = network.sync_choice(ctx, s, remote, dense, sparse, hot_ids, union_rows, k)
+    t = network.timing(ctx, s, remote, is_sparse, np.where(is_sparse, sparse, dense), hot_ids,
                          np.where(is_sparse, union_rows, k))
     replica = np.concatenate([zero, np.cumsum(rb)])
     return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, is_sparse, coverage, union_rows, t.comm_s,
@@ -242,14 +242,14 @@ def sweep(s: Setup, c: Curve, points: dict[str, int], ordering: str) -> pl.DataF
 
 def derive(ctx: Context) -> PolicyResult:
     """The replication section, its hot_rows list, the budget sweep and the evidence."""
-    return costmodel.once(_cache, ctx, _derive)
+    return exchange.once(_cache, ctx, _derive)
 
 
 def _derive(ctx: Context) -> PolicyResult:
     reason = cannot(ctx)
     if reason:
         return PolicyResult("replication", reason=reason)
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     net = network.network(ctx)
     c = curve(ctx, s, "tk_order_replication", benefit_key(s, net))
     limit = budget(ctx)
@@ -257,7 +257,7 @@ def _derive(ctx: Context) -> PolicyResult:
     k = best(c, limit, objective)
     h = hugectr(ctx, s)
     by_count = curve(ctx, s, "tk_order_count", "r.lookups DESC")
-    points = {f"sweep {i}": p for i, p in enumerate(costmodel.log_points(c.order.height))}
+    points = {f"sweep {i}": p for i, p in enumerate(exchange.log_points(c.order.height))}
     points.update({"optimum": best(c, None, objective)} if limit is None
                   else {"optimum": best(c, None, objective), "budget": k})
     table = pl.concat([sweep(s, c, points, "benefit"), sweep(s, by_count, {"hugectr": h["rows"]}, "count")])
@@ -293,9 +293,9 @@ def _derive(ctx: Context) -> PolicyResult:
 
 def intervals(ctx: Context, s: Setup, c: Curve, k: int, order: str) -> dict[str, list[float]]:
     """The estimated figures at K = k with their intervals: the all-to-all bytes (from sampled
-    steps: costmodel.step_interval, none where every step was sampled) and the step time (± the
+    steps: exchange.step_interval, none where every step was sampled) and the step time (± the
     model's error, analyses.network)."""
-    out = costmodel.step_interval(ctx, s, order, k)
+    out = exchange.step_interval(ctx, s, order, k)
     if c.step_time is not None:
         out["step_time_s"] = [float(max(c.step_time[k] - c.error[k], 0.0)), float(c.step_time[k] + c.error[k])]
     return out

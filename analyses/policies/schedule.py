@@ -39,9 +39,9 @@ import weakref
 import numpy as np
 import polars as pl
 
-from analyses import costmodel, network
+from analyses import exchange, network
 from analyses.context import Context, PolicyResult
-from analyses.costmodel import Setup
+from analyses.exchange import Setup
 from analyses.policies import replication
 
 _cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
@@ -98,10 +98,10 @@ def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, hot_rows: int) -> t
                            FROM (SELECT DISTINCT hb, tid, "row" FROM touched) u JOIN tk_names n USING (tid)
                            JOIN per_rank p USING (hb) GROUP BY u.hb)
         SELECT count(*), avg({w1} * {s.id_bytes} * u_r + 2 * {w1} * union_rb) FROM per_batch""").fetchall()[0]
-    hot_batches, sparse = rows[0], float(rows[1] or 0.0) + costmodel.count_exchange(s.world)
+    hot_batches, sparse = rows[0], float(rows[1] or 0.0) + exchange.count_exchange(s.world)
     dense = 2 * w1 * hot_bytes
-    remote = {c: 0.0 for c in costmodel.COLLECTIVES}
-    is_sparse = bool(costmodel.sync_choice(ctx, s, remote, dense, sparse, s.lookups_per_rank, hot_rows, hot_rows))
+    remote = {c: 0.0 for c in exchange.COLLECTIVES}
+    is_sparse = bool(network.sync_choice(ctx, s, remote, dense, sparse, s.lookups_per_rank, hot_rows, hot_rows))
     return (sparse if is_sparse else dense), ("sparse_allreduce" if is_sparse else "dense_allreduce"), hot_batches
 
 
@@ -136,7 +136,7 @@ def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
     samples, out_b, rem_b = cumulative("samples"), cumulative("out_b"), cumulative("rem_b")
     budget = np.concatenate([[0.0], np.cumsum(order["rb"].to_numpy().astype(np.float64))])
     steps = max(s.sampled_steps, 1)
-    points = sorted({*costmodel.log_points(n), chosen})
+    points = sorted({*exchange.log_points(n), chosen})
     return pl.DataFrame({"hot_rows": points, "budget_bytes": budget[points],
                          "hot_sample_fraction": samples[points] / max(s.samples, 1),
                          "a2a_bytes_per_step": s.base_out - out_b[points] / steps,
@@ -146,14 +146,14 @@ def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
 
 def derive(ctx: Context) -> PolicyResult:
     """The schedule section and its hot-row list (module docstring)."""
-    return costmodel.once(_cache, ctx, _derive)
+    return exchange.once(_cache, ctx, _derive)
 
 
 def _derive(ctx: Context) -> PolicyResult:
     reason = replication.cannot(ctx)
     if reason:
         return PolicyResult("schedule", reason=reason)
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     rep = replication.derive(ctx)
     limit = replication.budget(ctx)
     if limit is None:
@@ -171,13 +171,13 @@ def _derive(ctx: Context) -> PolicyResult:
     a2a_rem = float(replicated.a2a_rem[k]) - fraction * lengths_rem
     # hot steps make no exchange call: every collective of the exchange keeps (1 − H) of its bytes
     remote = {c: (1 - fraction) * replicated.collectives(s, k)[c]["remote_bytes_per_step"]
-              for c in costmodel.COLLECTIVES}
+              for c in exchange.COLLECTIVES}
     sync_kind = replicated.sync_kind(k)
     sync = float(replicated.sync[k]) if k else 0.0
     rows_synced = replicated.union_rows[k] if sync_kind == "sparse_allreduce" else k
-    t = costmodel.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
+    t = network.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
                          replicated.coverage[k] * s.lookups_per_rank, rows_synced,
-                         skipped_calls=fraction * len(costmodel.COLLECTIVES))
+                         skipped_calls=fraction * len(exchange.COLLECTIVES))
     step_time = None if t.step_s is None else float(t.step_s)
     saved_rem = s.base_remote - a2a_rem
     switch = 2 * (s.world - 1) * hot_bytes
@@ -194,6 +194,12 @@ def _derive(ctx: Context) -> PolicyResult:
     if step_time is not None:
         error = float(t.error_s)
         section["intervals"] = {"step_time_s": [max(step_time - error, 0.0), step_time + error]}
+    # from sampled steps the hot set's exchange is an estimate: replication's interval at this hot set,
+    # less the hot samples' lengths as the figure itself
+    for figure, (low, high) in exchange.step_interval(ctx, s, "tk_order_count", k).items():
+        shift = predicted[figure] - (float(replicated.a2a_out[k]) if figure == "a2a_bytes_per_step"
+                                     else float(replicated.a2a_rem[k]))
+        section.setdefault("intervals", {})[figure] = [low + shift, high + shift]
     evidence = {"samples": s.samples, "cold_samples": cold, "hot_batches_replayed": hot_batches,
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
                 "shared_with_replication": shared, "network": network.network(ctx).summary(),

@@ -47,9 +47,9 @@ import weakref
 import numpy as np
 import polars as pl
 
-from analyses import costmodel, network
+from analyses import exchange, network
 from analyses.context import Context, PolicyResult
-from analyses.costmodel import Setup
+from analyses.exchange import Setup
 from analyses.policies import replication
 
 _cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
@@ -70,7 +70,7 @@ def classes(ctx: Context, s: Setup, order: str, per_node: int) -> pl.DataFrame:
     """Network bytes per step of items grouped by (maxpos, recorded class c0, tier-2 class c2);
     class 0 local, 1 intra-node, 2 inter-node; maxpos null: an id outside the order."""
     g = per_node
-    item = costmodel.item_bytes_sql(s.len_bytes, s.id_bytes)
+    item = exchange.item_bytes_sql(s.len_bytes, s.id_bytes)
     return ctx.frame(f"""
         WITH items AS (
             SELECT l.step, l.src, l.owner, l.tid, any_value(l.seq) AS seq, count(*) AS n_ids,
@@ -110,7 +110,7 @@ def _cumulative(hist: pl.DataFrame, n: int, where: pl.Expr) -> np.ndarray:
 
 def derive(ctx: Context) -> PolicyResult:
     """The tiers section and row list for the topology (module docstring)."""
-    return costmodel.once(_cache, ctx, _derive)
+    return exchange.once(_cache, ctx, _derive)
 
 
 def _derive(ctx: Context) -> PolicyResult:
@@ -121,7 +121,7 @@ def _derive(ctx: Context) -> PolicyResult:
     if nodes * g != ctx.model.world_size:
         return PolicyResult("tiers", reason=f"topology {nodes}x{g} does not hold the run's "
                                             f"{ctx.model.world_size} ranks")
-    s = costmodel.setup(ctx)
+    s = exchange.setup(ctx)
     net = network.network(ctx)
     rep = replication.derive(ctx)
     order = replication.order_table(ctx, "tk_order_tiers", replication.benefit_key(s, net))
@@ -162,12 +162,12 @@ def _derive(ctx: Context) -> PolicyResult:
         own = (total[0] - a_self[k12]) + (a_t2_self[k12] - a_t2_self[k1])
         tier2_inter = 2 * (nodes - 1) * (union[k12] - union[k1]) + (nodes - 1) * s.id_bytes * (pairs[k12] - pairs[k1])
         options = []
-        exchange = len(costmodel.COLLECTIVES) * net.alpha(network.A2A)
+        exchange_s = len(exchange.COLLECTIVES) * net.alpha(network.A2A)
         for kind, block, index in (("sparse_allreduce", union[k1], pairs[k1]), ("dense_allreduce", cum_rb[k1], 0.0)):
             sync_intra = 2 * nodes * (g - 1) * block + (g - 1) * s.id_bytes * index
             sync_inter = 2 * (nodes - 1) * block + (s.world - g) * s.id_bytes * index + tier2_inter
             calls = net.sync_calls(kind) if sync_intra + sync_inter > 0 else 0
-            time = (exchange + calls * net.alpha(network.ALL_REDUCE)
+            time = (exchange_s + calls * net.alpha(network.ALL_REDUCE)
                     + (beta_intra * (intra + sync_intra) + beta * (inter + sync_inter)) / s.world)
             options.append((time, kind, sync_intra, sync_inter))
         time, kind, sync_intra, sync_inter = min(options)
@@ -176,11 +176,11 @@ def _derive(ctx: Context) -> PolicyResult:
                 "a2a_bytes_per_step": intra + inter + own, "a2a_remote_bytes_per_step": intra + inter,
                 "sync_intra_bytes_per_step": sync_intra, "sync_inter_bytes_per_step": sync_inter,
                 "comm_time_s": time, "memory_bytes_per_rank": cum_rb[k1] + (cum_rb[k12] - cum_rb[k1]) / g,
-                "tier1_sync": kind, "error_s": net.error(calls, time - exchange), "step_time_s": None}
+                "tier1_sync": kind, "sync_calls": calls, "step_time_s": None}
 
     candidates = []
     chosen_k = int((rep.section or {}).get("predicted", {}).get("hot_rows", 0))
-    for k1 in sorted({*costmodel.log_points(n, 60), chosen_k}):
+    for k1 in sorted({*exchange.log_points(n, 60), chosen_k}):
         if cum_rb[k1] > limit:
             break
         room = (limit - cum_rb[k1]) * g + cum_rb[k1]  # tier-2 rows cost rb/G each
@@ -191,7 +191,9 @@ def _derive(ctx: Context) -> PolicyResult:
     step_time = chosen["step_time_s"]
     if step_time is None and s.step_time_s is not None:
         step_time = max(0.0, s.step_time_s + chosen["comm_time_s"] - base["comm_time_s"])
-    predicted = {**{k: float(v) for k, v in chosen.items() if k not in ("tier1_sync", "error_s", "step_time_s")},
+        chosen["error_s"] = net.error(chosen["sync_calls"], chosen["comm_time_s"] - base["comm_time_s"])
+    predicted = {**{k: float(v) for k, v in chosen.items()
+                    if k not in ("tier1_sync", "error_s", "step_time_s", "sync_calls")},
                  "sync_bytes_per_step": float(chosen["sync_intra_bytes_per_step"]
                                               + chosen["sync_inter_bytes_per_step"]),
                  "baseline_intra_bytes_per_step": float(base["intra_bytes_per_step"]),
@@ -210,6 +212,15 @@ def _derive(ctx: Context) -> PolicyResult:
                "budget_bytes_per_rank": int(limit), "predicted": predicted, "why": why}
     if step_time is not None:
         section["intervals"] = {"step_time_s": [max(step_time - chosen["error_s"], 0.0), step_time + chosen["error_s"]]}
+    if one is not None:  # one node: replication's figures, with their interval from sampled steps
+        section.setdefault("intervals", {}).update(exchange.step_interval(ctx, s, "tk_order_tiers", k1))
+    else:  # across nodes: the sampled exchange's relative spread at the rows that leave it, on each byte figure
+        spread = exchange.step_interval(ctx, s, "tk_order_tiers", k1 + k2).get("a2a_remote_bytes_per_step")
+        if spread:
+            rel = (spread[1] - spread[0]) / 2 / max(sum(spread) / 2, 1.0)
+            section.setdefault("intervals", {}).update(
+                {f: [predicted[f] * (1 - rel), predicted[f] * (1 + rel)] for f in
+                 ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "intra_bytes_per_step", "inter_bytes_per_step")})
     notes = list(s.notes)
     if not one_node and not ctx.options.intra_bw:
         notes.append("no --intra-bw: traffic within a node taken as free beside the fitted inter-node link")

@@ -14,7 +14,7 @@ so the replicas stay identical and equal to what the owner's rows would have bec
 Both are labelled `replica_sync`, so a trace tells them from the embedding exchange. Bytes per
 step, summed over ranks (ring all-reduce 2(W−1)/W of the buffer per rank): dense 2(W−1)·K·rb;
 sparse W(W−1)·8 + (W−1)·8·Σ_r u_r + 2(W−1)·U·rb (u_r rows touched by rank r, U their union),
-the figures analyses.costmodel predicts.
+the figures analyses.exchange replays.
 """
 
 from __future__ import annotations
