@@ -7,7 +7,10 @@ it writes: `RUN/analysis/*.parquet`, `RUN/analysis/summary.json` (the summary it
 
 Each analysis runs only where the run holds what it needs (a run without `lookups` still gets skew,
 traffic, timeline and cache); what cannot be computed is listed with the reason, never an error.
-Policies come from training rows only; evaluation traffic is reported beside them.
+Policies come from training rows only; evaluation traffic is reported beside them. Their times
+come from one model fitted to the run (analyses.network, in `report["network"]`); analyses.decision
+then marks each section recommended or not (with the reason) and predicts the recommended ones
+together (`combined`); the cost model's checks run last, on what the policies derived.
 """
 
 from __future__ import annotations

@@ -228,21 +228,59 @@ def exposed(ctx: Context, where: str = "true") -> dict[tuple[str, str], float]:
     return {(op, tag): float(d) for op, tag, d in rows}
 
 
+def shrunk(ctx: Context, where: str, ratio: float) -> float:
+    """Seconds per step saved when the synchronous calls matching `where` keep `ratio` of their
+    bytes: their transfer (β · busiest-link bytes) shrinks in proportion, and what they held the
+    ranks beyond α and transfer (waits for a rank late from the link) shrinks with the step's whole
+    transfer time, as in `timing`; on a link whose bytes cost nothing (β ≈ 0) nothing is saved."""
+    net = network(ctx)
+    steps = max(ctx.train_steps(), 1)
+    beta = net.fit.beta_s_per_byte
+    part = calls_frame(ctx, where)
+    if not part.height or beta <= 0:
+        return 0.0
+    transfer = beta * float(part["x"].sum()) / steps
+    every = beta * float(calls_frame(ctx)["x"].sum()) / steps
+    calls = part.height / steps
+    waits = max(sum(exposed(ctx, where).values()) - calls * net.alpha(A2A) - transfer, 0.0)
+    saved = transfer * (1 - ratio)
+    return saved + waits * (saved / every if every > 0 else 0.0)
+
+
+def exposed_async(ctx: Context, where: str) -> float:
+    """Seconds per step the asynchronous training calls matching `where` run past a rank's last
+    synchronous call (what the step waits for them; before that they overlap its work): per step
+    the mean over ranks, the median over the steps after warm-up."""
+    if not ctx.has("comms"):
+        return 0.0
+    rows = ctx.sql(f"""
+        WITH last AS (SELECT rank, step, max(t_end_ns) AS t FROM train_comms WHERE NOT "async" GROUP BY ALL),
+             per AS (SELECT c.rank, c.step, sum(greatest(c.t_end_ns - greatest(c.t_start_ns, coalesce(l.t, 0)), 0))
+                            / 1e9 AS d
+                     FROM train_comms c LEFT JOIN last l USING (rank, step)
+                     WHERE c."async" AND c.t_end_ns > c.t_start_ns AND ({where}) GROUP BY ALL),
+             steps AS (SELECT step, avg(d) AS d FROM per GROUP BY step)
+        SELECT median(d) FROM steps WHERE step >= (SELECT min(step) FROM steps) + {warmup_steps(ctx.train_steps())}
+        """).fetchall()
+    return float(rows[0][0] or 0.0) if rows else 0.0
+
+
 # the α–β fit ------------------------------------------------------------------------------------
 
-def calls_frame(ctx: Context) -> pl.DataFrame:
-    """One row per synchronous training collective matched across ranks: op, group_size, x (wire
-    bytes on its busiest link, module docstring), time_s (least duration over the ranks)."""
+def calls_frame(ctx: Context, where: str = "true") -> pl.DataFrame:
+    """One row per synchronous training collective (of those matching the SQL `where`) matched
+    across ranks: op, group_size, x (wire bytes on its busiest link, module docstring), time_s
+    (least duration over the ranks)."""
     schema = {"op": pl.String, "group_size": pl.Int64, "x": pl.Float64, "time_s": pl.Float64}
     if not ctx.has("comms"):
         return pl.DataFrame(schema=schema)
-    frame = ctx.frame("""
+    frame = ctx.frame(f"""
         SELECT step, op, "group", group_size, rank, bytes_out, bytes_in, splits_out,
                (t_end_ns - t_start_ns) / 1e9 AS time_s,
                row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
         FROM train_comms
         WHERE t_end_ns > t_start_ns AND group_size >= 2 AND op <> 'barrier' AND NOT "async"
-              AND greatest(bytes_out, bytes_in) > 0""")
+              AND greatest(bytes_out, bytes_in) > 0 AND ({where})""")
     if not frame.height:
         return pl.DataFrame(schema=schema)
     rows = []

@@ -231,6 +231,7 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
       tracekit analyze runs/base --budget 5% --topology 2x1
     """
     from analyses.analyze import analyze as run_analysis
+    from tracekit.calibration import calibrate_if_missing
     from tracekit.errors import TracekitError
     from tracekit.views import analysis_progress, print_analysis
 
@@ -240,7 +241,7 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
             calibration_note = None
             if calibrate_first:
                 progress("calibration (rank-side costs, in a subprocess)")
-                calibration_note = _calibrate_first(run_dir)
+                calibration_note = calibrate_if_missing(run_dir)
             report = run_analysis(run_dir, options, progress=progress)
             if calibration_note is not None:
                 report["notes"].append(calibration_note)
@@ -255,44 +256,6 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
         print_analysis(report)
         if with_report:
             click.echo(f"report: {report['report']}")
-
-
-CALIBRATE_TIMEOUT_S = 120  # analyze's calibration subprocess; it takes ~5-20 s on a 2-core machine
-
-
-def _calibrate_first(run_dir: Path) -> str | None:
-    """analyze's first step: `python -m tracekit.dlrm.calibrate --run RUN` where RUN has no calibration,
-    torch is importable and this host recorded RUN. Returns a note saying why it did not run or failed
-    (None when it ran, or RUN had one already); analyze goes on either way."""
-    import importlib.util
-    import socket
-    import subprocess
-
-    from tracekit.errors import TracekitError
-    from tracekit.schema import CALIBRATION_PATH
-    from tracekit.store import read_manifest
-
-    if (run_dir / CALIBRATION_PATH).is_file():
-        return None
-    try:
-        hosts = read_manifest(run_dir).get("hosts") or []
-    except TracekitError:
-        return None  # analyze says what is wrong with the run
-    host = socket.gethostname()
-    rerun = f"`tracekit calibrate {shlex.quote(str(run_dir))}` on the host that recorded it writes it"
-    if importlib.util.find_spec("torch") is None:
-        return f"rank-side costs not calibrated: torch is not importable here; {rerun}"
-    if host not in hosts:
-        return f"rank-side costs not calibrated: {host} did not record this run ({', '.join(hosts) or 'no host'}); {rerun}"
-    try:
-        done = subprocess.run([sys.executable, "-m", "tracekit.dlrm.calibrate", "--run", str(run_dir)],
-                              capture_output=True, text=True, timeout=CALIBRATE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"rank-side calibration stopped after {CALIBRATE_TIMEOUT_S} s; {rerun}"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"rank-side calibration failed (exit code {done.returncode}: {last}); {rerun}"
-    return None
 
 
 @cli.command()
@@ -617,6 +580,7 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     from analyses.analyze import analyze as run_analysis
     from analyses.compare import compare as compare_runs
     from tracekit import optimize as plan
+    from tracekit.calibration import calibrate_if_missing
     from tracekit.errors import TracekitError
     from tracekit.views import analysis_progress, print_compare, run_progress
 
@@ -627,6 +591,7 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     on_cluster = _cluster_of(cluster_shape, link)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = out_dir / "base"
+    notes_before: list[str] = []
     with run_progress(enabled=not as_json) as progress:
         progress(f"recording the baseline into {base} (log {out_dir / 'base.log'})")
         code = plan.record(base, command, out_dir / "base.log", lookup_every=lookup_every, cluster=on_cluster)
@@ -634,6 +599,10 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
         raise click.ClickException(f"the baseline run failed (exit code {code}); its output is in {out_dir / 'base.log'}")
     try:
         with analysis_progress(enabled=not as_json) as progress:
+            progress("calibration (rank-side costs, in a subprocess)")
+            calibration_note = calibrate_if_missing(base)
+            if calibration_note is not None:
+                notes_before.append(calibration_note)
             run_analysis(base, options, progress=progress)
             if on_cluster is not None:  # the report's speedup against the link rate
                 from analyses.simulate import Target, project
@@ -642,6 +611,7 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
                 project(base, Target(on_cluster.nodes, on_cluster.ranks_per_node, on_cluster.link_bytes_per_s),
                         base / "policy.json")
         reruns, notes = plan.reruns(base / "policy.json", checked=check_all)
+        notes = notes_before + notes
     except TracekitError as err:
         raise InputError(str(err)) from None
     done = []

@@ -83,6 +83,8 @@ def print_analysis(report: dict) -> None:
     for name, render in RENDERERS.items():
         if name in analyses:
             render(analyses[name])
+    if report.get("network"):
+        _network(report["network"])
     _print_policies(report)
     for note in report["notes"]:
         console.print(f"[dim]note: {note}[/]")
@@ -139,6 +141,17 @@ def _costmodel(summary: dict) -> None:
     console.print(f"cost model: the replayed embedding exchange, {format_bytes(summary['baseline_a2a_bytes_per_step'])} "
                   f"per step ({format_bytes(summary['baseline_a2a_remote_bytes_per_step'])} crossing ranks), is "
                   f"{matches} the bytes in comms; E[U] within {summary['distinct_rows_max_rel_diff']:.1%} of the replay")
+
+
+def _network(n: dict) -> None:
+    """One line on the model every predicted time comes from (analyses.network)."""
+    alphas = ", ".join(f"{op} {a * 1e3:.2f} ms" for op, a in sorted(n["alpha_s"].items())) or "none timed"
+    rate = f"{format_bytes(n['bandwidth_bytes_per_s'])}/s" if n.get("bandwidth_bytes_per_s") else "bytes free (β ≈ 0)"
+    step = n.get("step_time_s")
+    console.print(f"network model: α {alphas}; link {rate}; fit residual {n['residual_s'] * 1e3:.2f} ms over "
+                  f"{n['calls_fitted']} of {n['calls']} calls; baseline step "
+                  + (f"{step * 1e3:.2f} ms ± {n['step_spread_s'] * 1e3:.2f} ms drift" if step else "unknown")
+                  + f" ({n['warmup_steps']} warm-up steps left out); rank work {n['rank_work'].split(' (')[0]}")
 
 
 RENDERERS = {"skew": _skew, "traffic": _traffic, "timeline": _timeline, "cache": _cache, "costmodel": _costmodel}

@@ -49,7 +49,8 @@ half the fp32 bytes, fp8 D + 4 bytes a row (e4m3 values and an fp32 scale). Tabl
 tag and dtype: calls, bytes_per_step, predicted_bytes_per_step.
 
 Predicted step times (`step_time`, both parts) come from analyses.network: dp swaps DDP's bucket
-all-reduces (α each + β · their ring bytes) for the hook's all-gathers (two per bucket) and adds
+all-reduces (their ring bytes at β: asynchronous, their calls' α overlaps backward) for the hook's
+all-gathers (two per bucket, α each + β · their bytes) and adds
 the hook's calibrated work (selection per entry and bucket, a threshold refresh every
 `refresh_every` steps); mp shrinks what the output all-to-alls held the ranks (beyond their α) by
 its byte ratio and adds the codec's calibrated work. As if the exchange were not overlapped with
@@ -118,7 +119,10 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
         if not baseline:
             return
         buckets = _dp_calls_per_rank(ctx, traffic.training_steps(ctx), world)
-        removed = buckets * net.alpha(network.ALL_REDUCE) + beta * 2 * (world - 1) / world * baseline / world
+        # DDP's bucket all-reduces are asynchronous, overlapped with backward: taking them away saves at
+        # most their bytes on the link, and no more than they held the step past its last synchronous
+        # call; the hook's all-gathers and work are added
+        removed = min(beta * 2 * (world - 1) / world * baseline / world, network.exposed_async(ctx, DP_ROWS))
         added = 2 * buckets * net.alpha(network.ALL_GATHER) + beta * (world - 1) / world * predicted["dp_bytes_per_step"]
         elements = baseline / world / 4  # fp32 gradient entries a rank all-reduces per step
         refresh = max(int(body.get("refresh_every") or 1), 1)  # thresholds recomputed every `refresh` steps
@@ -126,13 +130,7 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
         calls = 3 * buckets
         kind = "dct_dp"
     else:
-        saved = predicted["baseline_output_a2a_bytes_per_step"] - predicted["output_a2a_bytes_per_step"]
-        # what the output all-to-alls (floating point) held the ranks, beyond their α, shrinks with their bytes
-        held = network.exposed(ctx, f"op = 'all_to_all_single' AND ({FLOAT_DTYPE_SQL})")
-        if held:
-            removed = max(sum(held.values()) - len(held) * net.alpha(network.A2A), 0.0) * (1 - predicted["ratio"])
-        else:
-            removed = beta * saved / world
+        removed = network.shrunk(ctx, f"op = 'all_to_all_single' AND ({FLOAT_DTYPE_SQL})", predicted["ratio"])
         added = 0.0
         values = predicted["baseline_output_a2a_bytes_per_step"] / 4 / world  # fp32 values a rank sends
         work = net.work("dct_mp", value=values, kept=values * body["keep_ratio"])

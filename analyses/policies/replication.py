@@ -119,8 +119,11 @@ def estimated_rows(ctx: Context, s: Setup) -> str:
     """A temp table like tk_rows (per row: rb, lookups, steps, src_steps, benefit_rem ...), its
     figures over EVERY training step where `accesses` has them (exact counts), in units of the
     sampled steps' replay (lookups scaled by S/T; steps and src_steps too): choosing rows on the
-    steps that then evaluate them would be optimistic (module docstring). A row the sampled steps
-    never saw takes its table's benefit per lookup and one source rank per step touched."""
+    steps that then evaluate them would be optimistic (module docstring). A row's bytes freed per
+    lookup are its table's mean: whether a lookup crossed ranks depends on which rank's sample made
+    it, so a row's own sampled share (all remote, or all local, in a few sampled steps) is noise
+    that would favour exactly the rows the sampled replay then finds remote. A row the sampled
+    steps never saw counts one source rank per step touched."""
     if ctx.sql("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'tk_rows_est'").fetchall()[0][0]:
         return "tk_rows_est"
     total = ctx.sql("SELECT count(DISTINCT step) FROM train_accesses").fetchall()[0][0] if ctx.has("accesses") else 0
@@ -139,8 +142,8 @@ def estimated_rows(ctx: Context, s: Setup) -> str:
                a.steps_all * {scale!r} AS steps,
                a.steps_all * {scale!r} * coalesce(r.src_steps::DOUBLE / nullif(r.steps, 0), 1) AS src_steps,
                a.n_all * {scale!r} AS samples, a.n_all * {scale!r} AS placed,
-               a.n_all * {scale!r} * coalesce(r.benefit_out / nullif(r.lookups, 0), t.b_out, 0) AS benefit_out,
-               a.n_all * {scale!r} * coalesce(r.benefit_rem / nullif(r.lookups, 0), t.b, 0) AS benefit_rem
+               a.n_all * {scale!r} * coalesce(t.b_out, 0) AS benefit_out,
+               a.n_all * {scale!r} * coalesce(t.b, 0) AS benefit_rem
         FROM a JOIN tk_names n USING (tid) JOIN per_table t USING (tid) LEFT JOIN tk_rows r USING (tid, "row")""")
     return "tk_rows_est"
 
