@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from analyses.network import Network
+from tracekit.optimize import MIN_HOT_SAMPLES
 from tracekit.policy import LABELS, TRAINING, recommended, section_part
 
 EXCHANGE = ("replication", "tiers", "schedule")
@@ -59,6 +60,9 @@ def not_applicable(label: str, body: dict) -> str | None:
         return "no row is worth replicating: nothing would change"
     if label == "schedule" and not predicted.get("hot_rows"):
         return "no hot row within the budget: no sample is hot, nothing would change"
+    if label == "schedule" and body.get("hot_sample_fraction", 0.0) < MIN_HOT_SAMPLES:
+        return (f"{body.get('hot_sample_fraction', 0.0):.2%} of samples hold only hot rows (under "
+                f"{MIN_HOT_SAMPLES:.0%}): no step would skip the exchange, the schedule is replication by count")
     if label == "tiers":
         nodes = int(body.get("topology", {}).get("nodes", 1))
         if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
