@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 
 from analyses.network import Network
-from tracekit.optimize import MIN_HOT_SAMPLES
-from tracekit.policy import LABELS, TRAINING, recommended, section_part
+from tracekit.policy import LABELS, TRAINING, nothing_to_apply, recommended, section_part
 
 EXCHANGE = ("replication", "tiers", "schedule")
 
@@ -34,7 +33,7 @@ def decide(policy: dict, net: Network) -> None:
         body = section_part(policy, label)
         if body is None:
             continue
-        reason = not_applicable(label, body) or no_gain(label, body, base, net)
+        reason = nothing_to_apply(label, body) or no_gain(label, body, base, net)
         body["recommended"] = reason is None
         body.pop("reason", None)
         if reason:
@@ -52,25 +51,6 @@ def decide(policy: dict, net: Network) -> None:
     together = [label for label in TRAINING if _recommended(policy, label)]
     if len(together) > 1 and base is not None:
         policy["combined"] = combined(policy, together, base, net)
-
-
-def not_applicable(label: str, body: dict) -> str | None:
-    predicted = body.get("predicted", {})
-    if label == "replication" and not predicted.get("hot_rows"):
-        return "no row is worth replicating: nothing would change"
-    if label == "schedule" and not predicted.get("hot_rows"):
-        return "no hot row within the budget: no sample is hot, nothing would change"
-    if label == "schedule" and body.get("hot_sample_fraction", 0.0) < MIN_HOT_SAMPLES:
-        return (f"{body.get('hot_sample_fraction', 0.0):.2%} of samples hold only hot rows (under "
-                f"{MIN_HOT_SAMPLES:.0%}): no step would skip the exchange, the schedule is replication by count")
-    if label == "tiers":
-        nodes = int(body.get("topology", {}).get("nodes", 1))
-        if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
-            return "no row in tier 1 or 2: nothing would change"
-        if nodes > 1 and predicted.get("tier2_rows"):
-            return (f"tier-2 rows once per node across {nodes} nodes: the reference trainer does not apply "
-                    "them yet (the replication section is tier 1 alone)")
-    return None
 
 
 def no_gain(label: str, body: dict, base: float | None, net: Network) -> str | None:

@@ -121,10 +121,6 @@ class Network:
         """Seconds of one call of `op` whose busiest link carries `wire_bytes` one way."""
         return self.alpha(op) + self.fit.beta_s_per_byte * max(wire_bytes, 0.0)
 
-    def all_reduce(self, bytes_per_rank: float) -> float:
-        w = max(self.world, 1)
-        return self.call(ALL_REDUCE, 2 * (w - 1) / w * bytes_per_rank)
-
     def sync(self, kind: str, total_bytes: float) -> float:
         """A replica sync moving `total_bytes` per step (Σ ranks' wire bytes, analyses.exchange's
         formulas): its collectives' α and its per-rank wire bytes at β; 0 for nothing to sync."""

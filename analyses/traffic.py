@@ -33,7 +33,7 @@ Tables (`compute(ctx).tables`):
 - `traffic_imbalance`: op, max_rank, max_rank_bytes_per_step, mean_rank_bytes_per_step,
   imbalance = max / mean over the world's ranks of each rank's training bytes_out (1 = even).
 
-`measured_bandwidth(ctx)` is the bus bandwidth other analyses take as their default: per op, the
+`measured_bandwidth(ctx)` is the summary's bus bandwidth (predictions use analyses.network's fit): per op, the
 median busbw of its largest calls (S at or above the op's 75th percentile; small calls measure
 latency, not bandwidth). The time of a call moving S bytes per rank is S × factor(n) / busbw.
 `baseline(ctx)` is policy.json's `baseline`.
@@ -223,23 +223,6 @@ def transfers_sql() -> str:
         FROM (SELECT *, row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
               FROM ({_CALLS} AND NOT "async"))
         GROUP BY step, op, "group", nth"""
-
-
-def latency(ctx: Context) -> float | None:
-    """Seconds a synchronous collective costs beyond its bytes (the time an added collective adds):
-    over the run's smallest quarter of synchronous training calls, the median of each call's transfer
-    time less the time its bytes take at the op's measured bus bandwidth (`measured_bandwidth`), so
-    that on a slow link small calls still measure latency rather than bytes."""
-    if not ctx.has("comms"):
-        return None
-    bandwidth = {op: bw for op, bw in measured_bandwidth(ctx).items() if bw}
-    cases = " ".join(f"WHEN '{op}' THEN {bw!r}" for op, bw in bandwidth.items())
-    per_byte = f"CASE op {cases} ELSE NULL END" if cases else "NULL"
-    rows = ctx.sql(f"""
-        WITH c AS (SELECT *, size_bytes <= quantile_cont(size_bytes, 0.25) OVER () AS small FROM ({transfers_sql()}))
-        SELECT median(greatest(time_s - coalesce(size_bytes * bus_factor / ({per_byte}), 0), 0))
-        FROM c WHERE small""").fetchall()
-    return float(rows[0][0]) if rows and rows[0][0] is not None else None
 
 
 def imbalance(ctx: Context, steps: int) -> pl.DataFrame:

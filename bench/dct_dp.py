@@ -158,7 +158,7 @@ def _record(run_dir: Path, command: list[str], reuse: bool, *, default_settings:
 
 
 def _run(run_dir: Path, command: list[str], default_settings: bool = False) -> None:
-    settings = [] if default_settings else ["--lookup-every", "0", "--grad-every", "0"]
+    settings = ["--dct-replay"] if default_settings else ["--lookup-every", "0", "--grad-every", "0"]
     proc = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run_dir), "--force", *settings,
                            "--", *command], cwd=REPO, capture_output=True, text=True)
     if proc.returncode:

@@ -35,6 +35,7 @@ class Settings:
     rank: int
     lookup_every: int
     grad_every: int
+    dct_replay: bool  # TRACEKIT_DCT_REPLAY, default 0: DCT-DP replayed every step (collectors/dct_replay.py)
     flush_interval_s: float
     gpu_interval_s: float
     local_rank: int  # with cuda_visible_devices, which GPU the gpu collector samples
@@ -47,6 +48,7 @@ class Settings:
         return Settings(run_dir=Path(env["TRACEKIT_RUN_DIR"]), rank=int(env.get("RANK", 0)),
                         lookup_every=int(env.get("TRACEKIT_LOOKUP_EVERY", 10)),
                         grad_every=int(env.get("TRACEKIT_GRAD_EVERY", 100)),
+                        dct_replay=env.get("TRACEKIT_DCT_REPLAY", "0") == "1",
                         flush_interval_s=float(env.get("TRACEKIT_FLUSH_INTERVAL_S", 1.0)),
                         gpu_interval_s=float(env.get("TRACEKIT_GPU_INTERVAL_S", 0.1)),
                         local_rank=int(env.get("LOCAL_RANK", 0)), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
@@ -144,6 +146,7 @@ def _json_default(obj: object) -> object:
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
     from collectors import comm, declared, embedding, gpu, grads, phase, steps, torchrec_tables
+    from collectors.dct_replay import REFRESH_LADDER
     from tracekit.store import RunWriter
 
     if getattr(activate, "done", False):
@@ -160,7 +163,8 @@ def activate(settings: Settings) -> None:
                           visible_devices=settings.cuda_visible_devices)
     comms = comm.install(writer, clock)
     handles = [phase.install(), steps.install(writer, clock), tables, torchrec_tables.install(tables), comms,
-               grads.install(writer, clock, grad_every=settings.grad_every), sampler]
+               grads.install(writer, clock, grad_every=settings.grad_every,
+                             refresh_ladder=REFRESH_LADDER if settings.dct_replay else ()), sampler]
 
     def finish() -> None:
         failures = []

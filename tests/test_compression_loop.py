@@ -30,7 +30,7 @@ def _record(tmp: Path, *extra: str) -> Path:
     options = dict(zip(TINY[::2], TINY[1::2])) | {"--steps": str(STEPS)}
     code, run_dir = record(tmp, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "train.py"), *[x for kv in options.items() for x in kv], *extra,
-                           options=("--lookup-every", "1"))
+                           options=("--lookup-every", "1", "--dct-replay"))
     assert code == 0
     return run_dir
 

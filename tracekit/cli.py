@@ -71,6 +71,9 @@ def _command_start(params: list[click.Parameter], args: list[str]) -> int | None
 @click.option("--grad-every", type=click.IntRange(min=0), default=100, show_default=True,
               envvar="TRACEKIT_GRAD_EVERY",
               help="Write gradient statistics (grads table) of every optimized parameter every N steps (0: never).")
+@click.option("--dct-replay", is_flag=True, envvar="TRACEKIT_DCT_REPLAY",
+              help="Replay DCT-DP with error feedback on every step's gradients (dct_replay table), from which analyze "
+                   "derives compression.dp; costs the step ~15% on the reference trainer, so off by default.")
 @click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
               help="Seconds between flushes of each rank's trace rows to Parquet.")
 @click.option("--gpu-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
@@ -79,8 +82,8 @@ def _command_start(params: list[click.Parameter], args: list[str]) -> int | None
 @click.option("--watch", "live", is_flag=True,
               help="Show `tracekit watch`'s live view of the run (on stderr) while COMMAND runs.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int, flush_interval: float,
-           gpu_interval: float, as_json: bool, live: bool, command: tuple[str, ...]) -> None:
+def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int, dct_replay: bool,
+           flush_interval: float, gpu_interval: float, as_json: bool, live: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND with the collectors injected; keep a trace of it.
 
     Every embedding lookup (exact counts per step and row) and every optimizer step of
@@ -109,7 +112,7 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
 
         view, finished = watch_beside(run_dir)
     code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
-                            flush_interval_s=flush_interval, gpu_interval_s=gpu_interval)
+                            flush_interval_s=flush_interval, gpu_interval_s=gpu_interval, dct_replay=dct_replay)
     if live:
         finished.set()
         view.join()

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracekit.cluster import Topology
-from tracekit.policy import SECTIONS, TRAINING, load_policy, recommended, section_part, write_policy
+from tracekit.policy import SECTIONS, TRAINING, load_policy, nothing_to_apply, recommended, section_part, write_policy
 
-MIN_HOT_SAMPLES = 0.01
-"""An FAE schedule with fewer all-hot samples than this is not re-run."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +65,9 @@ def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], li
 def _why_not(name: str, section: dict) -> str | None:
     if not recommended(section):
         return f"not recommended ({section['reason']})"
-    predicted = section.get("predicted", {})
-    if name == "replication" and not predicted.get("hot_rows"):
-        return "no row is worth replicating at this budget"
-    if name == "schedule" and section.get("hot_sample_fraction", 0) < MIN_HOT_SAMPLES:
-        return (f"{section.get('hot_sample_fraction', 0):.2%} of samples hold only hot rows (under "
-                f"{MIN_HOT_SAMPLES:.0%}: the schedule would be the replication section)")
-    if name == "tiers":
-        if section.get("topology", {}).get("nodes", 1) == 1:
-            return "one node: the tiers are the replication section"
-        if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
-            return "no row in tier 1 or 2"
-        if predicted.get("tier2_rows"):
-            return "the reference trainer does not apply tier 2 across nodes yet (tier 1 is the replication section)"
-    return None
+    if name == "tiers" and section.get("topology", {}).get("nodes", 1) == 1:
+        return "one node: the tiers are the replication section"
+    return nothing_to_apply(name, section)
 
 
 def _write_sections(policy_path: Path, policy: dict, names: list[str], label: str | None = None) -> Path:

@@ -67,6 +67,28 @@ def recommended(body: dict) -> bool:
     return body.get("recommended", True)
 
 
+MIN_HOT_SAMPLES = 0.01
+"""An FAE schedule with fewer all-hot samples than this skips no step: it is replication by count."""
+
+
+def nothing_to_apply(label: str, body: dict) -> str | None:
+    """Why applying section `label` would change nothing, or is beyond the reference trainer on the
+    recorded topology; None where it is not (analyze then decides on its gain, optimize re-runs it)."""
+    predicted = body.get("predicted", {})
+    if label == "replication" and not predicted.get("hot_rows"):
+        return "no row is worth replicating at this budget"
+    hot_share = body.get("hot_sample_fraction", 0)
+    if label == "schedule" and (not predicted.get("hot_rows") or hot_share < MIN_HOT_SAMPLES):
+        return (f"{hot_share:.2%} of samples hold only hot rows (under "
+                f"{MIN_HOT_SAMPLES:.0%}: the schedule would be the replication section)")
+    if label == "tiers":
+        if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
+            return "no row in tier 1 or 2"
+        if int(body.get("topology", {}).get("nodes", 1)) > 1 and predicted.get("tier2_rows"):
+            return "the reference trainer does not apply tier 2 across nodes yet (tier 1 is the replication section)"
+    return None
+
+
 def new_policy(*, source_run: str, model: dict, baseline: dict | None = None) -> dict:
     """An empty policy for `model` ({"tables": [{"name", "num_rows", "dim"}...], "world_size"})."""
     return {"schema": SCHEMA, "source_run": source_run,

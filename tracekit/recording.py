@@ -85,7 +85,7 @@ def _interpreter(script: Path) -> str:
 
 
 def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: int, flush_interval_s: float,
-           gpu_interval_s: float, manifest_extra: dict | None = None,
+           gpu_interval_s: float, dct_replay: bool = False, manifest_extra: dict | None = None,
            run: Callable[[dict[str, str]], tuple[int, bool]] | None = None) -> int:
     """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
     130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start.
@@ -95,7 +95,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: 
     `tracekit cluster` runs it on every node."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
-                "gpu_interval_s": gpu_interval_s}
+                "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay}
     manifest = {
         "schema_version": SCHEMA_VERSION, "tracekit_version": __version__, "run_id": uuid.uuid4().hex,
         "command": command, "cwd": os.getcwd(), "started_at": started.isoformat(), "ended_at": None,
@@ -106,7 +106,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: 
     }
     write_manifest(run_dir, {**manifest, **(manifest_extra or {})})
     env = {**os.environ, "TRACEKIT_RUN_DIR": str(run_dir.resolve()), "TRACEKIT_LOOKUP_EVERY": str(lookup_every),
-           "TRACEKIT_GRAD_EVERY": str(grad_every),
+           "TRACEKIT_GRAD_EVERY": str(grad_every), "TRACEKIT_DCT_REPLAY": "1" if dct_replay else "0",
            "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
            "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
     if run is not None:
