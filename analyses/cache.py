@@ -62,6 +62,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from tracekit.files import write_text
+
 from analyses.context import Context, Result
 from analyses.skew import SAMPLE_ROWS, Sample, access_sample, lookup_histogram, sampled_tables
 
@@ -423,12 +425,7 @@ def pooling_factors(ctx: Context, totals: dict, notes: list[str]) -> tuple[dict[
 
 
 def write_json(ctx: Context, stats: dict) -> os.PathLike:
-    target = ctx.path / "analysis" / STATS_FILE
-    target.parent.mkdir(exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(stats, indent=2, default=_plain) + "\n")
-    os.replace(tmp, target)
-    return target
+    return write_text(ctx.path / "analysis" / STATS_FILE, json.dumps(stats, indent=2, default=_plain) + "\n")
 
 
 def _plain(value: Any) -> Any:

@@ -25,6 +25,7 @@ import duckdb
 import polars as pl
 
 from tracekit.errors import TracekitError
+from tracekit.files import replacing, write_text
 from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
 
@@ -147,20 +148,13 @@ class Context:
 
     def write_json(self, name: str, value: Any) -> Path:
         """Write `value` as RUN/analysis/<name>.json (via a temporary file, renamed)."""
-        target = self.path / "analysis" / f"{name}.json"
-        target.parent.mkdir(exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(json.dumps(value, default=str, indent=1) + "\n")
-        os.replace(tmp, target)
-        return target
+        return write_text(self.path / "analysis" / f"{name}.json", json.dumps(value, default=str, indent=1) + "\n")
 
     def write(self, name: str, frame: pl.DataFrame) -> Path:
         """Write `frame` as RUN/analysis/<name>.parquet (via a temporary file, renamed)."""
         target = self.path / "analysis" / f"{name}.parquet"
-        target.parent.mkdir(exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        frame.write_parquet(tmp, compression="zstd")
-        os.replace(tmp, target)
+        with replacing(target) as tmp:
+            frame.write_parquet(tmp, compression="zstd")
         return target
 
 

@@ -128,9 +128,9 @@ def write_rank_report(path: Path, parts: dict, failures: list[str]) -> None:
             report[name] = value
     report["report_errors"] = errors
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, sort_keys=True, indent=2, default=_json_default))
-    os.replace(tmp, path)
+    from tracekit.files import write_text
+
+    write_text(path, json.dumps(report, sort_keys=True, indent=2, default=_json_default))
 
 
 def _json_default(obj: object) -> object:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow.parquet as pq
 
 from tracekit.errors import PolicyMismatch, TracekitError
+from tracekit.files import replacing, write_text
 
 SCHEMA = "tracekit.policy/1"
 SECTIONS = ("replication", "tiers", "schedule", "compression", "lag")
@@ -104,17 +104,10 @@ def write_policy(path: str | os.PathLike, policy: dict, rows: dict[str, Any] | N
     path.parent.mkdir(parents=True, exist_ok=True)
     for name, frame in (rows or {}).items():
         table = frame.to_arrow() if hasattr(frame, "to_arrow") else frame
-        target = path.parent / "policy" / f"{name}.parquet"
-        target.parent.mkdir(exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, target)
+        with replacing(path.parent / "policy" / f"{name}.parquet") as tmp:
+            pq.write_table(table, tmp, compression="zstd")
     validate(policy, path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(policy, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text(path, json.dumps(policy, indent=2, sort_keys=False) + "\n")
 
 
 def load_policy(path: str | os.PathLike) -> dict:

@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -39,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracekit.errors import RunNotFound, TracekitError
+from tracekit.files import write_text
 from tracekit.schema import MANIFEST, TABLES, file_metadata
 from tracekit.thread_priority import may_leave_idle, renice, set_idle
 
@@ -411,15 +411,7 @@ def write_manifest(run_dir: str | os.PathLike, data: dict) -> Path:
     complete (data that JSON cannot encode raises TypeError before any file is touched)."""
     run_dir = Path(run_dir)
     text = json.dumps(data, sort_keys=True, indent=2) + "\n"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{MANIFEST}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, run_dir / MANIFEST)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return run_dir / MANIFEST
+    return write_text(run_dir / MANIFEST, text)
 
 
 def read_manifest(run_dir: str | os.PathLike) -> dict:

@@ -74,7 +74,6 @@ import platform
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +94,7 @@ from tracekit.dlrm.optim import sparse_optimizer
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import SYNCS, Replicas
 from tracekit.dlrm.runtime import keep_freed_memory
+from tracekit.files import write_text
 from tracekit.dlrm.schedule import hot_samples
 from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec, init_rows
 from tracekit.errors import TracekitError
@@ -562,16 +562,7 @@ def _notes(inputs: Inputs) -> list[str]:
 
 def write(run_dir: str | os.PathLike, result: dict) -> Path:
     """Write `result` to RUN/analysis/calibration.json atomically (temporary file, then rename)."""
-    path = Path(run_dir) / CALIBRATION_PATH
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    return write_text(Path(run_dir) / CALIBRATION_PATH, json.dumps(result, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
