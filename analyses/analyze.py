@@ -2,13 +2,13 @@
 it writes: `RUN/analysis/*.parquet`, `RUN/analysis/summary.json` (the summary it returns),
 `RUN/policy.json` and `RUN/policy/*.parquet`.
 
-    report = analyze("runs/base", Options(budget_fraction=0.05), progress=print)
-    report["policies"]["replication"]["predicted"]
+    summary = analyze("runs/base", Options(budget_fraction=0.05), progress=print)
+    summary["policies"]["replication"]["predicted"]
 
 Each analysis runs only where the run holds what it needs (a run without `lookups` still gets skew,
 traffic, timeline and cache); what cannot be computed is listed with the reason, never an error.
 Policies come from training rows only; evaluation traffic is reported beside them. Their times
-come from one model fitted to the run (analyses.network, in `report["network"]`); analyses.decision
+come from one model fitted to the run (analyses.network, in `summary["network"]`); analyses.decision
 then marks each section recommended or not (with the reason) and predicts the recommended ones
 together (`combined`); the cost model's checks run last, on what the policies derived.
 """
@@ -31,7 +31,7 @@ ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     "traffic": ("analyses.traffic", ("comms",)),
     "timeline": ("analyses.timeline", ("steps",)),
     "cache": ("analyses.cache", ("accesses",)),
-    "planner": ("analyses.planner", ("accesses",)),  # after cache: reads its curves
+    "planner": ("analyses.planner", ("accesses",)),  # asks analyses.cache for its curves (replayed once)
 }
 COSTMODEL = ("analyses.costmodel", ("lookups", "comms"))
 """After the policies: its checks read what they derived."""
@@ -44,31 +44,31 @@ POLICIES: dict[str, str] = {
 }
 
 
-def _analysis(ctx: Context, report: dict, name: str, module: str, needs: tuple[str, ...],
+def _analysis(ctx: Context, summary: dict, name: str, module: str, needs: tuple[str, ...],
               progress: Callable[[str], None], **kwargs: Any) -> None:
-    """Run one analysis into `report` and write its tables; a note where the run lacks its tables."""
+    """Run one analysis into `summary` and write its tables; a note where the run lacks its tables."""
     progress(name)
     missing = [t for t in needs if not ctx.has(t)]
     if missing:
-        report["notes"].append(f"{name}: not computed, the run has no {' or '.join(missing)} table")
+        summary["notes"].append(f"{name}: not computed, the run has no {' or '.join(missing)} table")
         return
     result: Result = importlib.import_module(module).compute(ctx, **kwargs)
     if result.summary:  # an analysis with nothing to compute says why in its notes
-        report["analyses"][name] = result.summary
-    report["notes"].extend(f"{name}: {note}" for note in result.notes)
+        summary["analyses"][name] = result.summary
+    summary["notes"].extend(f"{name}: {note}" for note in result.notes)
     for table, frame in result.tables.items():
-        report["written"].append(str(ctx.write(table, frame)))
+        summary["written"].append(str(ctx.write(table, frame)))
 
 
 def planner(path: str | os.PathLike) -> dict[str, Any]:
     """The TorchRec planner inputs of the run at `path` alone (analyses.planner): writes
-    analysis/planner.parquet and analysis/torchrec_constraints.json, reusing the cache curves of an
-    earlier `analyze`; returns its summary with the frame's rows and the snippet that loads them."""
+    analysis/planner.parquet and analysis/torchrec_constraints.json (replaying the caches for
+    their curves); returns its summary with the frame's rows and the snippet that loads them."""
     from analyses import planner as inputs
 
-    ctx = open_context(path)
-    result = inputs.compute(ctx)
-    written = [str(ctx.write(table, frame)) for table, frame in result.tables.items()]
+    with open_context(path) as ctx:
+        result = inputs.compute(ctx)
+        written = [str(ctx.write(table, frame)) for table, frame in result.tables.items()]
     return {"run": str(ctx.path), **result.summary, "notes": result.notes, "written": written,
             "rows": result.tables["planner"].to_dicts() if "planner" in result.tables else [],
             "snippet": inputs.snippet(result.summary["constraints"]) if result.summary else None}
@@ -78,50 +78,50 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             progress: Callable[[str], None] = lambda step: None) -> dict[str, Any]:
     """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
     return the summary (JSON-able): run, warnings, analyses, policies, notes, written files."""
-    ctx = open_context(path, options)
-    report: dict[str, Any] = {"run": str(ctx.path), "status": ctx.manifest.get("status"), "warnings": [],
-                              "analyses": {}, "policies": {}, "not_derived": {}, "notes": [], "written": []}
-    if ctx.manifest.get("status") != "completed":
-        report["warnings"].append(f"the run is {ctx.manifest.get('status')} (exit code "
-                                  f"{ctx.manifest.get('exit_code')}): figures cover what was recorded")
-    for name, (module, needs) in ANALYSES.items():
-        _analysis(ctx, report, name, module, needs, progress)
-    net = network(ctx)
-    report["network"] = net.summary()
-    baseline = {}
-    if ctx.has("comms"):
-        from analyses import traffic
+    with open_context(path, options) as ctx:
+        summary: dict[str, Any] = {"run": str(ctx.path), "status": ctx.manifest.get("status"), "warnings": [],
+                                   "analyses": {}, "policies": {}, "not_derived": {}, "notes": [], "written": []}
+        if ctx.manifest.get("status") != "completed":
+            summary["warnings"].append(f"the run is {ctx.manifest.get('status')} (exit code "
+                                       f"{ctx.manifest.get('exit_code')}): figures cover what was recorded")
+        for name, (module, needs) in ANALYSES.items():
+            _analysis(ctx, summary, name, module, needs, progress)
+        net = network(ctx)
+        summary["network"] = net.summary()
+        baseline = {}
+        if ctx.has("comms"):
+            from analyses import traffic
 
-        baseline = {k: v for k, v in traffic.baseline(ctx).items() if v is not None}
-    policy = new_policy(source_run=str(ctx.path), model=ctx.model.policy_model(), baseline=baseline)
-    rows: dict[str, Any] = {}
-    results: dict[str, PolicyResult] = {}
-    for name, module in POLICIES.items():
-        if name not in ctx.options.policies:
-            continue
-        progress(f"policy: {name}")
-        derived: PolicyResult = importlib.import_module(module).derive(ctx)
-        results[name] = derived
-        for table, frame in derived.tables.items():
-            report["written"].append(str(ctx.write(table, frame)))
-        if derived.section is None:
-            report["not_derived"][name] = derived.reason
-            continue
-        policy[name] = derived.section
-        rows.update(derived.rows)
-    decide(policy, net)
-    for name, derived in results.items():
-        if derived.section is not None:
-            report["policies"][name] = {**policy[name], "evidence": derived.evidence}
-    if "combined" in policy:
-        report["combined"] = policy["combined"]
-    _analysis(ctx, report, "costmodel", *COSTMODEL, progress, policies=results)
-    if ctx.model.tables:
-        target = write_policy(Path(ctx.path) / "policy.json", policy, rows)
-        report["written"].append(str(target))
-        report["written"].extend(str(Path(ctx.path) / "policy" / f"{name}.parquet") for name in rows)
-    else:
-        report["notes"].append("policy.json: not written, the manifest lists no embedding tables")
-    report["baseline"] = baseline
-    ctx.write_json("summary", report)  # the report reads what could not be derived, and why, from here
-    return report
+            baseline = {k: v for k, v in traffic.baseline(ctx).items() if v is not None}
+        policy = new_policy(source_run=str(ctx.path), model=ctx.model.policy_model(), baseline=baseline)
+        rows: dict[str, Any] = {}
+        results: dict[str, PolicyResult] = {}
+        for name, module in POLICIES.items():
+            if name not in ctx.options.policies:
+                continue
+            progress(f"policy: {name}")
+            derived: PolicyResult = importlib.import_module(module).derive(ctx)
+            results[name] = derived
+            for table, frame in derived.tables.items():
+                summary["written"].append(str(ctx.write(table, frame)))
+            if derived.section is None:
+                summary["not_derived"][name] = derived.reason
+                continue
+            policy[name] = derived.section
+            rows.update(derived.rows)
+        decide(policy, net)
+        for name, derived in results.items():
+            if derived.section is not None:
+                summary["policies"][name] = {**policy[name], "evidence": derived.evidence}
+        if "combined" in policy:
+            summary["combined"] = policy["combined"]
+        _analysis(ctx, summary, "costmodel", *COSTMODEL, progress, policies=results)
+        if ctx.model.tables:
+            target = write_policy(Path(ctx.path) / "policy.json", policy, rows)
+            summary["written"].append(str(target))
+            summary["written"].extend(str(Path(ctx.path) / "policy" / f"{name}.parquet") for name in rows)
+        else:
+            summary["notes"].append("policy.json: not written, the manifest lists no embedding tables")
+        summary["baseline"] = baseline
+        ctx.write_json("summary", summary)  # the report reads what could not be derived, and why, from here
+    return summary

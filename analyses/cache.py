@@ -36,8 +36,10 @@ TorchRec (`torchrec.distributed.types.CacheStatistics`, passed as `CacheParams(s
 - expected_miss_rate(clf) = the LRU curve at the load factors simulated (`expected_miss_rate`), with
   1.0 at clf = 0 and 0.0 at clf = 1 per TorchRec's convention (interpolate between);
 - cacheability = the area under that curve over clf in [0, 1] (TorchRec's `EmbeddingOffloadStats`);
-- pooling_factor = ids per sample: lookups / samples of the `steps` table, else ids per non-empty bag
-  in `lookups`; for `ParameterConstraints(pooling_factors=[...])`.
+- pooling_factor = `ids_per_sample`: ids per sample, every feature of the table together (lookups /
+  samples of the `steps` table, else ids per non-empty bag in `lookups`): TorchRec's pooling
+  factor where one feature looks the table up. The per-feature one that
+  `ParameterConstraints(pooling_factors=[...])` takes is analyses.planner's `ids_per_bag`.
 
     class TraceCacheStatistics(CacheStatistics):
         def __init__(self, entry):
@@ -65,7 +67,8 @@ import polars as pl
 from tracekit.files import write_text
 
 from analyses.context import Context, Result
-from analyses.skew import SAMPLE_ROWS, Sample, access_sample, lookup_histogram, sampled_tables
+from analyses.skew import (SAMPLE_ROWS, Sample, access_sample, lookup_histogram, no_training_accesses,
+                           sampled_tables)
 
 LOAD_FACTORS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 WAYS = 32
@@ -284,18 +287,41 @@ def geometry(full_sets: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.nd
 
 # ---------------------------------------------------------------------------------------------- compute
 
-def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors: tuple[float, ...] = LOAD_FACTORS,
-            tables: tuple[str, ...] | None = None) -> Result:
-    """The `cache_mrc` table, torchrec_cache_stats.json and per-table figures (of `tables` only when
-    given: every row of a few tables replays in a check of the sampled curves)."""
-    result = Result()
-    if not ctx.has("accesses"):
-        result.notes.append("no accesses table: the cache replay needs the per-step ids")
-        return result
+@dataclass
+class Replay:
+    """The caches replayed over one row sample: `mrc` is the `cache_mrc` table, `totals` per table
+    its exact lookups, accesses rows and rows seen (skew's histogram), `steps` the steps replayed."""
+
+    sample: Sample
+    totals: dict[str, dict]
+    steps: int
+    mrc: pl.DataFrame
+
+
+def replay(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors: tuple[float, ...] = LOAD_FACTORS,
+           tables: tuple[str, ...] | None = None) -> Replay | None:
+    """LRU, LFU and the oracle replayed over the training accesses (module docstring), of `tables`
+    only when given; once per context and arguments (ctx.memo). None without training accesses."""
+    if no_training_accesses(ctx):
+        return None
+    load_factors = tuple(load_factors)
+    return ctx.memo((replay, sample_rows, load_factors, tables),
+                    lambda: _replay(ctx, sample_rows, load_factors, tables))
+
+
+def miss_ratio_curves(ctx: Context) -> pl.DataFrame:
+    """`cache_mrc` as `compute` writes it (the default sample and load factors): what analyses.planner
+    reads; no rows (table_name, policy, load_factor, miss_ratio) without training accesses."""
+    done = replay(ctx)
+    if done is None:
+        return pl.DataFrame(schema={"table_name": pl.String, "policy": pl.String, "load_factor": pl.Float64,
+                                    "miss_ratio": pl.Float64})
+    return done.mrc
+
+
+def _replay(ctx: Context, sample_rows: int | None, load_factors: tuple[float, ...],
+            tables: tuple[str, ...] | None) -> Replay:
     histogram = lookup_histogram(ctx)
-    if histogram.is_empty():
-        result.notes.append("no training rows in accesses (phase = 'train'): nothing to replay")
-        return result
     sample = access_sample(ctx, sample_rows, tables)
     totals = histogram.group_by("table_name").agg(
         (pl.col("lookups") * pl.col("rows")).sum().alias("lookups"), pl.col("accesses").sum(),
@@ -320,14 +346,25 @@ def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors
     steps = len(np.unique(sample.step))
     ids_per_step = np.array([totals[name]["accesses"] for name in sample.names]) / steps  # exact, unsampled
     mrc = mrc_table(sample, table_of, events, misses, full_sets, sets * ways, lf, ids_per_step)
-    result.tables["cache_mrc"] = mrc
+    return Replay(sample, totals, steps, mrc)
 
-    stats = planner_stats(ctx, sample, mrc, totals, steps, result.notes)
+
+def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors: tuple[float, ...] = LOAD_FACTORS,
+            tables: tuple[str, ...] | None = None) -> Result:
+    """The `cache_mrc` table, torchrec_cache_stats.json and per-table figures (of `tables` only when
+    given: every row of a few tables replays in a check of the sampled curves)."""
+    missing = no_training_accesses(ctx)
+    if missing:
+        return Result(notes=[f"{missing}: the cache replay needs the per-step ids"])
+    done = replay(ctx, sample_rows=sample_rows, load_factors=load_factors, tables=tables)
+    sample, mrc = done.sample, done.mrc
+    result = Result(tables={"cache_mrc": mrc})
+    stats = planner_stats(ctx, sample, mrc, done.totals, done.steps, result.notes)
     path = write_json(ctx, stats) if tables is None else None
     if (sample.rates < 1).any():
         result.notes.append(f"miss ratios from a hashed row sample (SHARDS) for {sampled_tables(sample)}")
     result.summary = {"phase": "train", "load_factors": list(load_factors), "policies": list(POLICIES),
-                      "torchrec_cache_stats": path and str(path), "steps": steps,
+                      "torchrec_cache_stats": path and str(path), "steps": done.steps,
                       "tables": {name: {**entry, "miss_ratio": curves(mrc, name)}
                                  for name, entry in stats["tables"].items()}}
     return result
@@ -364,7 +401,7 @@ def curves(mrc: pl.DataFrame, table: str) -> dict[str, dict[str, float]]:
 def planner_stats(ctx: Context, sample: Sample, mrc: pl.DataFrame, totals: dict, steps: int,
                   notes: list[str]) -> dict[str, Any]:
     """The TorchRec planner inputs of the module docstring, per table."""
-    pooling, source = pooling_factors(ctx, totals, notes)
+    pooling, source = ids_per_sample(ctx, totals, notes)
     repeated = cross_rank_repeats(sample)
     tables = {}
     for t, name in enumerate(sample.names):
@@ -408,9 +445,9 @@ def cross_rank_repeats(sample: Sample) -> np.ndarray:
     return repeats / np.maximum(np.bincount(sample.table, minlength=tables), 1)
 
 
-def pooling_factors(ctx: Context, totals: dict, notes: list[str]) -> tuple[dict[str, float], str | None]:
-    """Ids per sample per table: training lookups over the samples of the `steps` table, else ids per
-    non-empty bag in `lookups`."""
+def ids_per_sample(ctx: Context, totals: dict, notes: list[str]) -> tuple[dict[str, float], str | None]:
+    """Ids per sample per table, every feature together (the stats' `pooling_factor`): training
+    lookups over the samples of the `steps` table, else ids per non-empty bag in `lookups`."""
     if ctx.has("steps"):
         samples = ctx.sql("SELECT sum(samples)::BIGINT FROM steps").fetchall()[0][0] or 0
         if samples > 0:

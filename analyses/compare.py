@@ -13,7 +13,7 @@ Per run:
   analyses.network), over the steps after the first `skip_steps` (all of them, with a warning, where
   the run has no more). samples_per_s = Σ global samples / Σ step time over those steps; a step's
   global samples are steps.samples summed over ranks or, where the trainer leaves that 0 (unknown),
-  the batches of the input dist's lengths all-to-all (analyses.sources.batches; `samples_source`).
+  the batches of the input dist's lengths all-to-all (analyses.attribution.batches; `samples_source`).
 - bytes per training step by (op, tag), N = training steps (analyses.traffic.training_steps):
       bytes_out_per_step  = Σ_ranks bytes_out / N          (policy.json's and `traffic`'s convention)
       wire_bytes_per_step = Σ_ranks wire / N, per call on a rank in a group of n ranks:
@@ -91,7 +91,7 @@ from typing import Any, Sequence
 import duckdb
 import polars as pl
 
-from analyses import sources, traffic
+from analyses import attribution, traffic
 from analyses.context import Context, Result, open_context
 from analyses.network import warmup_steps
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
@@ -157,15 +157,13 @@ def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_
     for runs of another model."""
     measured: list[Measured] = []
     for path in (base, *runs):
-        ctx = open_context(path)
-        try:
-            if measured:
-                check_same_model(measured[0], ctx)
-            measured.append(measure(ctx, skip_steps))
-        except duckdb.Error as err:
-            raise TracekitError(f"{ctx.path}: cannot read the trace ({str(err).splitlines()[0]})") from None
-        finally:
-            ctx.con.close()
+        with open_context(path) as ctx:
+            try:
+                if measured:
+                    check_same_model(measured[0], ctx)
+                measured.append(measure(ctx, skip_steps))
+            except duckdb.Error as err:
+                raise TracekitError(f"{ctx.path}: cannot read the trace ({str(err).splitlines()[0]})") from None
     first = measured[0]
     result = Result()
     warnings: list[str] = []
@@ -243,7 +241,7 @@ def step_frame(ctx: Context, notes: list[str]) -> tuple[pl.DataFrame, str]:
 def input_dist_samples(ctx: Context) -> pl.DataFrame:
     """(step, samples): global batch per training step from the input dist's lengths all-to-all."""
     try:
-        batches = sources.batches(ctx)
+        batches = attribution.batches(ctx)
     except (duckdb.Error, TracekitError, KeyError):
         return pl.DataFrame(schema={"step": pl.Int64, "samples": pl.Int64})
     return batches.group_by("step").agg(pl.col("b").sum().cast(pl.Int64).alias("samples"))

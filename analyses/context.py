@@ -1,25 +1,35 @@
 """What every analysis starts from: a recorded run opened once, a DuckDB connection holding every
 trace table as a view (training rows also as `train_<table>`), the model from the manifest, the
-options of `tracekit analyze`, and the shapes analyses hand back.
+options of `tracekit analyze`, what analyses derived from it so far, and the shapes they hand back.
 
-    ctx = open_context("runs/base", Options(budget_bytes=64 << 20))
-    ctx.sql("SELECT table_name, sum(count) FROM train_accesses GROUP BY ALL").pl()
-    ctx.model.tables[0].row_bytes, ctx.model.world_size
-    ctx.write("skew", frame)                       # RUN/analysis/skew.parquet, atomically
+    with open_context("runs/base", Options(budget_bytes=64 << 20)) as ctx:
+        ctx.sql("SELECT table_name, sum(count) FROM train_accesses GROUP BY ALL").pl()
+        ctx.model.tables[0].row_bytes, ctx.model.world_size
+        ctx.write("skew", frame)                   # RUN/analysis/skew.parquet, atomically
+        ctx.memo(network, lambda: _network(ctx))   # derived once, kept until the context closes
 
 Analyses never loop in Python over trace rows: DuckDB (with a memory limit, spilling to disk)
 does the passes over the big tables (`accesses`, `lookups`), Polars the small results.
 `phase = 'train'` rows feed every statistic and policy; `eval` rows are reported beside them.
+
+State lives on the context and nowhere else: `memo` keeps what an analysis derived (the
+attribution, the exchange replay, the network model, each policy), and temporary tables
+(`tk_*`) live on its connection. Each temporary table is created by one module, whose docstring
+lists the ones other modules read, with their columns; a module that reads one first calls the
+owner's memoized function that builds it (`attribution.attributed(ctx)` before `tk_names`).
+Closing the context (leaving the `with`, or `close()`) closes the connection, removes its spill
+directory and drops the memo.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Hashable, TypeVar
 
 import duckdb
 import polars as pl
@@ -28,6 +38,8 @@ from tracekit.errors import TracekitError
 from tracekit.files import replacing, write_text
 from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
+
+T = TypeVar("T")
 
 MEMORY_LIMIT = "1GB"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
@@ -112,7 +124,7 @@ class PolicyResult:
 
 
 class Context:
-    """A run opened for analysis. Build with `open_context`."""
+    """A run opened for analysis. Build with `open_context`; close with `with` or `close()`."""
 
     def __init__(self, run: Run, options: Options, memory_limit: str = MEMORY_LIMIT) -> None:
         self.run = run
@@ -120,16 +132,50 @@ class Context:
         self.options = options
         self.manifest = run.manifest
         self.present = run.tables()
-        self.con = duckdb.connect(config={"memory_limit": memory_limit, "threads": os.cpu_count() or 1,
-                                          "temp_directory": tempfile.mkdtemp(prefix="tracekit-duckdb-"),
-                                          "preserve_insertion_order": False})
-        self.con.sql("SET enable_progress_bar = false")  # our own progress line says where analysis is
-        for table in self.present:
-            self.con.register(f"{table}_rel", run.relation(table, self.con))
-            self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel")
-            if table in PHASED:
-                self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
         self.model = model_of(self.manifest)
+        self._memo: dict[Hashable, Any] = {}
+        self._closed = False
+        self._spill = tempfile.mkdtemp(prefix="tracekit-duckdb-")  # DuckDB spills here past memory_limit
+        try:
+            self.con = duckdb.connect(config={"memory_limit": memory_limit, "threads": os.cpu_count() or 1,
+                                              "temp_directory": self._spill, "preserve_insertion_order": False})
+        except BaseException:
+            shutil.rmtree(self._spill, ignore_errors=True)
+            raise
+        try:
+            self.con.sql("SET enable_progress_bar = false")  # our own progress line says where analysis is
+            for table in self.present:
+                self.con.register(f"{table}_rel", run.relation(table, self.con))
+                self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel")
+                if table in PHASED:
+                    self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection, remove the spill directory and drop the memo; again: nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._memo.clear()
+        self.con.close()
+        shutil.rmtree(self._spill, ignore_errors=True)
+
+    def memo(self, key: Hashable, derive: Callable[[], T]) -> T:
+        """`derive()`, computed once per context under `key` and kept until the context closes: the
+        one place analyses keep what they derived (the policies build on the exchange replay, that
+        on the attribution, and `analyze` asks for each again). `key`: the public function that
+        derives the value, with the arguments it varies by, e.g. `(access_sample, rows, tables)`."""
+        if key not in self._memo:
+            self._memo[key] = derive()
+        return self._memo[key]
 
     def has(self, table: str) -> bool:
         return table in self.present
@@ -167,8 +213,9 @@ def model_of(manifest: dict) -> Model:
 
 def open_context(path: str | os.PathLike, options: Options | None = None, *,
                  memory_limit: str = MEMORY_LIMIT) -> Context:
-    """The run at `path` ready for analysis; TracekitError (one line naming the file) for an empty
-    run or unreadable trace files."""
+    """The run at `path` ready for analysis, to use as `with open_context(path) as ctx:` (or close
+    with `ctx.close()`); TracekitError (one line naming the file) for an empty run or unreadable
+    trace files."""
     run = open_run(path)
     if not run.tables():
         raise TracekitError(f"{run.path}: the run holds no trace rows (status {run.manifest.get('status')!r}); "

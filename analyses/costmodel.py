@@ -5,7 +5,7 @@ against `comms`; the policies' replayed bytes and times beside them.
 Expected values (i.i.d. samples, SCARS): per-sample inclusion probability p_i = samples containing
 row i / samples; per device batch b, E[U] = Σ_i 1 − (1 − p_i)^b distinct rows, expected remote rows
 E[U]·(W−1)/W, and E[union] = Σ_{i∈H} 1 − (1 − p_i)^{bW} hot rows touched per step. A sequence
-table's ids are not placed in samples (analyses.sources), so there p_i = 1 − (1 − π_i)^L (π_i:
+table's ids are not placed in samples (analyses.attribution), so there p_i = 1 − (1 − π_i)^L (π_i:
 share of the table's lookups, L: its lookups per sample; papers §1.2). The SCARS row-fetch layout
 (`dedup_fetch`, model B of §1.2) fetches each distinct remote row once per device: id_bytes + 2·rb
 per row. Times are analyses.network's (one all-to-all call per collective).
@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from analyses import network
+from analyses import attribution, exchange, network
 from analyses.context import Context, Result
-from analyses.exchange import Setup, comms_replay, count_exchange, setup
+from analyses.exchange import ExchangeBaseline, comms_replay, count_exchange
+from analyses.policies import replication
 
 
 # the formulas ----------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def compute(ctx: Context, policies: dict[str, Any] | None = None) -> Result:
         result.notes.append("no sharded table (every table data-parallel or rank-local, e.g. TorchRec's "
                             "data_parallel plan): no embedding exchange to model")
         return result
-    s = setup(ctx)
+    s = exchange.baseline(ctx)
     net = network.network(ctx)
     result.notes.extend(s.notes)
     policy_rows, policy_checks = _policy_rows(ctx, s, policies or {})
@@ -99,13 +100,14 @@ def _seconds(net: network.Network, remote: float, world: int) -> float:
     return net.call(network.A2A, remote / max(world, 1))
 
 
-def _baseline_rows(s: Setup, net: network.Network) -> list[dict]:
+def _baseline_rows(s: ExchangeBaseline, net: network.Network) -> list[dict]:
     return [_row("baseline", c, "replay", out, rem, net.call(network.A2A, s.busiest[c]))
             for c, (out, rem) in s.base.items()]
 
 
-def _dedup_rows(ctx: Context, s: Setup, net: network.Network) -> list[dict]:
+def _dedup_rows(ctx: Context, s: ExchangeBaseline, net: network.Network) -> list[dict]:
     """SCARS row fetch (model B): each device fetches each distinct remote row once per step."""
+    exchange.baseline(ctx)  # tk_x
     measured = ctx.sql("""SELECT count(*)::DOUBLE FROM (SELECT DISTINCT step, src, tid, "row" FROM tk_x
                           WHERE owner <> src)""").fetchall()[0][0] / max(s.sampled_steps, 1)
     expected = _expected_remote_total(ctx, s) * s.world
@@ -119,11 +121,12 @@ def _dedup_rows(ctx: Context, s: Setup, net: network.Network) -> list[dict]:
 
 
 def _mean_rb(ctx: Context) -> float:
+    exchange.baseline(ctx)  # tk_rows
     rows = ctx.sql("SELECT sum(rb * lookups)::DOUBLE / nullif(sum(lookups), 0) FROM tk_rows").fetchall()
     return float(rows[0][0] or 0)
 
 
-def _policy_rows(ctx: Context, s: Setup, policies: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+def _policy_rows(ctx: Context, s: ExchangeBaseline, policies: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """Each derived embedding policy's replayed all-to-all and sync bytes per step, and for
     replication the SCARS expectation beside it; and the checks (expected vs replayed)."""
     net = network.network(ctx)
@@ -164,12 +167,12 @@ def _row(policy: str, collective: str, method: str, out: float | None, remote: f
             "time_s": None if time is None else float(time)}
 
 
-def _replication_expected(ctx: Context, s: Setup, k: int) -> dict[str, float]:
+def _replication_expected(ctx: Context, s: ExchangeBaseline, k: int) -> dict[str, float]:
     """SCARS expectations for the first k rows of replication's order: remote a2a bytes left
     (Σ over the rest of each row's share), union of hot rows touched per step
     Σ 1 − (1 − p_i)^{bW}, and the sparse sync they imply."""
-    p = inclusion(ctx, s).join(ctx.frame(f"""SELECT tid, "row", rb, benefit_rem FROM tk_order_replication
-                                             WHERE pos < {k}"""), on=["tid", "row"])
+    hot = replication.benefit_curve(ctx).order.filter(pl.col("pos") < k)  # what the policy derived
+    p = inclusion(ctx, s).join(hot.select("tid", "row", "rb", "benefit_rem"), on=["tid", "row"])
     left = s.base_remote - float(p["benefit_rem"].sum())
     if p.height == 0:
         return {"a2a_remote": left, "union": 0.0, "sparse": 0.0}
@@ -202,8 +205,10 @@ def _diffs(frame: pl.DataFrame) -> pl.DataFrame:
         ((pl.col("predicted") - pl.col("measured")) / pl.col("measured")).alias("rel_diff"))
 
 
-def inclusion(ctx: Context, s: Setup) -> pl.DataFrame:
+def inclusion(ctx: Context, s: ExchangeBaseline) -> pl.DataFrame:
     """Per (tid, row): table_name and p, the per-sample inclusion probability (module docstring)."""
+    attribution.attributed(ctx)  # tk_names
+    exchange.baseline(ctx)  # tk_rows
     return ctx.frame(f"""
         WITH t AS (SELECT tid, sum(lookups)::DOUBLE AS lookups, sum(placed) AS placed FROM tk_rows GROUP BY ALL)
         SELECT r.tid, n.table_name, r."row",
@@ -212,17 +217,19 @@ def inclusion(ctx: Context, s: Setup) -> pl.DataFrame:
         FROM tk_rows r JOIN t USING (tid) JOIN tk_names n USING (tid)""")
 
 
-def _expected_remote_total(ctx: Context, s: Setup) -> float:
+def _expected_remote_total(ctx: Context, s: ExchangeBaseline) -> float:
     """Σ over tables of E[U] · (W−1)/W: distinct remote rows per device batch."""
     p = inclusion(ctx, s)
     total = sum(expected_distinct(g["p"].to_numpy(), s.batch) for _, g in p.group_by("tid"))
     return total * (s.world - 1) / max(s.world, 1)
 
 
-def _distinct_check(ctx: Context, s: Setup) -> pl.DataFrame:
+def _distinct_check(ctx: Context, s: ExchangeBaseline) -> pl.DataFrame:
     """Per table: E[U] and expected remote rows per device batch against the replay's mean."""
     p = inclusion(ctx, s)
     expected = {name: expected_distinct(g["p"].to_numpy(), s.batch) for (name,), g in p.group_by("table_name")}
+    attribution.attributed(ctx)  # tk_batches, tk_steps, tk_names
+    exchange.baseline(ctx)  # tk_x
     measured = ctx.frame("""
         WITH u AS (SELECT step, src, tid, count(DISTINCT "row") AS u,
                           count(DISTINCT "row") FILTER (WHERE owner <> src) AS u_rem

@@ -1,10 +1,10 @@
 """The replay of the embedding exchange: what each collective of the trainer's input and output
 dist moves, per step and rank pair, under the recorded layout and with any set of rows replicated,
-from the recorded `lookups` (their source ranks from analyses.sources).
+from the recorded `lookups` (their source ranks from analyses.attribution).
 
 The exchange (DESIGN.md §4, tracekit/dlrm/sharding.py; TorchRec's input and output dist), per step,
 from source rank q (b_q samples) to owner o (T_o tables with a shard on o, P_o of them pooled;
-F_t the features looking table t up, 1 but for a TorchRec table: analyses.sources.features):
+F_t the features looking table t up, 1 but for a TorchRec table: analyses.attribution.features):
 
     input_lengths  q -> o   len_bytes · Σ_{t on o} F_t · b_q   (one int32 per (feature, sample))
     input_ids      q -> o   id_bytes · n_qo                    (n_qo: ids of q's samples held by o)
@@ -13,8 +13,8 @@ F_t the features looking table t up, 1 but for a TorchRec table: analyses.source
 
 Bytes are summed over ranks' `bytes_out`, self-splits included, so they compare with `comms`
 exactly (`*_bytes_per_step`); `remote_*` leaves out what a rank sends itself (what crosses the
-network). `Setup` also holds, per collective, its busiest link's bytes and what it measurably held
-the ranks (analyses.network prices a policy's step from them).
+network). `ExchangeBaseline` also holds, per collective, its busiest link's bytes and what it
+measurably held the ranks: `timing` prices a policy's step from them with analyses.network's model.
 
 Under hybrid replication of a hot set H (papers §7, SCARS step 5), as the trainer does it
 (tracekit/dlrm/sharding.py): a hot id is looked up where its sample is, so its id leaves the
@@ -23,7 +23,7 @@ row-wise table) whose ids are all in H leaves the output all-to-all (its returne
 and backward); a mixed bag sends its cold ids and gets its pooled rows back; a sequence lookup of
 a hot row leaves (id and row). Bags with no ids are kept. The lengths exchange keeps its size
 under every policy (a bag served locally is sent as −1). The replicas are synchronised every
-step (`sync_bytes`), dense or sparse (analyses.network.sync_choice picks):
+step (`sync_bytes`), dense or sparse (`sync_choice` picks):
 
     dense   2(W−1) · Σ_{i∈H} rb_i                                   (ring all-reduce, §1.3)
     sparse  W(W−1) · 8  +  Σ_r (W−1) · id_bytes · u_r  +  2(W−1) · Σ_{i∈H∩touched} rb_i
@@ -35,21 +35,35 @@ ids to the W−1 other ranks, then the ring all-reduce over the union of hot row
 replay is an average over those sampled steps, with `step_interval` its interval where steps were
 sampled (exact where every step was).
 
-    s = setup(ctx)                      # the shared temp tables and per-run constants (cached)
+    s = baseline(ctx)                   # the replay's temp tables and per-run constants (once per context)
     saved = hot_curve(ctx, order, n)    # bytes freed per collective by every prefix of a row order
     comms_replay(ctx)                   # per (step, rank, collective): replayed and recorded bytes
+    timing(ctx, s, remote, ...)         # a policy's step time, from the bytes it leaves on the exchange
+
+Temporary tables it creates that other modules read (call `baseline(ctx)` first; the tables of
+analyses.attribution are there too):
+
+    tk_x        (a view) step, owner, src, tid, seq, sample, row, gid, onehot (the table's bags are
+                one id at position 0), bag (a pooled bag's key; null for sequence lookups): the
+                attributed lookups of sharded tables
+    tk_tshards  tid, src, rb, n_shards, n_remote_shards: per table and source rank, the shards a
+                bag of its is split over, and those on another rank
+    tk_pairs    step, collective, sender, receiver, bytes: the baseline exchange on sampled steps
+    tk_rows     tid, row, rb, kind, lookups, remote_lookups, steps, src_steps, samples, placed,
+                benefit_out, benefit_rem: per row, its lookups and the bytes per step they would free
+
+tk_onehot, tk_owner_consts, tk_bags and tk_a2a_k are its own steps.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import polars as pl
 
-from analyses import network, sources
+from analyses import attribution, network
 from analyses.context import Context
 
 COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
@@ -64,8 +78,10 @@ COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int
 
 
 @dataclass
-class Setup:
-    """Per-run constants and the replay's temp tables (tk_x, tk_pairs, tk_rows) on ctx.con."""
+class ExchangeBaseline:
+    """The recorded exchange, replayed: per-run constants and, per collective, its bytes, its
+    busiest link's and what it held the ranks, with the replay's temp tables (module docstring)
+    on ctx.con."""
 
     world: int
     len_bytes: int
@@ -78,7 +94,7 @@ class Setup:
     busiest: dict[str, float]  # collective -> wire bytes per step on its busiest link (analyses.network)
     cost: dict[str, float]  # collective -> seconds per step it holds the ranks, waits included (measured)
     step_time_s: float | None  # measured: analyses.network's baseline rule
-    attribution: sources.Attribution
+    attribution: attribution.Attribution
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -91,16 +107,16 @@ class Setup:
 
 
 
-_setups: weakref.WeakKeyDictionary[Context, Setup] = weakref.WeakKeyDictionary()
+def baseline(ctx: Context) -> ExchangeBaseline:
+    """Attribute the lookups' sources, then build tk_x (attributed lookups of sharded tables, with
+    a bag key), tk_pairs (the baseline replay per step and rank pair) and tk_rows (per row); once
+    per context (ctx.memo)."""
+    return ctx.memo(baseline, lambda: _replay_baseline(ctx))
 
 
 
-def setup(ctx: Context) -> Setup:
-    """Attribute sources, then build tk_x (attributed lookups of sharded tables, with a bag key),
-    tk_pairs (the baseline replay per step and rank pair) and tk_rows (per row)."""
-    if ctx in _setups:
-        return _setups[ctx]
-    attribution = sources.attributed(ctx)
+def _replay_baseline(ctx: Context) -> ExchangeBaseline:
+    attributed = attribution.attributed(ctx)
     world = ctx.model.world_size
     len_bytes, id_bytes = _elem(ctx, 1, 4), _elem(ctx, 2, 8)
     n_tables = max(len(ctx.model.tables), 1)
@@ -121,20 +137,18 @@ def setup(ctx: Context) -> Setup:
     steps, samples = ctx.sql("""SELECT count(DISTINCT s.step), coalesce(sum(b.b), 0)::BIGINT
                                 FROM tk_steps s LEFT JOIN tk_batches b USING (step)""").fetchall()[0]
     _rows(ctx, max(steps, 1), len_bytes, id_bytes)
-    base = _baseline(ctx, max(steps, 1))
+    base = _base_bytes(ctx, max(steps, 1))
     batch = samples / (steps * world) if steps else 0.0
     lookups = ctx.sql("SELECT count(*) FROM tk_x").fetchall()[0][0] / max(steps * world, 1)
-    result = Setup(world, len_bytes, id_bytes, steps, samples, batch, lookups, base, _busiest(ctx, max(steps, 1)),
-                   _cost(ctx),
-                   network.step_time(ctx).median_s, attribution, list(attribution.notes))
-    _setups[ctx] = result
-    return result
+    return ExchangeBaseline(world, len_bytes, id_bytes, steps, samples, batch, lookups, base,
+                            _busiest(ctx, max(steps, 1)), _cost(ctx), network.step_time(ctx).median_s, attributed,
+                            list(attributed.notes))
 
 
 
 def _elem(ctx: Context, k: int, default: int) -> int:
     rows = ctx.sql(f"SELECT mode(dtype) FROM tk_a2a WHERE k = {k}").fetchall()
-    return sources.elem_bytes(rows[0][0]) if rows and rows[0][0] else default
+    return attribution.elem_bytes(rows[0][0]) if rows and rows[0][0] else default
 
 
 
@@ -179,7 +193,7 @@ def items_sql(ctx: Context, order: str) -> str:
     (null: never): per id, its id (at its row's position); per pooled bag, its returned rows (at
     the last position of its ids, null if one is outside the ordering); per sequence lookup, its id
     and row. Lengths never leave (module docstring)."""
-    s = setup(ctx)
+    s = baseline(ctx)
     columns = f"""0 AS len_out, 0 AS len_rem, {s.id_bytes} * n_ids AS ids_out, {s.id_bytes} * n_remote AS ids_rem,
                   CASE WHEN seq THEN rb ELSE rb * n_shards END AS row_out,
                   CASE WHEN seq THEN rb * n_remote ELSE rb * n_remote_shards END AS row_rem"""
@@ -254,7 +268,7 @@ def _rows(ctx: Context, steps: int, len_b: int, id_b: int) -> None:
 
 
 
-def _baseline(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
+def _base_bytes(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
     rows = ctx.sql(f"""SELECT collective, sum(bytes)::DOUBLE / {steps},
                               coalesce(sum(bytes) FILTER (WHERE sender <> receiver), 0)::DOUBLE / {steps}
                        FROM tk_pairs GROUP BY collective""").fetchall()
@@ -320,7 +334,7 @@ def hot_curve(ctx: Context, order: str, n: int) -> dict[str, np.ndarray]:
     """Bytes per step freed from each collective when the first K rows of the ordering `order`
     (a table: tid, row, pos 0..n-1) are replicated, for K = 0..n, exactly (an item leaves
     at K > maxpos). Keys: '<collective>_out' and '<collective>_rem' cumulative arrays of n + 1."""
-    s = setup(ctx)
+    s = baseline(ctx)
     hist = ctx.frame(f"""SELECT maxpos, sum(len_out)::DOUBLE AS len_out, sum(len_rem)::DOUBLE AS len_rem,
                                 sum(ids_out)::DOUBLE AS ids_out, sum(ids_rem)::DOUBLE AS ids_rem,
                                 sum(row_out)::DOUBLE AS row_out, sum(row_rem)::DOUBLE AS row_rem
@@ -340,7 +354,8 @@ def hot_curve(ctx: Context, order: str, n: int) -> dict[str, np.ndarray]:
 
 
 
-def step_interval(ctx: Context, s: Setup, order: str, k: int, z: float = 2.0) -> dict[str, list[float]]:
+def step_interval(ctx: Context, s: ExchangeBaseline, order: str, k: int,
+                  z: float = 2.0) -> dict[str, list[float]]:
     """[low, high] of the all-to-all bytes per step left at K = k (the first k rows of `order`),
     when they come from n sampled steps of N: per sampled step the bytes left, mean ± z·sd/√n·
     √(1 − n/N). Empty where every training step was sampled (the replay is then exact)."""
@@ -367,7 +382,7 @@ def step_interval(ctx: Context, s: Setup, order: str, k: int, z: float = 2.0) ->
 
 
 
-def curve_totals(s: Setup, saved: dict[str, np.ndarray], k: int | np.ndarray) -> tuple:
+def curve_totals(s: ExchangeBaseline, saved: dict[str, np.ndarray], k: int | np.ndarray) -> tuple:
     """(a2a bytes_out, a2a remote) per step after freeing saved[...][k]."""
     out = s.base_out - sum(saved[f"{c}_out"][k] for c in COLLECTIVES)
     rem = s.base_remote - sum(saved[f"{c}_rem"][k] for c in COLLECTIVES)
@@ -376,15 +391,6 @@ def curve_totals(s: Setup, saved: dict[str, np.ndarray], k: int | np.ndarray) ->
 
 
 # shared by the policies ---------------------------------------------------------------------
-
-def once(cache: "weakref.WeakKeyDictionary[Context, Any]", ctx: Context, derive: Callable[[Context], Any]) -> Any:
-    """derive(ctx), computed once per context (kept in `cache`): the policies build on each other
-    and `analyze` asks for each once more."""
-    if ctx not in cache:
-        cache[ctx] = derive(ctx)
-    return cache[ctx]
-
-
 
 def log_points(n: int, count: int = 30) -> list[int]:
     """0, then about `count` log-spaced positions in 1..n, n included."""
@@ -397,7 +403,7 @@ def log_points(n: int, count: int = 30) -> list[int]:
 def comms_replay(ctx: Context) -> pl.DataFrame:
     """Per (step, rank, collective) on sampled steps: the replayed baseline beside `comms` —
     bytes_out, bytes_in, splits_out, splits_in of each (`*_pred` and `*_comms`)."""
-    setup(ctx)
+    baseline(ctx)
     ordinal = " ".join(f"WHEN {k} THEN '{c}'" for k, c in enumerate(COLLECTIVES, 1))
     return ctx.frame(f"""
         WITH pred AS (
@@ -414,3 +420,75 @@ def comms_replay(ctx: Context) -> pl.DataFrame:
                    bytes_in AS bytes_in_comms, splits_out AS splits_out_comms, splits_in AS splits_in_comms
             FROM tk_a2a JOIN tk_steps USING (step) WHERE k <= 4)
         SELECT * FROM pred FULL JOIN rec USING (step, rank, collective) ORDER BY step, rank, collective""")
+
+
+# a policy's step ---------------------------------------------------------------------------------
+
+@dataclass
+class Timing:
+    """A policy's predicted step (arrays over a curve's K, or floats): seconds."""
+
+    comm_s: Any
+    work_s: Any
+    step_s: Any  # None without a measured step time
+    error_s: Any
+
+
+def sync_choice(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], dense: Any, sparse: Any, hot_ids: Any,
+                union_rows: Any, rows: Any) -> Any:
+    """The one rule for a replica sync: sparse (True) or dense, whichever predicts less time
+    (collectives, bytes and calibrated rank work: `timing`), or fewer bytes under `--objective
+    bytes`. Arrays broadcast."""
+    if ctx.options.objective == "bytes":
+        return np.asarray(sparse) <= np.asarray(dense)
+    t_sparse = timing(ctx, s, remote, True, sparse, hot_ids, union_rows)
+    t_dense = timing(ctx, s, remote, False, dense, hot_ids, rows)
+    return t_sparse.comm_s + t_sparse.work_s <= t_dense.comm_s + t_dense.work_s
+
+
+def timing(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: Any, sync_bytes: Any, hot_ids: Any,
+           rows: Any, skipped_calls: Any = 0.0) -> Timing:
+    """The predicted step of a policy that leaves `remote[c]` remote bytes per step on each
+    collective c of the exchange (its busiest link scaled alike), syncs `sync_bytes` per step
+    (sparse where `sparse`), serves `hot_ids` lookups per rank and step from replicas and syncs
+    `rows` replica rows per step; `skipped_calls`: exchange calls per step it no longer makes.
+    step = measured step − the baseline exchange's time + the policy's (exchange, sync, rank work);
+    error: analyses.network's (each changed call's residual, a tenth of the wire time changed, the
+    calibration's residual, the baseline's drift)."""
+    net = network.network(ctx)
+    beta, alpha = net.fit.beta_s_per_byte, net.alpha(network.A2A)
+    collectives = tuple(s.base)  # the exchange's collectives: COLLECTIVES
+    # each collective: α + β · its busiest link's bytes (the transfer, scaled with its remote bytes),
+    # and what it measurably held the ranks beyond that (waits for a rank late from the link's
+    # previous transfers), scaled with the step's transfer time; on a link whose bytes cost nothing
+    # (β ≈ 0: loopback) the waits stay as they are
+    transfer = {c: beta * s.busiest[c] for c in collectives}
+    waits = sum(max(s.cost.get(c, 0.0) - alpha - transfer[c], 0.0) for c in collectives)
+    ratio = {c: np.asarray(remote[c], dtype=np.float64) / s.base[c][1] if s.base[c][1] else 0.0 for c in collectives}
+    base_transfer = sum(transfer.values())
+    new_transfer = sum(transfer[c] * ratio[c] for c in collectives)
+    sync_bytes = np.asarray(sync_bytes, dtype=np.float64)
+    sparse = np.asarray(sparse, dtype=bool)
+    syncing = sync_bytes > 0
+    calls = np.where(syncing, np.where(sparse, len(network.SPARSE_SYNC_OPS), 1), 0)
+    sync_alpha = np.where(sparse, sum(net.alpha(op) for op in network.SPARSE_SYNC_OPS),
+                          net.alpha(network.ALL_REDUCE))
+    sync = np.where(syncing, sync_alpha + beta * sync_bytes / max(s.world, 1), 0.0)
+    link = new_transfer + beta * sync_bytes / max(s.world, 1)
+    held = waits * (link / base_transfer if base_transfer > 0 else 1.0)
+    exchange = (len(collectives) - np.asarray(skipped_calls, dtype=np.float64)) * alpha + new_transfer + held
+    ids = s.lookups_per_rank
+    work_sparse = net.work("replication.sparse_allreduce", ids=ids, hot=hot_ids, rows=rows)
+    work_dense = net.work("replication.dense_allreduce", ids=ids, hot=hot_ids, rows=rows)
+    work = (np.zeros_like(sync) if work_sparse is None or work_dense is None
+            else np.where(syncing, np.where(sparse, work_sparse, work_dense), 0.0))
+    comm = exchange + sync
+    base_comm = len(collectives) * alpha + base_transfer + waits
+    step = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s - base_comm + comm + work)
+    changed = calls + np.asarray(skipped_calls, dtype=np.float64)
+    wire_change = np.abs(new_transfer + held - base_transfer - waits) + beta * sync_bytes / max(s.world, 1)
+    work_residual = np.where(sparse, net.work_residual("replication.sparse_allreduce"),
+                             net.work_residual("replication.dense_allreduce")) * syncing
+    error = (np.sqrt(changed * net.fit.residual_s ** 2 + (wire_change * net.wire_error) ** 2
+                     + work_residual ** 2) + net.step.spread_s)
+    return Timing(comm, work, step, error)

@@ -1,6 +1,7 @@
 """Export: a run's steps and collectives as a Chrome / Perfetto trace (the Trace Event Format), so a
 run opens in the timeline viewer people already use (ui.perfetto.dev, chrome://tracing).
 
+    counts = write_chrome_trace("runs/base", "t.json")   # {"steps", "collectives", "ranks"}
     trace = chrome_trace("runs/base")
     trace["traceEvents"]    # metadata ("M") and complete ("X") events, one per steps/comms row
     trace["otherData"]      # run, origin_ns, clock: how to get back to the recorded nanoseconds
@@ -37,12 +38,14 @@ Example, two ranks with one step and one all-to-all each (times in ns, one host)
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
 
 from analyses.timeline import clock_offsets
 from tracekit.errors import TracekitError
+from tracekit.files import write_text
 from tracekit.run import open_run
 
 STEPS_TID = 0
@@ -88,6 +91,19 @@ def chrome_trace(run_dir: str | os.PathLike) -> dict:
     return {"traceEvents": _metadata(ranks, threads) + events, "displayTimeUnit": "ms",
             "otherData": {"run": str(run_dir), "run_id": run.manifest.get("run_id"), "origin_ns": origin,
                           "clock": clock, "time_unit": "ts and dur in microseconds from origin_ns"}}
+
+
+def write_chrome_trace(run_dir: str | os.PathLike, target: str | os.PathLike) -> dict[str, int]:
+    """Write the run's trace (chrome_trace) to `target` atomically; how many step and collective
+    events of how many ranks it holds."""
+    trace = chrome_trace(run_dir)
+    try:
+        write_text(target, json.dumps(trace))
+    except OSError as err:
+        raise TracekitError(f"cannot write --chrome-trace {target}: {err.strerror or err}") from None
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    return {"steps": sum(e["cat"] == "step" for e in x), "collectives": sum(e["cat"] == "comm" for e in x),
+            "ranks": sum(e["name"] == "process_name" for e in trace["traceEvents"])}
 
 
 def _lanes(comms: list[dict]) -> list[int]:

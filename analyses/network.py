@@ -40,18 +40,13 @@ from __future__ import annotations
 
 import json
 import math
-import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 
 from analyses.context import Context
 from tracekit.schema import CALIBRATION_PATH
-
-if TYPE_CHECKING:
-    from analyses.exchange import Setup
 
 A2A = "all_to_all_single"
 ALL_REDUCE = "all_reduce"
@@ -183,21 +178,20 @@ class Network:
                 "notes": self.notes}
 
 
-_networks: weakref.WeakKeyDictionary[Context, Network] = weakref.WeakKeyDictionary()
-
-
 def network(ctx: Context) -> Network:
-    """The run's network model (cached per context)."""
-    if ctx not in _networks:
-        notes: list[str] = []
-        calibration = _calibration(ctx, notes)
-        # nodes: hosts, or the emulated nodes of `tracekit cluster` (one host, a shaped link between them)
-        hosts = max(len(ctx.manifest.get("hosts") or ()), int((ctx.manifest.get("topology") or {}).get("nodes") or 1))
-        cores = int((ctx.manifest.get("devices") or {}).get("cores") or (calibration or {}).get("machine", {}).get("cores")
-                    or 1)
-        _networks[ctx] = Network(ctx.model.world_size, fit_calls(ctx, notes), step_time(ctx), calibration, notes,
-                                 ctx.model.world_size / hosts, cores, hosts)
-    return _networks[ctx]
+    """The run's network model, fitted once per context (ctx.memo)."""
+    return ctx.memo(network, lambda: _network(ctx))
+
+
+def _network(ctx: Context) -> Network:
+    notes: list[str] = []
+    calibration = _calibration(ctx, notes)
+    # nodes: hosts, or the emulated nodes of `tracekit cluster` (one host, a shaped link between them)
+    hosts = max(len(ctx.manifest.get("hosts") or ()), int((ctx.manifest.get("topology") or {}).get("nodes") or 1))
+    cores = int((ctx.manifest.get("devices") or {}).get("cores") or (calibration or {}).get("machine", {}).get("cores")
+                or 1)
+    return Network(ctx.model.world_size, fit_calls(ctx, notes), step_time(ctx), calibration, notes,
+                   ctx.model.world_size / hosts, cores, hosts)
 
 
 # the baseline step time -------------------------------------------------------------------------
@@ -250,7 +244,7 @@ def shrunk(ctx: Context, where: str, ratio: float) -> float:
     """Seconds per step saved when the synchronous calls matching `where` keep `ratio` of their
     bytes: their transfer (β · busiest-link bytes) shrinks in proportion, and what they held the
     ranks beyond α and transfer (waits for a rank late from the link) shrinks with the step's whole
-    transfer time, as in `timing`; on a link whose bytes cost nothing (β ≈ 0) nothing is saved."""
+    transfer time, as in analyses.exchange.timing; on a link whose bytes cost nothing (β ≈ 0) nothing is saved."""
     net = network(ctx)
     steps = max(ctx.train_steps(), 1)
     beta = net.fit.beta_s_per_byte
@@ -372,77 +366,6 @@ def _robust(residual: np.ndarray) -> float:
     if not len(residual):
         return 0.0
     return float(1.4826 * np.median(np.abs(residual - np.median(residual))))
-
-
-# a policy's step ---------------------------------------------------------------------------------
-
-@dataclass
-class Timing:
-    """A policy's predicted step (arrays over a curve's K, or floats): seconds."""
-
-    comm_s: Any
-    work_s: Any
-    step_s: Any  # None without a measured step time
-    error_s: Any
-
-
-def sync_choice(ctx: Context, s: Setup, remote: dict[str, Any], dense: Any, sparse: Any, hot_ids: Any,
-                union_rows: Any, rows: Any) -> Any:
-    """The one rule for a replica sync: sparse (True) or dense, whichever predicts less time
-    (collectives, bytes and calibrated rank work: `timing`), or fewer bytes under `--objective
-    bytes`. Arrays broadcast."""
-    if ctx.options.objective == "bytes":
-        return np.asarray(sparse) <= np.asarray(dense)
-    t_sparse = timing(ctx, s, remote, True, sparse, hot_ids, union_rows)
-    t_dense = timing(ctx, s, remote, False, dense, hot_ids, rows)
-    return t_sparse.comm_s + t_sparse.work_s <= t_dense.comm_s + t_dense.work_s
-
-
-def timing(ctx: Context, s: Setup, remote: dict[str, Any], sparse: Any, sync_bytes: Any, hot_ids: Any,
-           rows: Any, skipped_calls: Any = 0.0) -> Timing:
-    """The predicted step of a policy that leaves `remote[c]` remote bytes per step on each
-    collective c of the exchange (its busiest link scaled alike), syncs `sync_bytes` per step
-    (sparse where `sparse`), serves `hot_ids` lookups per rank and step from replicas and syncs
-    `rows` replica rows per step; `skipped_calls`: exchange calls per step it no longer makes.
-    step = measured step − the baseline exchange's time + the policy's (exchange, sync, rank work);
-    error: analyses.network's (each changed call's residual, a tenth of the wire time changed, the
-    calibration's residual, the baseline's drift)."""
-    net = network(ctx)
-    beta, alpha = net.fit.beta_s_per_byte, net.alpha(A2A)
-    collectives = tuple(s.base)  # the exchange's collectives, analyses.exchange.COLLECTIVES
-    # each collective: α + β · its busiest link's bytes (the transfer, scaled with its remote bytes),
-    # and what it measurably held the ranks beyond that (waits for a rank late from the link's
-    # previous transfers), scaled with the step's transfer time; on a link whose bytes cost nothing
-    # (β ≈ 0: loopback) the waits stay as they are
-    transfer = {c: beta * s.busiest[c] for c in collectives}
-    waits = sum(max(s.cost.get(c, 0.0) - alpha - transfer[c], 0.0) for c in collectives)
-    ratio = {c: np.asarray(remote[c], dtype=np.float64) / s.base[c][1] if s.base[c][1] else 0.0 for c in collectives}
-    base_transfer = sum(transfer.values())
-    new_transfer = sum(transfer[c] * ratio[c] for c in collectives)
-    sync_bytes = np.asarray(sync_bytes, dtype=np.float64)
-    sparse = np.asarray(sparse, dtype=bool)
-    syncing = sync_bytes > 0
-    calls = np.where(syncing, np.where(sparse, len(SPARSE_SYNC_OPS), 1), 0)
-    sync_alpha = np.where(sparse, sum(net.alpha(op) for op in SPARSE_SYNC_OPS), net.alpha(ALL_REDUCE))
-    sync = np.where(syncing, sync_alpha + beta * sync_bytes / max(s.world, 1), 0.0)
-    link = new_transfer + beta * sync_bytes / max(s.world, 1)
-    held = waits * (link / base_transfer if base_transfer > 0 else 1.0)
-    exchange = (len(collectives) - np.asarray(skipped_calls, dtype=np.float64)) * alpha + new_transfer + held
-    ids = s.lookups_per_rank
-    work_sparse = net.work("replication.sparse_allreduce", ids=ids, hot=hot_ids, rows=rows)
-    work_dense = net.work("replication.dense_allreduce", ids=ids, hot=hot_ids, rows=rows)
-    work = (np.zeros_like(sync) if work_sparse is None or work_dense is None
-            else np.where(syncing, np.where(sparse, work_sparse, work_dense), 0.0))
-    comm = exchange + sync
-    base_comm = len(collectives) * alpha + base_transfer + waits
-    step = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s - base_comm + comm + work)
-    changed = calls + np.asarray(skipped_calls, dtype=np.float64)
-    wire_change = np.abs(new_transfer + held - base_transfer - waits) + beta * sync_bytes / max(s.world, 1)
-    work_residual = np.where(sparse, net.work_residual("replication.sparse_allreduce"),
-                             net.work_residual("replication.dense_allreduce")) * syncing
-    error = (np.sqrt(changed * net.fit.residual_s ** 2 + (wire_change * net.wire_error) ** 2
-                     + work_residual ** 2) + net.step.spread_s)
-    return Timing(comm, work, step, error)
 
 
 # links of a cluster (analyses.simulate projects a run onto one) --------------------------------

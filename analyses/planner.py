@@ -1,17 +1,18 @@
 """TorchRec planner inputs per table, from the recorded training lookups: what a user pastes into
 `EmbeddingShardingPlanner(constraints=...)` so it plans for the traffic the run showed.
 
-Per table t (F_t the features looking it up, analyses.sources.features; 1 for tracekit's trainer):
+Per table t (F_t the features looking it up, analyses.attribution.features; 1 for tracekit's trainer):
 
-- pooling_factor = ids / (bags), bags = samples · F_t, over the training steps with `lookups`
+- pooling_factor = `ids_per_bag`: ids / bags, bags = samples · F_t, over the training steps with `lookups`
   (ids: every rank's lookups of t there; samples: the `steps` table's `samples`, else the input
-  dist's batch per rank, analyses.sources.batches, else, without an exchange (data-parallel
+  dist's batch per rank, analyses.attribution.batches, else, without an exchange (data-parallel
   tables, one rank), each rank's largest bag index + 1 in `lookups`), else over every training
   step from `accesses` (`pooling_source` says which). Empty bags count as 0 ids, as in TorchRec's mean
   ids per sample per feature. The trace holds no feature names: every feature of a table gets the
-  table's mean, so `pooling_factors` is `[pooling_factor] * F_t`.
+  table's mean, so `pooling_factors` is `[pooling_factor] * F_t`. (analyses.cache's `ids_per_sample`
+  counts every feature of a table together: the same for one feature.)
 - cache_load_factor at a target hit rate h (TARGET_HIT_RATES): the smallest simulated load factor
-  whose LRU hit rate (1 − miss ratio of `cache_mrc`, analyses.cache: FBGEMM's per-rank cache of
+  whose LRU hit rate (1 − miss ratio of `cache_mrc`, analyses.cache.miss_ratio_curves: FBGEMM's per-rank cache of
   the rows a rank holds, so the fraction of each shard's rows, as TorchRec applies it) reaches h;
   where none does, the point where the line from the largest simulated load factor to TorchRec's
   convention of no misses at load factor 1 (analyses.cache's `expected_miss_rate`) reaches h
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from analyses import cache, sources
+from analyses import attribution, cache
 from analyses.context import Context, Result
 
 TARGET_HIT_RATES = (0.9, 0.99)
@@ -55,9 +56,9 @@ def compute(ctx: Context) -> Result:
     if not ctx.model.tables:
         result.notes.append("no embedding tables in the manifest: no planner inputs")
         return result
-    features = sources.features(ctx)
-    pooling, pooling_source = pooling_factors(ctx, features)
-    mrc = _cache_curves(ctx)
+    features = attribution.features(ctx)
+    pooling, pooling_source = ids_per_bag(ctx, features)
+    mrc = cache.miss_ratio_curves(ctx)
     rows = []
     for table in ctx.model.tables:
         lru = mrc.filter(table_name=table.name, policy="lru").sort("load_factor")
@@ -79,8 +80,9 @@ def compute(ctx: Context) -> Result:
     return result
 
 
-def pooling_factors(ctx: Context, features: dict[str, int]) -> tuple[dict[str, float], str]:
-    """{table: mean ids per bag per feature} and where the ids and samples came from (module docstring)."""
+def ids_per_bag(ctx: Context, features: dict[str, int]) -> tuple[dict[str, float], str]:
+    """{table: mean ids per bag, a bag one feature's ids of one sample: TorchRec's pooling factor} and
+    where the ids and samples came from (module docstring)."""
     if ctx.has("lookups"):
         ids = "SELECT step, table_name, count(*) AS ids FROM train_lookups GROUP BY ALL"
         where = "lookups of the sampled training steps"
@@ -104,7 +106,7 @@ def _samples(ctx: Context) -> tuple[pl.DataFrame | None, str]:
         if frame.height:
             return frame, "steps.samples"
     if ctx.has("comms") and ctx.model.world_size > 1:
-        frame = sources.batches(ctx).group_by("step").agg(pl.col("b").sum().cast(pl.Int64).alias("samples"))
+        frame = attribution.batches(ctx).group_by("step").agg(pl.col("b").sum().cast(pl.Int64).alias("samples"))
         if frame.height:
             return frame, "the input dist's batch per rank"
     if ctx.has("lookups"):  # no exchange: every rank looks its own batch up, bags numbered from 0
@@ -167,11 +169,3 @@ def _per_table(frame: pl.DataFrame) -> dict[str, dict]:
             "load_factor": row["cache_load_factor"], "hit_rate": row["hit_rate"], "source": row["cache_source"]}
     return out
 
-
-def _cache_curves(ctx: Context) -> pl.DataFrame:
-    """analyses.cache's `cache_mrc` as `tracekit analyze` wrote it before this analysis, else replayed now."""
-    written = ctx.path / "analysis" / "cache_mrc.parquet"
-    if written.exists():
-        return pl.read_parquet(written)
-    return cache.compute(ctx).tables.get("cache_mrc", pl.DataFrame(schema={
-        "table_name": pl.String, "policy": pl.String, "load_factor": pl.Float64, "miss_ratio": pl.Float64}))

@@ -72,7 +72,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from analyses import exchange, network, sources, traffic
+from analyses import attribution, exchange, network, traffic
 from analyses.compare import SYNC_TAGS
 from analyses.context import Context, Result, open_context
 from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
@@ -180,7 +180,7 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
 def _times(ctx: Context, steps: int, world: int) -> dict:
     samples = ctx.sql("SELECT sum(samples)::DOUBLE FROM steps").fetchall()[0][0] if ctx.has("steps") else None
     if not samples:
-        samples = float(sources.batches(ctx)["b"].sum()) if ctx.has("comms") else 0.0
+        samples = float(attribution.batches(ctx)["b"].sum()) if ctx.has("comms") else 0.0
     out = {"batch": samples / steps / world if samples else None, "compute_s": None, "step_time_s": None,
            "latency_s": network.network(ctx).alpha(network.A2A)}
     if not ctx.has("steps"):
@@ -272,7 +272,8 @@ def with_compression(t: Traffic, name: str, part: dict) -> Traffic:
 def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
     """Bytes per step, by trainer tag and (sender, receiver), that replicating `rows` (table_name,
     row) takes out of the recorded exchange, replayed over the sampled lookups (module docstring)."""
-    s = exchange.setup(ctx)
+    s = exchange.baseline(ctx)  # tk_x
+    attribution.attributed(ctx)  # tk_names, tk_shards
     w = ctx.model.world_size
     ctx.con.register("tk_sim_rows", rows.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_sim_x AS
@@ -455,16 +456,16 @@ def project(path, target: Target, policy_path=None) -> dict:
     """`tracekit simulate`: open the run at `path`, project it onto `target` with the policy file at
     `policy_path` (None: the baseline only), write RUN/analysis/simulate.parquet,
     simulate_sweep.parquet and simulate.json, and return the summary with the notes."""
-    ctx = open_context(path)
-    policy = None
-    if policy_path is not None:
-        policy = load_policy(policy_path)
-        check_model(policy, tables=ctx.model.policy_model()["tables"], world_size=ctx.model.world_size,
-                    path=policy_path)
-    result = simulate(ctx, target, policy, policy_path)
-    summary = {"run": str(ctx.path), "policy": None if policy_path is None else str(policy_path),
-               **result.summary, "notes": result.notes, "written": []}
-    for name, frame in result.tables.items():
-        summary["written"].append(str(ctx.write(name, frame)))
-    ctx.write_json("simulate", summary)
+    with open_context(path) as ctx:
+        policy = None
+        if policy_path is not None:
+            policy = load_policy(policy_path)
+            check_model(policy, tables=ctx.model.policy_model()["tables"], world_size=ctx.model.world_size,
+                        path=policy_path)
+        result = simulate(ctx, target, policy, policy_path)
+        summary = {"run": str(ctx.path), "policy": None if policy_path is None else str(policy_path),
+                   **result.summary, "notes": result.notes, "written": []}
+        for name, frame in result.tables.items():
+            summary["written"].append(str(ctx.write(name, frame)))
+        ctx.write_json("simulate", summary)
     return summary

@@ -33,15 +33,15 @@ Passes over `accesses` (never a Python loop over rows; memory bounded by DuckDB'
    al., FAST '15): a row of table t is kept iff hash(row) mod 2^32 < R_t * 2^32 (DuckDB's hash, not
    the cache's set hash), every step and rank of a kept row alike, with R_t = min(1, SAMPLE_ROWS /
    accesses rows of t); ordered by step. The cache replays run on it; the hot sets are read from it.
-Both are computed once per Context and shared with `analyses.cache`.
+Both are computed once per context (ctx.memo) and shared with `analyses.cache`, which also shares
+the first check, `no_training_accesses`.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -57,23 +57,22 @@ SAMPLE_ROWS = 100_000  # accesses rows kept per table by the row sample: R_t = m
 HASH_RANGE = 1 << 32
 ROW_BITS = 48  # the per-row pass keys on (manifest table index << 48) + row: rows are in [0, 2^48)
 
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Context -> {key: computed pass}
-
-
-def shared(ctx: Context, key: Any, make: Callable[[], Any]) -> Any:
-    """`make()` computed once per context and key."""
-    store = _SHARED.setdefault(ctx, {})
-    if key not in store:
-        store[key] = make()
-    return store[key]
-
 
 # ---------------------------------------------------------------------------------------------- passes
 
 def lookup_histogram(ctx: Context) -> pl.DataFrame:
     """Per table, how many rows were read exactly `lookups` times in training: table_name, lookups,
     rows, accesses (the accesses rows of those rows: (step, rank) batches they appear in), max_row."""
-    return shared(ctx, "lookup_histogram", lambda: _lookup_histogram(ctx))
+    return ctx.memo(lookup_histogram, lambda: _lookup_histogram(ctx))
+
+
+def no_training_accesses(ctx: Context) -> str | None:
+    """Why the run has no training accesses to analyse, or None (skew's and the cache replay's check)."""
+    if not ctx.has("accesses"):
+        return "no accesses table"
+    if lookup_histogram(ctx).is_empty():
+        return "no training rows in accesses (phase = 'train')"
+    return None
 
 
 def _lookup_histogram(ctx: Context) -> pl.DataFrame:
@@ -123,7 +122,7 @@ class Sample:
 def access_sample(ctx: Context, sample_rows: int | None = SAMPLE_ROWS, tables: tuple[str, ...] | None = None) -> Sample:
     """The hashed row sample with about `sample_rows` accesses rows per table (None: every row), of
     every table or of `tables` only."""
-    return shared(ctx, ("access_sample", sample_rows, tables), lambda: _access_sample(ctx, sample_rows, tables))
+    return ctx.memo((access_sample, sample_rows, tables), lambda: _access_sample(ctx, sample_rows, tables))
 
 
 def _access_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...] | None) -> Sample:
@@ -317,14 +316,11 @@ def hot_set_stability(sample: Sample, hot_rows: dict[str, int], windows: int = W
 
 def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS) -> Result:
     """The `skew`, `coverage` and `hot_set_stability` tables and per-table figures."""
-    result = Result()
-    if not ctx.has("accesses"):
-        result.notes.append("no accesses table: skew needs per-row lookup counts")
-        return result
+    missing = no_training_accesses(ctx)
+    if missing:
+        return Result(notes=[f"{missing}: skew needs per-row lookup counts"])
     histogram = lookup_histogram(ctx)
-    if histogram.is_empty():
-        result.notes.append("no training rows in accesses (phase = 'train'): nothing to measure")
-        return result
+    result = Result()
     known = {t.name: t.num_rows for t in ctx.model.tables}
     skew_rows, coverage = [], []
     for (name,), part in histogram.group_by("table_name", maintain_order=True):

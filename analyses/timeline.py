@@ -32,7 +32,8 @@ The first analyses.network.warmup_steps(n) steps are kept in the tables but left
 summary's means and counts (the one warm-up rule of every baseline): the first step's window opens
 when the collectors start, so it holds start-up, not training.
 
-    result = compute(open_context("runs/base"))
+    with open_context("runs/base") as ctx:
+        result = compute(ctx)
     result.tables["timeline"]     # rank | step | t_start_ns | t_end_ns | step_s | comm_s | compute_s | wait_s
     result.summary["stragglers"]  # {"last": {"1": 37, ...}, "blocking": {...}, "mean_end_spread_s": ...}
 """
@@ -62,11 +63,10 @@ def clock_offsets(manifest: dict) -> tuple[dict[int, int], str]:
 
 
 def compute(ctx: Context) -> Result:
-    result = Result()
     if not ctx.has("steps"):
-        result.notes.append("timeline: the run has no steps table (no optimizer step and no tracekit.step() "
-                            "call was seen): no per-step timeline")
-        return result
+        return Result(notes=["timeline: the run has no steps table (no optimizer step and no tracekit.step() "
+                             "call was seen): no per-step timeline"])
+    result = Result()
     offsets, clock = clock_offsets(ctx.manifest)
     _prepare(ctx, offsets)
     frame = _timeline_frame(ctx)
@@ -85,8 +85,8 @@ def compute(ctx: Context) -> Result:
 
 
 def _prepare(ctx: Context, offsets: dict[int, int]) -> None:
-    """Temp tables: the clock offsets, the comm calls on the common clock, and matched collectives
-    with each call's wait (timeline_matched)."""
+    """Temp tables, this module's own: the clock offsets (timeline_clock), the comm calls on the
+    common clock (timeline_calls), and matched collectives with each call's wait (timeline_matched)."""
     values = ", ".join(f"({rank}, {offset})" for rank, offset in offsets.items()) or "(NULL, NULL)"
     ctx.sql(f"CREATE OR REPLACE TEMP TABLE timeline_clock AS SELECT * FROM (VALUES {values}) v(rank, offset_ns) "
             "WHERE rank IS NOT NULL")

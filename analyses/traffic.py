@@ -38,7 +38,8 @@ median busbw of its largest calls (S at or above the op's 75th percentile; small
 latency, not bandwidth). The time of a call moving S bytes per rank is S × factor(n) / busbw.
 `baseline(ctx)` is policy.json's `baseline`.
 
-    result = compute(open_context("runs/base"))
+    with open_context("runs/base") as ctx:
+        result = compute(ctx)
     result.tables["traffic_by_op"]        # op | tag | phase | calls | bytes_out | bytes_per_step
     result.summary["train_bytes_per_step"], result.summary["bandwidth"]
 """
@@ -90,11 +91,10 @@ def training_steps(ctx: Context) -> int:
 
 
 def compute(ctx: Context) -> Result:
-    result = Result()
     if not ctx.has("comms"):
-        result.notes.append("traffic: the run has no comms table (a world of one rank, or recorded without "
-                            "the comm collector): no traffic to report")
-        return result
+        return Result(notes=["traffic: the run has no comms table (a world of one rank, or recorded without "
+                             "the comm collector): no traffic to report"])
+    result = Result()
     steps = training_steps(ctx)
     world = ctx.model.world_size
     result.tables = {

@@ -198,6 +198,7 @@ def child(target: str, run_dir: Path) -> None:
         for name, frame in result.tables.items():
             ctx.write(name, frame)
     times["total"] = round(time.perf_counter() - started, 3)
+    ctx.close()
     print(json.dumps(times))
 
 
@@ -227,17 +228,17 @@ def accuracy(run_dir: Path, tables: tuple[str, ...]) -> None:
     from analyses import cache
     from analyses.context import open_context
 
-    ctx = open_context(run_dir)
-    sampled = cache.compute(ctx).tables["cache_mrc"].filter(pl.col("table_name").is_in(tables))
-    started = time.perf_counter()
-    exact = cache.compute(ctx, sample_rows=None, tables=tables).tables["cache_mrc"]
+    with open_context(run_dir) as ctx:
+        sampled = cache.compute(ctx).tables["cache_mrc"].filter(pl.col("table_name").is_in(tables))
+        started = time.perf_counter()
+        exact = cache.compute(ctx, sample_rows=None, tables=tables).tables["cache_mrc"]
+        rows = {t.name: t.num_rows for t in ctx.model.tables}
     print(f"exact replay of {', '.join(tables)}: {time.perf_counter() - started:.0f} s")
     error = (pl.col("miss_ratio") - pl.col("miss_ratio_exact")).abs()
     joined = sampled.join(exact, on=["table_name", "policy", "load_factor"], suffix="_exact")
     summary = joined.group_by("table_name").agg(
         pl.col("sample_rate").first(), error.mean().alias("mean_abs_error"), error.max().alias("max_abs_error"),
         pl.col("miss_ratio_exact").min().alias("exact_min"), pl.col("miss_ratio_exact").max().alias("exact_max"))
-    rows = {t.name: t.num_rows for t in ctx.model.tables}
     print("| table | rows | sample rate | mean abs error | max abs error | exact miss ratios |")
     print("|---|---:|---:|---:|---:|---|")
     for row in summary.sort("table_name").iter_rows(named=True):

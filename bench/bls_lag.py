@@ -155,7 +155,8 @@ class Runner:
 
 def _work(run_dir: Path, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """c and x (ranks × steps) from a recorded run's timeline, the warm-up steps filled."""
-    c, x, _, _ = lag.work_matrix(timeline(open_context(run_dir)).tables["timeline"])
+    with open_context(run_dir) as ctx:
+        c, x, _, _ = lag.work_matrix(timeline(ctx).tables["timeline"])
     return _fill_warmup(c, steps), _fill_warmup(x, steps)
 
 

@@ -92,11 +92,12 @@ def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summ
     policy_path = base / "policy.json"
     policy = load_policy(policy_path)
     target = simulate.Target(nodes, per_node, inter_bw=link)
-    ctx = open_context(base)
-    _, own = simulate.recorded(ctx)
-    on_cluster = _by_policy(simulate.simulate(ctx, target, policy, policy_path))
-    from_loopback = _by_policy(simulate.simulate(open_context(loop), target, policy, policy_path))
-    half_duplex = _by_policy(simulate.simulate(open_context(loop), replace(target, duplex=False), policy, policy_path))
+    with open_context(base) as ctx:
+        _, own = simulate.recorded(ctx)
+        on_cluster = _by_policy(simulate.simulate(ctx, target, policy, policy_path))
+    with open_context(loop) as ctx:
+        from_loopback = _by_policy(simulate.simulate(ctx, target, policy, policy_path))
+        half_duplex = _by_policy(simulate.simulate(ctx, replace(target, duplex=False), policy, policy_path))
     base_time = summary["runs"][0]["step_time_s"]
     runs = []
     for figures in summary["runs"]:

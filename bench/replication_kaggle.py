@@ -72,10 +72,10 @@ def record(run_dir: Path, command: list[str]) -> None:
 
 def share_policy(base: Path, share: float) -> Path:
     """policy.share.json: the first rows of replication's order within `share` of the embedding bytes."""
-    ctx = open_context(base)
-    s = exchange.setup(ctx)
-    c = replication.curve(ctx, s, "tk_order_share", replication.benefit_key(s, network(ctx)))
-    total = sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
+    with open_context(base) as ctx:
+        s = exchange.baseline(ctx)
+        c = replication.curve(ctx, s, "tk_order_share", replication.benefit_key(s, network(ctx)))
+        total = sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
     k = int((c.replica_bytes <= share * total).nonzero()[0].max())
     policy = load_policy(base / "policy.json")
     keep = {key: v for key, v in policy.items() if key not in ("replication", "tiers", "schedule", "compression", "lag")}

@@ -61,6 +61,7 @@ from collectors import phase
 from collectors.guard import Guard
 from collectors.steps import StepClock
 from tracekit.labels import current_label, label
+from tracekit.tags import DDP_BUCKET
 from tracekit.store import RunWriter
 
 OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -256,7 +257,7 @@ def _average_bucket_hook(process_group, bucket):
     group = process_group if process_group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
     after = size & (size - 1) == 0  # a power of two: scale after the sum
-    with label(f"ddp_bucket_{bucket.index()}"):
+    with label(f"{DDP_BUCKET}_{bucket.index()}"):
         tensor = bucket.buffer() if after else bucket.buffer().mul_(1.0 / size)
         work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0].mul_(1.0 / size) if after else fut.value()[0])

@@ -4,6 +4,8 @@
 
 One self-contained file: the verdict, then overview, skew, traffic, timeline, cache, policies, the
 projection of `tracekit simulate` where one was made and, with two or more runs, compare (analyses.compare.compare's summary).
+The first run's figures are what `tracekit analyze` wrote (reports.inputs), never computed here; the
+tables show each number in the unit its name says (reports.numbers).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from typing import Sequence
 
 
 def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, plotly_js: str = "inline") -> Path:
-    """Render the report of `runs` (the first is the base) into `output`; returns its path. With
-    `plotly_js="beside"` plotly.js is written once beside it (plotly.min.js) instead of inlined."""
+    """Render the report of `runs` (the first is the base, which `tracekit analyze` must have analysed:
+    else TracekitError) into `output`; returns its path. With `plotly_js="beside"` plotly.js is
+    written once beside it (plotly.min.js) instead of inlined."""
     from reports import sections
     from reports.html import render
     from reports.inputs import load
 
-    inputs = [load(r, analyse=i == 0) for i, r in enumerate(runs)]  # the others are compared only
+    inputs = [load(r, analysed=i == 0) for i, r in enumerate(runs)]  # the others are compared only
     summary = None
     if len(inputs) > 1:
         from analyses.compare import compare

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 MAX_POINTS = 2000
 """At most this many points per trace; longer series are thinned evenly (`thin`)."""
@@ -24,7 +24,7 @@ h1{font-size:1.6em;margin:24px 0 4px}h2{border-bottom:1px solid #d0d7de;padding-
 .caption{color:#5f6b7a;font-size:.92em;margin:0 0 18px}.chart{margin:8px 0 0}
 table{border-collapse:collapse;font-size:.88em;margin:8px 0 16px}td,th{border:1px solid #d0d7de;padding:3px 8px;text-align:right}
 th{background:#f6f8fa}td.l,th.l{text-align:left}code{font-size:.9em;word-break:break-all}
-nav a{margin-right:12px}
+nav a{margin-right:12px}td{font-variant-numeric:tabular-nums}
 """
 
 
@@ -74,10 +74,13 @@ def figure(*, title: str, x: str, y: str, height: int = 380, **layout: Any):
     return fig
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) -> str:
-    """An HTML table; every cell escaped; the first `left` columns left-aligned."""
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int | Collection[int] = 1) -> str:
+    """An HTML table; every cell escaped; text columns left-aligned (the first `left` ones, or those
+    numbered in `left`), the others (numbers) right-aligned."""
+    text = range(left) if isinstance(left, int) else left
+
     def cells(tag: str, values: Sequence[Any]) -> str:
-        return "".join(f'<{tag}{" class=l" if i < left else ""}>{esc(v)}</{tag}>' for i, v in enumerate(values))
+        return "".join(f'<{tag}{" class=l" if i in text else ""}>{esc(v)}</{tag}>' for i, v in enumerate(values))
 
     body = "".join(f"<tr>{cells('td', r)}</tr>" for r in rows)
     return f"<table><tr>{cells('th', header)}</tr>{body}</table>"

@@ -1,19 +1,23 @@
 """What a report reads from a run: the manifest, what `tracekit analyze` wrote (RUN/analysis/*.parquet,
-RUN/policy.json), and NVML samples where the run has them. Nothing here computes an analysis: a run
-without RUN/analysis is analysed first with analyses.analyze.analyze.
+RUN/analysis/summary.json, RUN/policy.json), and NVML samples where the run has them. Nothing here
+computes an analysis: a run that must have one and has none is refused (`tracekit analyze RUN` first).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from tracekit.errors import RunNotFound
+from tracekit.errors import RunNotFound, TracekitError
+
+SUMMARY = Path("analysis") / "summary.json"
+"""What `tracekit analyze` writes last: a run without it has not been analysed."""
 
 
 @dataclass
@@ -22,9 +26,8 @@ class RunInputs:
     manifest: dict[str, Any]
     tables: dict[str, pl.DataFrame]
     policy: dict[str, Any] | None
-    summary: dict[str, Any] | None = None  # analyze's summary (analysis/summary.json, or this report's run)
+    summary: dict[str, Any] | None = None  # analyze's summary (analysis/summary.json)
     gpu: pl.DataFrame | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -35,21 +38,22 @@ class RunInputs:
         return frame if frame is not None and frame.height else None
 
 
-def load(path: str | os.PathLike, *, analyse: bool = True) -> RunInputs:
-    """The run at `path`, analysed first where it has no analysis folder (and `analyse`)."""
+class NotAnalysed(TracekitError):
+    """A report asked of a run `tracekit analyze` has not analysed."""
+
+
+def load(path: str | os.PathLike, *, analysed: bool = True) -> RunInputs:
+    """The run at `path`; with `analysed`, a run `tracekit analyze` has not analysed raises TracekitError
+    (a run only compared with another needs no analysis)."""
     path = Path(path)
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
         raise RunNotFound(f"{path} is not a run: it has no manifest.json (record one with `tracekit record`)")
-    summary = None
-    notes: list[str] = []
-    if analyse and not (path / "analysis").is_dir():
-        from analyses.analyze import analyze
-
-        summary = analyze(path)
-        notes.append(f"{path} had no analysis: `tracekit analyze` ran first")
-    elif (path / "analysis" / "summary.json").is_file():  # what analyze derived, and why not the rest
-        summary = json.loads((path / "analysis" / "summary.json").read_text())
+    summary_path = path / SUMMARY
+    if analysed and not summary_path.is_file():
+        raise NotAnalysed(f"{path} has not been analysed (no {SUMMARY}): run `tracekit analyze "
+                            f"{shlex.quote(str(path))}` first")
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     tables = {p.stem: _floats(pl.read_parquet(p)) for p in sorted((path / "analysis").glob("*.parquet"))}
     policy_path = path / "policy.json"
     policy = json.loads(policy_path.read_text()) if policy_path.is_file() else None
@@ -57,7 +61,7 @@ def load(path: str | os.PathLike, *, analyse: bool = True) -> RunInputs:
         hot = path / "policy" / "hot_rows.parquet"
         if hot.is_file():
             tables["hot_rows"] = pl.read_parquet(hot)
-    return RunInputs(path, json.loads(manifest_path.read_text()), tables, policy, summary, _gpu(path), notes)
+    return RunInputs(path, json.loads(manifest_path.read_text()), tables, policy, summary, _gpu(path))
 
 
 def _floats(frame: pl.DataFrame) -> pl.DataFrame:

@@ -1,5 +1,6 @@
 """The report's sections, each a function from the runs' inputs (reports.inputs) to a Section; the
-figures come from analysis tables as written, only filtered, sorted and thinned for drawing.
+figures come from analysis tables as written, only filtered, sorted and thinned for drawing; every number in
+a table is shown by reports.numbers.show in the unit its name says.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import polars as pl
 
 from reports.html import Chart, Section, esc, figure, table, thin
 from reports.inputs import RunInputs
+from reports.numbers import show
 
 TOP_TABLES = 6
 """Tables drawn where one trace per table would crowd a chart (the ones with the most lookups)."""
@@ -19,22 +21,13 @@ SKEW_ROWS = 8
 """Tables listed in the skew section's table."""
 
 
-def _mb(value: float | None) -> str:
-    return "–" if value is None else f"{value / 1e6:,.3f} MB"
-
-
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{value:.0%}"
-
-
 def _signed(share: float) -> str:
     return f"{share:+.0%}".replace("-", "\u2212")
 
 
-def _num(value: Any, digits: int = 4) -> str:
-    if isinstance(value, float):
-        return f"{value:.{digits}g}"
-    return "–" if value is None else str(value)
+def _cells(record: dict[str, Any], columns: tuple[str, ...]) -> list[str]:
+    """The table row of `record`'s `columns`, each shown in the unit its name says (reports.numbers)."""
+    return [show(c, record[c]) for c in columns]
 
 
 def _busiest(run: RunInputs, limit: int = TOP_TABLES) -> list[str]:
@@ -69,7 +62,7 @@ def verdict(runs: list[RunInputs], compare: dict | None) -> list[str]:
         top = skew.sort("lookups", "num_rows", descending=True).row(0, named=True)
         if top["num_rows"]:
             lines.append(f"in table {top['table_name']} (most lookups), {top['rows_for_90pct'] / top['num_rows']:.1%} "
-                         f"of rows take 90% of lookups (Zipf α {_num(top['zipf_alpha'], 3)})")
+                         f"of rows take 90% of lookups (Zipf α {show('zipf_alpha', top['zipf_alpha'])})")
     measured = {}
     for r in (compare or {}).get("rows", []):
         if r["figure"] == "saving" and r["measured"] is not None:
@@ -114,11 +107,11 @@ def overview(runs: list[RunInputs]) -> Section:
         steps = ", ".join(f"{k}: {v}" for k, v in steps.items()) if isinstance(steps, dict) else steps
         metrics = m.get("metrics") or {}
         rows.append([run.name, m.get("status"), m.get("exit_code"), len(m.get("ranks") or []), m.get("backend"),
-                     device, len(m.get("tables") or []), steps, _num(metrics.get("samples_per_s"), 5)])
+                     device, len(m.get("tables") or []), steps, show("samples_per_s", metrics.get("samples_per_s"))])
         s.intro.append(f"<p><code>{esc(run.name)}</code>: <code>{esc(shlex.join(map(str, m.get('command') or [])))}"
                        "</code></p>")
     s.intro.insert(0, table(["run", "status", "exit code", "ranks", "backend", "devices", "tables", "steps per rank",
-                             "samples/s"], rows))
+                             "samples/s"], rows, left={0, 1, 4, 5, 7}))
     said: dict[str, list[str]] = {}
     for run in runs:
         for w in warnings(run):
@@ -130,7 +123,7 @@ def overview(runs: list[RunInputs]) -> Section:
 def warnings(run: RunInputs) -> list[str]:
     """What a reader must know before trusting the figures of `run`."""
     m = run.manifest
-    out = list(run.notes)
+    out = []
     if m.get("status") != "completed":
         out.append(f"partial run: status {m.get('status')}, exit code {m.get('exit_code')}; the figures cover the "
                    "steps recorded before it ended")
@@ -171,11 +164,10 @@ def skew(run: RunInputs) -> Section:
     fig = figure(title="Zipf exponent per table (MLE fit)", x="table", y="Zipf α (unitless)")
     fig.add_bar(x=[esc(t) for t in ordered["table_name"]], y=ordered["zipf_alpha"].to_list(), name="α")
     s.charts.append(Chart(fig, "Tables sorted by lookups; α near or above 1 means a heavy head."))
+    columns = ("table_name", "num_rows", "rows_touched", "lookups", "top_1pct_share", "top_10pct_share", "gini",
+               "zipf_alpha", "rows_for_90pct")
     s.intro.append(table(["table", "rows", "rows touched", "lookups", "top 1%", "top 10%", "Gini", "Zipf α",
-                          "rows for 90%"],
-                         [[r["table_name"], r["num_rows"], r["rows_touched"], r["lookups"], _pct(r["top_1pct_share"]),
-                           _pct(r["top_10pct_share"]), _num(r["gini"], 3), _num(r["zipf_alpha"], 3),
-                           r["rows_for_90pct"]] for r in ordered.head(SKEW_ROWS).iter_rows(named=True)]))
+                          "rows for 90%"], [_cells(r, columns) for r in ordered.head(SKEW_ROWS).iter_rows(named=True)]))
     if ordered.height > SKEW_ROWS:
         s.intro.append(f'<p class="muted">The {SKEW_ROWS} of {ordered.height} tables with most lookups (then rows); '
                        f'every table: <code>tracekit sql {esc(run.name)} "select * from skew"</code>.</p>')
@@ -312,10 +304,10 @@ def policies(run: RunInputs) -> Section:
     s = Section("policies", "Policies: what to change, and what it should save")
     policy = run.policy
     if policy is None:
-        s.missing.append("the run has no policy.json (no embedding tables in the manifest, or analyze was not run)")
+        s.missing.append("the run has no policy.json (the manifest lists no embedding tables)")
         return s
     baseline = policy.get("baseline", {})
-    s.intro.append("<p>Baseline per step: " + esc(", ".join(f"{k} {_num(v, 6)}" for k, v in baseline.items()))
+    s.intro.append("<p>Baseline per step: " + esc(", ".join(f"{k} {show(k, v)}" for k, v in baseline.items()))
                    + "</p>")
     for name, body in policy.items():
         if not isinstance(body, dict) or "predicted" not in body and name not in ("compression", "lag"):
@@ -325,10 +317,10 @@ def policies(run: RunInputs) -> Section:
             if name in ("compression", "combined") and "predicted" not in body else [(name, body)]
         for label, part in parts:
             s.intro.append(f"<h3>{esc(label)}</h3><p>{_decision(part)}{esc(part.get('why', ''))}</p>")
-        s.intro.append(f"<p>Predicted saving of embedding bytes: {esc(_pct(saving))}</p>" if saving else "")
-        flat = _flatten(body)
-        s.intro.append(table(["figure", "value"], [[k, _num(v, 6) if not isinstance(v, list) else
-                                                    " – ".join(_num(x, 6) for x in v)] for k, v in flat.items()]))
+            if saving:
+                s.intro.append(f"<p>Predicted saving of embedding bytes: {esc(show('saving', saving))}</p>")
+            s.intro.append(table(["figure", "value"], [[k, " – ".join(show(k, x) for x in v) if isinstance(v, list)
+                                                        else show(k, v)] for k, v in _flatten(part).items()]))
     s.intro.append("<p>A figure with an interval (<code>intervals.*</code>, low – high) is an estimate: from sampled "
                    "steps, or a step time with the model's error; a figure without one is exact.</p>")
     sections = {k for k, v in policy.items() if isinstance(v, dict) and k not in ("model", "baseline")}
@@ -374,7 +366,14 @@ def _interval(row: dict) -> str:
     """`exact`, or an estimate's interval, of a compare row (analyses.compare's kind and bounds)."""
     if row.get("kind") != "estimated" or row.get("predicted_low") is None:
         return "exact" if row.get("kind") == "exact" else "–"
-    return f"{_num(row['predicted_low'], 4)} – {_num(row['predicted_high'], 4)}"
+    return f"{show(row['figure'], row['predicted_low'])} – {show(row['figure'], row['predicted_high'])}"
+
+
+def _diff(row: dict) -> str:
+    """Measured against predicted as `tracekit compare` prints it: a share's in points, others in %."""
+    if row["unit"] == "fraction":
+        return "–" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
+    return "–" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"
 
 
 def _decision(body: dict) -> str:
@@ -437,10 +436,9 @@ def compare(summary: dict) -> Section:
         s.charts.append(Chart(fig, "Each pair should match where the prediction is exact (bytes from lookups "
                                    "recorded on every step); an estimate should hold the measurement within "
                                    "its interval."))
-    s.intro.append(table(["run", "section", "figure", "unit", "predicted", "interval", "measured", "diff"],
-                         [[r["run"], r["section"], r["figure"], r["unit"], _num(r["predicted"], 6), _interval(r),
-                           _num(r["measured"], 6), "–" if r["diff_pct"] is None else f"{r['diff_pct']:+.2%}"]
-                          for r in summary["rows"]], left=4))
+    s.intro.append(table(["run", "section", "figure", "predicted", "interval", "measured", "diff"],
+                         [[r["run"], r["section"], r["figure"], show(r["figure"], r["predicted"]), _interval(r),
+                           show(r["figure"], r["measured"]), _diff(r)] for r in summary["rows"]], left=3))
     s.intro.extend(f'<p class="warn">{esc(w)}</p>' for w in summary.get("warnings", []))
     s.intro.extend(f'<p class="muted">{esc(n)}</p>' for n in summary.get("notes", []))
     return s
@@ -458,13 +456,13 @@ def simulate(run: RunInputs) -> Section | None:
     s = Section("simulate", f"What-if: this run on {first['topology']} ({first['world']} ranks)")
     s.intro.append(f"<p>Projected from the run's traffic, its compute time and the cost model (bytes "
                    f"{'as recorded and replayed' if first['method'] == 'replay' else 'scaled per sample'}); "
-                   f"{esc(_rate(first['inter_bw']))} between nodes, {esc(_rate(first['intra_bw']))} within, "
+                   f"{esc(show('inter_bw', first['inter_bw']))} between nodes, "
+                   f"{esc(show('intra_bw', first['intra_bw']))} within, "
                    f"batch {first['batch_per_device']:g} per rank.</p>")
+    columns = ("policy", "bytes_per_step", "inter_node_bytes_per_step", "compute_s", "comm_s", "step_time_s",
+               "comm_share", "speedup")
     s.intro.append(table(["policy", "bytes / step", "between nodes / step", "compute", "communication", "step time",
-                          "comm share", "speedup"],
-                         [[r["policy"], _mb(r["bytes_per_step"]), _mb(r["inter_node_bytes_per_step"]),
-                           _ms(r["compute_s"]), _ms(r["comm_s"]), _ms(r["step_time_s"]), _pct(r["comm_share"]),
-                           _num(r["speedup"], 3)] for r in rows.iter_rows(named=True)]))
+                          "comm share", "speedup"], [_cells(r, columns) for r in rows.iter_rows(named=True)]))
     if sweep is not None:
         fig = figure(title="Speedup over the baseline against the link between nodes", x="link rate (bit/s, log "
                      "scale)", y="step-time speedup", xaxis_type="log", xaxis_exponentformat="SI")
@@ -478,13 +476,3 @@ def simulate(run: RunInputs) -> Section | None:
         s.charts.append(Chart(fig, "The slower the network, the more of the step is communication and the more "
                                    "a policy that moves fewer bytes saves."))
     return s
-
-
-def _rate(bytes_per_s: float | None) -> str:
-    from tracekit.units import format_rate
-
-    return "?" if bytes_per_s is None else format_rate(bytes_per_s)
-
-
-def _ms(seconds: float | None) -> str:
-    return "?" if seconds is None else f"{seconds * 1e3:,.1f} ms"

@@ -59,14 +59,14 @@ def test_analyze_writes_tables_and_a_valid_policy_and_prints_a_summary(trainer_r
 def test_analyze_json_and_sql_see_the_same_figures(trainer_run: Path) -> None:
     r = analyze(str(trainer_run), "--json", "--policies", "replication,lag", "--budget", "5%")
     assert r.exit_code == 0, r.output
-    report = json.loads(r.stdout)
-    assert set(report["policies"]) == {"replication", "lag"}
-    assert report["analyses"]["costmodel"]["baseline_matches_comms"] is True
+    summary = json.loads(r.stdout)
+    assert set(summary["policies"]) == {"replication", "lag"}
+    assert summary["analyses"]["costmodel"]["baseline_matches_comms"] is True
     r = CliRunner().invoke(cli, ["sql", str(trainer_run), "SELECT table_name, lookups FROM skew ORDER BY table_name",
                                  "--format", "json"])
     assert r.exit_code == 0, r.output
     from_sql = {row["table_name"]: row["lookups"] for row in json.loads(r.stdout)}
-    assert from_sql == {t: s["lookups"] for t, s in report["analyses"]["skew"]["tables"].items()}
+    assert from_sql == {t: s["lookups"] for t, s in summary["analyses"]["skew"]["tables"].items()}
     assert sum(from_sql.values()) == 6 * 64 * 3 * 4  # 6 steps x 64 samples x pooling 3 x 4 tables: training only
 
 
@@ -88,11 +88,11 @@ def test_a_user_scripts_run_gets_what_can_be_derived_and_the_reasons(tmp_path: P
     assert code == 0
     r = analyze(str(run_dir), "--json")
     assert r.exit_code == 0, r.output
-    report = json.loads(r.stdout)
-    assert "skew" in report["analyses"] and "cache" in report["analyses"]
-    assert any(note.startswith("traffic: not computed, the run has no comms table") for note in report["notes"])
-    assert report["not_derived"], "a one-process run without collectives cannot derive every policy"
-    assert all(isinstance(reason, str) and reason for reason in report["not_derived"].values())
+    summary = json.loads(r.stdout)
+    assert "skew" in summary["analyses"] and "cache" in summary["analyses"]
+    assert any(note.startswith("traffic: not computed, the run has no comms table") for note in summary["notes"])
+    assert summary["not_derived"], "a one-process run without collectives cannot derive every policy"
+    assert all(isinstance(reason, str) and reason for reason in summary["not_derived"].values())
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -91,7 +91,8 @@ def test_the_synchronous_runs_exchange_and_waiting_reach_the_timeline(tmp_path: 
     code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(REPO / "train.py"), *MODEL, "--json", "--straggler", "0.4:15")
     assert code == 0
-    frame = timeline(open_context(run_dir)).tables["timeline"]
+    with open_context(run_dir) as ctx:
+        frame = timeline(ctx).tables["timeline"]
     assert frame["wait_s"].sum() > 0.015  # at least one delay waited for
     c, x, ranks, steps = lag.work_matrix(frame)
     assert ranks == [0, 1] and len(steps) == STEPS - warmup_steps(STEPS) and (x > 0).all()

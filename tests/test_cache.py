@@ -190,28 +190,29 @@ def exact_by_hand(accesses, rows: int, load_factors) -> dict:
 
 def test_the_analysis_replays_every_table_and_rank_exactly_when_nothing_is_sampled(tmp_path: Path) -> None:
     run, accesses = cache_run(tmp_path / "run", steps=20, rows=1000, batch=200, split_steps=True)
-    ctx = open_context(run)
-    lfs = (0.02, 0.1, 0.5)
-    result = cache.compute(ctx, load_factors=lfs)
-    mrc = result.tables["cache_mrc"]
-    expected = exact_by_hand(accesses, 1000, lfs)
-    assert len(mrc) == len(expected) and (mrc["sample_rate"] == 1.0).all()
-    ids = Counter(a[2] for a in accesses)  # (step, rank, row) is one id of a batch
-    for row in mrc.iter_rows(named=True):
-        miss_ratio = expected[(row["table_name"], row["policy"], row["load_factor"])]
-        assert row["miss_ratio"] == pytest.approx(miss_ratio)
-        assert row["unique_miss_per_batch"] == pytest.approx(miss_ratio * ids[row["table_name"]] / 20)
-    b = mrc.filter(table_name="b", policy="lru").sort("load_factor")
-    assert b["cache_rows"].to_list() == [2 * 32 * math.ceil(1000 * lf / 32) for lf in lfs]  # both ranks' caches
-    assert not any("sample" in note for note in result.notes)
-    only_a = cache.compute(ctx, load_factors=lfs, tables=("a",))
-    assert only_a.tables["cache_mrc"].equals(mrc.filter(table_name="a"))
-    assert only_a.summary["torchrec_cache_stats"] is None  # a check of some tables leaves the run's file alone
+    with open_context(run) as ctx:
+        lfs = (0.02, 0.1, 0.5)
+        result = cache.compute(ctx, load_factors=lfs)
+        mrc = result.tables["cache_mrc"]
+        expected = exact_by_hand(accesses, 1000, lfs)
+        assert len(mrc) == len(expected) and (mrc["sample_rate"] == 1.0).all()
+        ids = Counter(a[2] for a in accesses)  # (step, rank, row) is one id of a batch
+        for row in mrc.iter_rows(named=True):
+            miss_ratio = expected[(row["table_name"], row["policy"], row["load_factor"])]
+            assert row["miss_ratio"] == pytest.approx(miss_ratio)
+            assert row["unique_miss_per_batch"] == pytest.approx(miss_ratio * ids[row["table_name"]] / 20)
+        b = mrc.filter(table_name="b", policy="lru").sort("load_factor")
+        assert b["cache_rows"].to_list() == [2 * 32 * math.ceil(1000 * lf / 32) for lf in lfs]  # both ranks' caches
+        assert not any("sample" in note for note in result.notes)
+        only_a = cache.compute(ctx, load_factors=lfs, tables=("a",))
+        assert only_a.tables["cache_mrc"].equals(mrc.filter(table_name="a"))
+        assert only_a.summary["torchrec_cache_stats"] is None  # a check of some tables leaves the run's file alone
 
 
 def test_torchrec_planner_inputs_come_from_the_trace(tmp_path: Path) -> None:
     run, accesses = cache_run(tmp_path / "run", steps=20, rows=1000, batch=200)
-    result = cache.compute(open_context(run), load_factors=(0.05, 0.2))
+    with open_context(run) as ctx:
+        result = cache.compute(ctx, load_factors=(0.05, 0.2))
     stats = json.loads((run / "analysis" / cache.STATS_FILE).read_text())
     assert result.summary["torchrec_cache_stats"] == str(run / "analysis" / cache.STATS_FILE)
     train = [a for a in accesses if a[5] == "train"]
@@ -234,15 +235,18 @@ def test_rows_read_on_two_ranks_in_a_step_count_once_in_the_expected_lookups(tmp
     accesses = accesses_of(per_step, "r", 0) + accesses_of([d[::2] for d in per_step], "r", 1)
     tables = [{**table_entry("r", 50, placement="replicated"),
                "shards": [{"rank": q, "first_row": 0, "num_rows": 50} for q in (0, 1)]}]
-    cache.compute(open_context(write_run(tmp_path / "run", accesses, tables)), load_factors=(0.5,))
+    with open_context(write_run(tmp_path / "run", accesses, tables)) as ctx:
+        cache.compute(ctx, load_factors=(0.5,))
     stats = json.loads((tmp_path / "run" / "analysis" / cache.STATS_FILE).read_text())
     assert stats["tables"]["r"]["expected_lookups"] == pytest.approx(np.mean([len(set(d)) for d in per_step]))
 
 
 def test_shards_sampled_curves_stay_within_two_points_of_exact(tmp_path: Path) -> None:
     run, _ = cache_run(tmp_path / "run", steps=60, rows=40_000, batch=3000)
-    exact = cache.compute(open_context(run), sample_rows=None).tables["cache_mrc"]
-    sampled_result = cache.compute(open_context(run), sample_rows=15_000)
+    with open_context(run) as ctx:
+        exact = cache.compute(ctx, sample_rows=None).tables["cache_mrc"]
+    with open_context(run) as ctx:
+        sampled_result = cache.compute(ctx, sample_rows=15_000)
     sampled = sampled_result.tables["cache_mrc"]
     assert (sampled["sample_rate"] < 0.25).all() and (exact["sample_rate"] == 1).all()
     assert "SHARDS" in " ".join(sampled_result.notes)
@@ -268,7 +272,8 @@ def test_without_a_steps_table_pooling_factors_come_from_lookups(tmp_path: Path)
                               "sample": [r[1] for r in rows], "pos": [r[2] for r in rows], "row": [r[3] for r in rows],
                               "phase": ["train"] * (len(rows) - 1) + ["eval"]})
     writer.close()
-    result = cache.compute(open_context(run), load_factors=(0.5,))
+    with open_context(run) as ctx:
+        result = cache.compute(ctx, load_factors=(0.5,))
     stats = json.loads((run / "analysis" / cache.STATS_FILE).read_text())
     assert stats["tables"]["t"]["pooling_factor"] == pytest.approx(15 / 7)
     assert stats["pooling_factor_source"].startswith("lookups")
@@ -280,13 +285,13 @@ def test_tables_the_manifest_does_not_list_are_analysed_by_name(tmp_path: Path) 
     accesses = accesses_of(zipf_steps(rng, 300, 1.0, 200, 12), "x", 0) + accesses_of(
         zipf_steps(rng, 50, 0.5, 100, 12), "y", 1)
     run = write_run(tmp_path / "run", accesses, [])
-    ctx = open_context(run)
-    skew_result = skew.compute(ctx)
-    assert set(skew_result.tables["skew"]["table_name"]) == {"x", "y"}
-    largest = max(a[3] for a in accesses if a[2] == "x")
-    assert skew_result.tables["skew"].filter(table_name="x")["num_rows"][0] == largest + 1
-    mrc = cache.compute(ctx, load_factors=(0.1,)).tables["cache_mrc"]
-    assert set(mrc["table_name"]) == {"x", "y"} and len(mrc) == 2 * 3
+    with open_context(run) as ctx:
+        skew_result = skew.compute(ctx)
+        assert set(skew_result.tables["skew"]["table_name"]) == {"x", "y"}
+        largest = max(a[3] for a in accesses if a[2] == "x")
+        assert skew_result.tables["skew"].filter(table_name="x")["num_rows"][0] == largest + 1
+        mrc = cache.compute(ctx, load_factors=(0.1,)).tables["cache_mrc"]
+        assert set(mrc["table_name"]) == {"x", "y"} and len(mrc) == 2 * 3
 
 
 def test_a_run_without_accesses_is_a_note_not_an_error(tmp_path: Path) -> None:
@@ -294,7 +299,7 @@ def test_a_run_without_accesses_is_a_note_not_an_error(tmp_path: Path) -> None:
     writer.append("steps", {"step": [0], "t_start_ns": [0], "t_end_ns": [1], "samples": [4], "loss": [None]})
     writer.close()
     write_manifest(tmp_path / "run", {"schema_version": "1.1", "status": "completed", "world_size": 1, "tables": []})
-    ctx = open_context(tmp_path / "run")
-    for module in (skew, cache):
-        result = module.compute(ctx)
-        assert not result.tables and "no accesses table" in result.notes[0]
+    with open_context(tmp_path / "run") as ctx:
+        for module in (skew, cache):
+            result = module.compute(ctx)
+            assert not result.tables and "no accesses table" in result.notes[0]

@@ -257,8 +257,18 @@ def test_optimize_records_each_run_through_cluster(tmp_path: Path, monkeypatch) 
     from tracekit import optimize
 
     seen = []
-    monkeypatch.setattr(optimize.subprocess, "call", lambda argv, **kwargs: seen.append(argv) or 0)
-    optimize.record(tmp_path / "base", ["python", "train.py"], tmp_path / "base.log", lookup_every=1,
-                    cluster=cluster.Topology(2, 2, "200mbit"))
-    assert seen[0][3:] == ["cluster", "--nodes", "2", "--ranks-per-node", "2", "--link", "200mbit", "--record",
-                           str(tmp_path / "base"), "--force", "--lookup-every", "1", "--", "python", "train.py"]
+
+    def run(command, topology, *, env, say, output):  # the cluster itself needs root: its launch is what is checked
+        seen.append((command, topology, env["TRACEKIT_LOOKUP_EVERY"], output.name))
+        return 0, False
+
+    monkeypatch.setattr(cluster, "run", run)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "stale").write_text("")  # replaced, as --force did
+    code = optimize.record(tmp_path / "base", [sys.executable, "train.py"], tmp_path / "base.log", lookup_every=1,
+                           cluster=cluster.Topology(2, 2, "200mbit"))
+    assert code == 0 and not (tmp_path / "base" / "stale").exists()
+    assert seen == [([sys.executable, "train.py"], cluster.Topology(2, 2, "200mbit"), "1", str(tmp_path / "base.log"))]
+    manifest = json.loads((tmp_path / "base" / "manifest.json").read_text())
+    assert manifest["topology"] == cluster.Topology(2, 2, "200mbit").manifest()
+    assert "tracekit: " in (tmp_path / "base.log").read_text()  # the recording's closing lines, in the log

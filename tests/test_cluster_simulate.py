@@ -64,7 +64,8 @@ def measured(run_dir: Path) -> dict:
 
 def projected(source: Path, nodes: int, per_node: int, policy: dict | None = None) -> dict[str, dict]:
     target = Target(nodes, per_node, inter_bw=parse_rate(LINK))
-    result = simulate(open_context(source), target, policy, source / "policy.json" if policy else None)
+    with open_context(source) as ctx:
+        result = simulate(ctx, target, policy, source / "policy.json" if policy else None)
     return {r["policy"]: r for r in result.tables["simulate"].iter_rows(named=True)}
 
 

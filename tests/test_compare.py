@@ -104,6 +104,8 @@ def test_a_run_against_itself_is_equal_everywhere_and_its_bytes_are_the_comms_su
 
 @pytest.mark.slow
 def test_cli_prints_the_runs_side_by_side_and_json_parses(runs) -> None:
+    r = CliRunner().invoke(cli, ["analyze", str(runs["base"]), "--no-report", "--no-calibrate", "--json"])
+    assert r.exit_code == 0, r.output  # the report of a comparison draws BASE's analysis
     r = invoke(runs["base"], runs["base"], "--skip-steps", SKIP)
     assert r.exit_code == 0, r.output
     for text in ("runs (RUN figures with their ratio to BASE)", "step time, median", "×1.00", "embedding all-to-all",
@@ -116,6 +118,15 @@ def test_cli_prints_the_runs_side_by_side_and_json_parses(runs) -> None:
     assert {"runs", "rows", "warnings"} <= set(document) and len(document["runs"]) == 2
     # the default warm-up: analyses.network's rule, the one analyze's baseline uses
     assert document["skip_steps"] == warmup_steps(document["runs"][0]["steps"]) and "report" not in document
+
+
+@pytest.mark.slow
+def test_a_base_never_analysed_is_compared_and_its_report_said_not_written(runs) -> None:
+    r = invoke(runs["longer"], runs["base"], "--skip-steps", SKIP)
+    assert r.exit_code == 0, r.output
+    assert "runs (RUN figures with their ratio to BASE)" in r.output
+    assert "report: not written" in r.output and f"tracekit analyze {runs['longer']}" in r.output, r.output
+    assert not (runs["longer"] / "compare.html").exists()
 
 
 @pytest.mark.slow

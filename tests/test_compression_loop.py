@@ -49,9 +49,9 @@ def _alone(policy_path: Path, label: str) -> Path:
 @pytest.mark.slow
 def test_compression_sections_are_applied_and_measured_against_their_prediction(tmp_path: Path) -> None:
     base = _record(tmp_path / "base")
-    report = analyze(base, Options(policies=("compression",)))
-    sections = report["policies"]["compression"]
-    assert {"dp", "mp"} <= set(sections), report["not_derived"]
+    summary = analyze(base, Options(policies=("compression",)))
+    sections = summary["policies"]["compression"]
+    assert {"dp", "mp"} <= set(sections), summary["not_derived"]
     plans, _ = reruns(base / "policy.json")
     by_name = {p.name: p.policy for p in plans}
     mp_run = _record(tmp_path / "mp", "--policy", str(by_name.get("compression.mp") or _alone(base / "policy.json",

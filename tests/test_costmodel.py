@@ -15,7 +15,7 @@ from analyses import costmodel, exchange
 from analyses.context import Options, open_context
 from analyses.policies import replication, schedule, tiers
 from tests.recorded import REPO, TINY, record
-from tests.test_sources import build_run, table
+from tests.test_attribution import build_run, table
 from tracekit.policy import load_policy, new_policy, write_policy
 
 
@@ -55,7 +55,8 @@ def one_hot_run(path: Path, *, steps: int = 60, b: int = 128, rows: int = 1000, 
 
 def test_formula_and_replay_agree_on_iid_lookups(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run")
-    result = costmodel.compute(open_context(tmp_path / "run"))
+    with open_context(tmp_path / "run") as ctx:
+        result = costmodel.compute(ctx)
     check = result.tables["costmodel_check"]
     distinct = check.filter(pl.col("check") == "distinct_rows")
     assert distinct.height == 2 and (distinct["rel_diff"].abs() < 0.02).all(), distinct
@@ -66,8 +67,8 @@ def test_formula_and_replay_agree_on_iid_lookups(tmp_path: Path) -> None:
 
 
 def _assert_replay_equals_comms(run: Path) -> pl.DataFrame:
-    ctx = open_context(run)
-    frame = exchange.comms_replay(ctx)
+    with open_context(run) as ctx:
+        frame = exchange.comms_replay(ctx)
     assert frame.height > 0
     for column in ("bytes_out", "bytes_in", "splits_out", "splits_in"):
         pred, rec = frame[f"{column}_pred"], frame[f"{column}_comms"]
@@ -85,7 +86,8 @@ def test_baseline_replay_equals_comms_on_built_runs(tmp_path: Path) -> None:
     build_run(tmp_path / "run", tables, 3, [batch, batch])
     frame = _assert_replay_equals_comms(tmp_path / "run")
     assert set(frame["collective"]) == set(exchange.COLLECTIVES)
-    s = exchange.setup(open_context(tmp_path / "run"))
+    with open_context(tmp_path / "run") as ctx:
+        s = exchange.baseline(ctx)
     # by hand: lengths 4·T_o·b_q summed over pairs, T = (2, 2, 1) tables on ranks 0..2, b = (2, 3, 1)
     assert s.base["input_lengths"][0] == 4 * (2 + 2 + 1) * (2 + 3 + 1)
     assert s.base["input_ids"][0] == 8 * (8 + 9 + 7)  # ids of a, s, r
@@ -98,31 +100,32 @@ def test_replay_detects_a_wrong_byte_count(tmp_path: Path) -> None:
     part = next((tmp_path / "run" / "lookups" / "rank=0").glob("*.parquet"))
     lookups = pq.read_table(part)
     pq.write_table(lookups.slice(1), part)  # one lookup lost; the schema metadata stays
-    ctx = open_context(tmp_path / "run")
-    replay = exchange.comms_replay(ctx)
-    assert (replay["bytes_out_pred"] != replay["bytes_out_comms"]).any()  # a lost lookup shows
-    assert costmodel.compute(ctx).summary["baseline_matches_comms"] is False
+    with open_context(tmp_path / "run") as ctx:
+        replay = exchange.comms_replay(ctx)
+        assert (replay["bytes_out_pred"] != replay["bytes_out_comms"]).any()  # a lost lookup shows
+        assert costmodel.compute(ctx).summary["baseline_matches_comms"] is False
 
 
 def test_cost_model_tables_hold_every_policy(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=20)
-    ctx = open_context(tmp_path / "run", Options(inter_bw=1e9))
-    derived = {m.__name__.rsplit(".", 1)[1]: m.derive(ctx) for m in (replication, tiers, schedule)}
-    result = costmodel.compute(ctx, derived)
-    model = result.tables["costmodel"]
-    assert set(model["policy"]) == {"baseline", "dedup_fetch", "replication", "tiers", "schedule"}
-    replayed = model.filter((pl.col("policy") == "replication") & (pl.col("method") == "replay"))
-    assert set(replayed["collective"]) == {*exchange.COLLECTIVES, "sync"}
-    base = model.filter(pl.col("policy") == "baseline")
-    assert base["bytes_per_step"].sum() == result.summary["baseline_a2a_bytes_per_step"]
-    # time from bytes (analyses.network): each call's α plus its busiest link's bytes at β = 1/1e9
-    s = exchange.setup(ctx)
-    alpha = result.summary["network"]["alpha_s"].get("all_to_all_single", 0.0)
-    assert base["time_s"].sum() == pytest.approx(4 * alpha + sum(s.busiest.values()) / 1e9)
-    replication_rows = model.filter(pl.col("policy") == "replication")
-    assert replication_rows.filter(pl.col("method") == "expected").height == 2
-    assert result.summary["network"]["source"].startswith("β from --intra-bw/--inter-bw")
-    assert costmodel.compute(ctx).tables["costmodel"]["policy"].unique().sort().to_list() == ["baseline", "dedup_fetch"]
+    with open_context(tmp_path / "run", Options(inter_bw=1e9)) as ctx:
+        derived = {m.__name__.rsplit(".", 1)[1]: m.derive(ctx) for m in (replication, tiers, schedule)}
+        result = costmodel.compute(ctx, derived)
+        model = result.tables["costmodel"]
+        assert set(model["policy"]) == {"baseline", "dedup_fetch", "replication", "tiers", "schedule"}
+        replayed = model.filter((pl.col("policy") == "replication") & (pl.col("method") == "replay"))
+        assert set(replayed["collective"]) == {*exchange.COLLECTIVES, "sync"}
+        base = model.filter(pl.col("policy") == "baseline")
+        assert base["bytes_per_step"].sum() == result.summary["baseline_a2a_bytes_per_step"]
+        # time from bytes (analyses.network): each call's α plus its busiest link's bytes at β = 1/1e9
+        s = exchange.baseline(ctx)
+        alpha = result.summary["network"]["alpha_s"].get("all_to_all_single", 0.0)
+        assert base["time_s"].sum() == pytest.approx(4 * alpha + sum(s.busiest.values()) / 1e9)
+        replication_rows = model.filter(pl.col("policy") == "replication")
+        assert replication_rows.filter(pl.col("method") == "expected").height == 2
+        assert result.summary["network"]["source"].startswith("β from --intra-bw/--inter-bw")
+        alone = costmodel.compute(ctx).tables["costmodel"]
+        assert alone["policy"].unique().sort().to_list() == ["baseline", "dedup_fetch"]
 
 
 @pytest.mark.slow
@@ -135,15 +138,15 @@ def test_baseline_bytes_equal_a_recorded_trainer_run(tmp_path: Path, sharding: s
     frame = _assert_replay_equals_comms(run_dir)
     assert dict(zip(frame["collective"], frame["tag"])) == exchange.TRAINER_TAGS
     assert sorted(set(frame["step"])) == [0, 2]
-    ctx = open_context(run_dir)
-    result = costmodel.compute(ctx)
-    assert result.summary["baseline_matches_comms"] is True
-    policy = new_policy(source_run=str(run_dir), model=ctx.model.policy_model())
-    rows = {}
-    for module in (replication, tiers, schedule):
-        derived = module.derive(ctx)
-        assert derived.section is not None, derived.reason
-        policy[derived.name] = derived.section
-        rows.update(derived.rows)
-    loaded = load_policy(write_policy(tmp_path / "policy.json", policy, rows))
-    assert set(loaded) >= {"replication", "tiers", "schedule"}
+    with open_context(run_dir) as ctx:
+        result = costmodel.compute(ctx)
+        assert result.summary["baseline_matches_comms"] is True
+        policy = new_policy(source_run=str(run_dir), model=ctx.model.policy_model())
+        rows = {}
+        for module in (replication, tiers, schedule):
+            derived = module.derive(ctx)
+            assert derived.section is not None, derived.reason
+            policy[derived.name] = derived.section
+            rows.update(derived.rows)
+        loaded = load_policy(write_policy(tmp_path / "policy.json", policy, rows))
+        assert set(loaded) >= {"replication", "tiers", "schedule"}

@@ -296,7 +296,8 @@ def _derive_dp(run: Path) -> tuple[dict, dict]:
     from analyses.context import open_context
     from analyses.policies import compression
 
-    derived = compression.derive(open_context(run))
+    with open_context(run) as ctx:
+        derived = compression.derive(ctx)
     validate_policy = new_policy(source_run="run", model={"tables": [{"name": "t0", "num_rows": 100, "dim": 8}],
                                                            "world_size": 2})
     validate_policy["compression"] = derived.section

@@ -13,7 +13,7 @@ from analyses import exchange
 from analyses.context import Options, open_context
 from analyses.policies import replication, schedule, tiers
 from tests.test_costmodel import one_hot_run
-from tests.test_sources import build_run, table
+from tests.test_attribution import build_run, table
 from tracekit.policy import load_policy, new_policy, write_policy
 
 
@@ -35,99 +35,100 @@ def hot_order(ctx, rows: list[tuple[str, int]]) -> None:
 
 def test_items_leave_the_exchange_as_the_layout_says(tmp_path: Path) -> None:
     mixed_run(tmp_path / "run")
-    ctx = open_context(tmp_path / "run")
-    hot_order(ctx, [("a", 1), ("b", 5), ("s", 7)])
-    saved = exchange.hot_curve(ctx, "tk_test_order", 3)
-    remote = sum(saved[f"{c}_rem"][3] for c in exchange.COLLECTIVES)
-    everything = sum(saved[f"{c}_out"][3] for c in exchange.COLLECTIVES)
-    # remote: rank 1's two bags [1] of a (8 + 2·16 each); rank 0's all-hot bag [5, 5] of b (16 + 32)
-    # and the hot id of its two bags [5, 6] (8 each: the bag stays, its cold id goes); rank 0's three
-    # ids 7 of s (8 + 2·16 each)
-    assert remote == 2 * 40 + 48 + 2 * 8 + 3 * 40
-    # and what ranks hand themselves: rank 0's three bags [1]; rank 1's two [5, 5] and one [5, 6];
-    # rank 1's three 7s
-    assert everything == remote + 3 * 40 + 2 * 48 + 8 + 3 * 40
-    assert saved["input_lengths_out"][3] == 0  # lengths keep their size: a bag served here is sent as -1
-    assert saved["input_ids_rem"][1] == 2 * 8  # a:1 alone frees only a's bags
+    with open_context(tmp_path / "run") as ctx:
+        hot_order(ctx, [("a", 1), ("b", 5), ("s", 7)])
+        saved = exchange.hot_curve(ctx, "tk_test_order", 3)
+        remote = sum(saved[f"{c}_rem"][3] for c in exchange.COLLECTIVES)
+        everything = sum(saved[f"{c}_out"][3] for c in exchange.COLLECTIVES)
+        # remote: rank 1's two bags [1] of a (8 + 2·16 each); rank 0's all-hot bag [5, 5] of b (16 + 32)
+        # and the hot id of its two bags [5, 6] (8 each: the bag stays, its cold id goes); rank 0's three
+        # ids 7 of s (8 + 2·16 each)
+        assert remote == 2 * 40 + 48 + 2 * 8 + 3 * 40
+        # and what ranks hand themselves: rank 0's three bags [1]; rank 1's two [5, 5] and one [5, 6];
+        # rank 1's three 7s
+        assert everything == remote + 3 * 40 + 2 * 48 + 8 + 3 * 40
+        assert saved["input_lengths_out"][3] == 0  # lengths keep their size: a bag served here is sent as -1
+        assert saved["input_ids_rem"][1] == 2 * 8  # a:1 alone frees only a's bags
 
 
 def test_a_row_wise_bag_leaves_with_all_its_partial_bags(tmp_path: Path) -> None:
     tables = [table("r", 10, owner=None)]  # rows 0-4 on rank 0, 5-9 on rank 1
     batch = [{"r": [[1, 7], [2]]}, {"r": [[3], [8, 9]]}]
     build_run(tmp_path / "run", tables, 2, [batch])
-    ctx = open_context(tmp_path / "run")
-    s = exchange.setup(ctx)
-    hot_order(ctx, [("r", 1), ("r", 2), ("r", 3), ("r", 7), ("r", 8), ("r", 9)])
-    saved = exchange.hot_curve(ctx, "tk_test_order", 6)
-    # every bag hot: the whole recorded exchange leaves, empty partial bags included, but the
-    # lengths (2 ranks × 2 owners × 2 samples × 4 bytes)
-    assert s.base_out == 336
-    assert sum(saved[f"{c}_out"][6] for c in exchange.COLLECTIVES) == 336 - 32
-    # remote: each bag's partial bag on the other rank (rows 2·16) and its remote ids (7 and 3)
-    assert s.base_remote == 4 * 36 + 2 * 8
-    assert sum(saved[f"{c}_rem"][6] for c in exchange.COLLECTIVES) == 4 * 32 + 2 * 8
-    assert sum(saved[f"{c}_out"][1] for c in exchange.COLLECTIVES) == 8  # row 1 alone: [1, 7] stays, id 1 goes
+    with open_context(tmp_path / "run") as ctx:
+        s = exchange.baseline(ctx)
+        hot_order(ctx, [("r", 1), ("r", 2), ("r", 3), ("r", 7), ("r", 8), ("r", 9)])
+        saved = exchange.hot_curve(ctx, "tk_test_order", 6)
+        # every bag hot: the whole recorded exchange leaves, empty partial bags included, but the
+        # lengths (2 ranks × 2 owners × 2 samples × 4 bytes)
+        assert s.base_out == 336
+        assert sum(saved[f"{c}_out"][6] for c in exchange.COLLECTIVES) == 336 - 32
+        # remote: each bag's partial bag on the other rank (rows 2·16) and its remote ids (7 and 3)
+        assert s.base_remote == 4 * 36 + 2 * 8
+        assert sum(saved[f"{c}_rem"][6] for c in exchange.COLLECTIVES) == 4 * 32 + 2 * 8
+        assert sum(saved[f"{c}_out"][1] for c in exchange.COLLECTIVES) == 8  # row 1 alone: [1, 7] stays, id 1 goes
 
 
 def test_replica_sync_follows_the_touched_rows(tmp_path: Path) -> None:
     mixed_run(tmp_path / "run")
-    ctx = open_context(tmp_path / "run")
-    s = exchange.setup(ctx)
-    rows = ctx.frame("""SELECT n.table_name, r."row", r.rb, r.steps, r.src_steps FROM tk_rows r JOIN tk_names n
-                        USING (tid) ORDER BY n.table_name, r."row" """)
-    hot = rows.filter(pl.struct("table_name", "row").is_in([{"table_name": "a", "row": 1},
-                                                            {"table_name": "b", "row": 5},
-                                                            {"table_name": "s", "row": 7}]))
-    assert hot["steps"].to_list() == [2, 2, 2] and hot["src_steps"].to_list() == [4, 4, 4]
-    dense, sparse = exchange.sync_bytes(s.world, s.id_bytes, hot["rb"].to_numpy(), hot["steps"].to_numpy(),
-                                         hot["src_steps"].to_numpy(), s.sampled_steps)
-    # per step: every hot row touched by both ranks; sparse = W(W−1)·8 (the counts) + (W−1)·8·Σ u_r
-    # + 2(W−1)·16·|U|
-    assert sparse[-1] == 2 * 1 * 8 + 1 * 8 * 6 + 2 * 1 * 16 * 3
-    assert dense[-1] == 2 * 1 * 16 * 3
+    with open_context(tmp_path / "run") as ctx:
+        s = exchange.baseline(ctx)
+        rows = ctx.frame("""SELECT n.table_name, r."row", r.rb, r.steps, r.src_steps FROM tk_rows r JOIN tk_names n
+                            USING (tid) ORDER BY n.table_name, r."row" """)
+        hot = rows.filter(pl.struct("table_name", "row").is_in([{"table_name": "a", "row": 1},
+                                                                {"table_name": "b", "row": 5},
+                                                                {"table_name": "s", "row": 7}]))
+        assert hot["steps"].to_list() == [2, 2, 2] and hot["src_steps"].to_list() == [4, 4, 4]
+        dense, sparse = exchange.sync_bytes(s.world, s.id_bytes, hot["rb"].to_numpy(), hot["steps"].to_numpy(),
+                                             hot["src_steps"].to_numpy(), s.sampled_steps)
+        # per step: every hot row touched by both ranks; sparse = W(W−1)·8 (the counts) + (W−1)·8·Σ u_r
+        # + 2(W−1)·16·|U|
+        assert sparse[-1] == 2 * 1 * 8 + 1 * 8 * 6 + 2 * 1 * 16 * 3
+        assert dense[-1] == 2 * 1 * 16 * 3
 
 
 def test_replication_picks_the_least_time_point_of_its_sweep(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=30, rows=400)
-    ctx = open_context(tmp_path / "run", Options(inter_bw=1e6))
-    result = replication.derive(ctx)
-    section, sweep = result.section, result.tables["replication_sweep"]
-    benefit = sweep.filter(pl.col("ordering") == "benefit")
-    chosen = sweep.filter(pl.col("chosen"))
-    assert chosen.height == 1 and chosen["point"].item() == "optimum"
-    assert chosen["step_time_s"].item() == benefit["step_time_s"].min()
-    assert 0 < chosen["hot_rows"].item() < benefit["hot_rows"].max()  # neither nothing nor everything
-    assert section["predicted"]["a2a_bytes_per_step"] == chosen["a2a_bytes_per_step"].item()
-    assert section["predicted"]["sync_bytes_per_step"] == chosen["sync_bytes_per_step"].item()
-    assert section["sync"] == chosen["sync"].item()
-    hot = result.rows["hot_rows"]
-    assert hot.columns == ["table_name", "row", "count", "benefit_bytes"] and hot.height == chosen["hot_rows"].item()
-    assert sweep.filter(pl.col("point") == "hugectr").height == 1
-    h = result.evidence["hugectr"]
-    assert h["rows"] % 2 == 0 and h["threshold"] == pytest.approx(256 * 30 * (2 * 0.01 / (128 * 127)) ** 0.5)
-    # the step time: measured (0.1 s) less the communication time saved (analyses.network; no rank
-    # work calibrated here)
-    nothing = benefit.filter(pl.col("hot_rows") == 0)["comm_time_s"].item()
-    assert section["predicted"]["step_time_s"] == pytest.approx(0.1 - nothing + chosen["comm_time_s"].item())
-    low, high = section["intervals"]["step_time_s"]
-    assert low < section["predicted"]["step_time_s"] < high
+    with open_context(tmp_path / "run", Options(inter_bw=1e6)) as ctx:
+        result = replication.derive(ctx)
+        section, sweep = result.section, result.tables["replication_sweep"]
+        benefit = sweep.filter(pl.col("ordering") == "benefit")
+        chosen = sweep.filter(pl.col("chosen"))
+        assert chosen.height == 1 and chosen["point"].item() == "optimum"
+        assert chosen["step_time_s"].item() == benefit["step_time_s"].min()
+        assert 0 < chosen["hot_rows"].item() < benefit["hot_rows"].max()  # neither nothing nor everything
+        assert section["predicted"]["a2a_bytes_per_step"] == chosen["a2a_bytes_per_step"].item()
+        assert section["predicted"]["sync_bytes_per_step"] == chosen["sync_bytes_per_step"].item()
+        assert section["sync"] == chosen["sync"].item()
+        hot = result.rows["hot_rows"]
+        assert hot.columns == ["table_name", "row", "count", "benefit_bytes"]
+        assert hot.height == chosen["hot_rows"].item()
+        assert sweep.filter(pl.col("point") == "hugectr").height == 1
+        h = result.evidence["hugectr"]
+        assert h["rows"] % 2 == 0 and h["threshold"] == pytest.approx(256 * 30 * (2 * 0.01 / (128 * 127)) ** 0.5)
+        # the step time: measured (0.1 s) less the communication time saved (analyses.network; no rank
+        # work calibrated here)
+        nothing = benefit.filter(pl.col("hot_rows") == 0)["comm_time_s"].item()
+        assert section["predicted"]["step_time_s"] == pytest.approx(0.1 - nothing + chosen["comm_time_s"].item())
+        low, high = section["intervals"]["step_time_s"]
+        assert low < section["predicted"]["step_time_s"] < high
 
 
 def test_a_budget_caps_the_replica(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=10)
-    ctx = open_context(tmp_path / "run", Options(budget_bytes=3 * 32))
-    result = replication.derive(ctx)
-    assert result.section["budget_bytes_per_rank"] == 96
-    assert result.section["predicted"]["replica_bytes_per_rank"] <= 96 and result.rows["hot_rows"].height == 3
-    assert result.tables["replication_sweep"].filter(pl.col("chosen"))["point"].item() == "budget"
+    with open_context(tmp_path / "run", Options(budget_bytes=3 * 32)) as ctx:
+        result = replication.derive(ctx)
+        assert result.section["budget_bytes_per_rank"] == 96
+        assert result.section["predicted"]["replica_bytes_per_rank"] <= 96 and result.rows["hot_rows"].height == 3
+        assert result.tables["replication_sweep"].filter(pl.col("chosen"))["point"].item() == "budget"
 
 
 def test_policies_say_why_they_cannot_be_derived(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=2, world=1)
-    ctx = open_context(tmp_path / "run")
-    for module in (replication, tiers, schedule):
-        result = module.derive(ctx)
-        assert result.section is None and "one rank" in result.reason
+    with open_context(tmp_path / "run") as ctx:
+        for module in (replication, tiers, schedule):
+            result = module.derive(ctx)
+            assert result.section is None and "one rank" in result.reason
 
 
 def four_rank_run(path: Path) -> None:
@@ -139,29 +140,29 @@ def four_rank_run(path: Path) -> None:
 
 def test_tiers_move_inter_node_bytes_inside_nodes(tmp_path: Path) -> None:
     four_rank_run(tmp_path / "run")
-    ctx = open_context(tmp_path / "run", Options(topology=(2, 2), budget_bytes=16, intra_bw=1e9, inter_bw=1e6))
-    p = tiers.derive(ctx).section["predicted"]
-    item = 4 + 8 + 2 * 16  # one one-hot bag: its length, id, row forward and backward
-    assert p["baseline_intra_bytes_per_step"] == 40 * item  # rank 1, same node as rank 0
-    assert p["baseline_inter_bytes_per_step"] == 2 * 40 * item  # ranks 2 and 3
-    # the 16 bytes hold both rows once per node (rb/G each): ranks 1 and 3 fetch them from ranks 0 and 2
-    assert (p["tier1_rows"], p["tier2_rows"]) == (0, 2)
-    assert (p["intra_bytes_per_step"], p["inter_bytes_per_step"]) == (2 * 40 * item, 0)
-    assert p["a2a_bytes_per_step"] == 4 * 40 * item  # ranks 0 and 2 hand their 40 bags to themselves
-    assert p["sync_inter_bytes_per_step"] == 2 * 1 * 2 * 16 + 1 * 8 * 8  # 2 rows among 2 node copies, indices
-    assert p["sync_intra_bytes_per_step"] == 0
+    with open_context(tmp_path / "run", Options(topology=(2, 2), budget_bytes=16, intra_bw=1e9, inter_bw=1e6)) as ctx:
+        p = tiers.derive(ctx).section["predicted"]
+        item = 4 + 8 + 2 * 16  # one one-hot bag: its length, id, row forward and backward
+        assert p["baseline_intra_bytes_per_step"] == 40 * item  # rank 1, same node as rank 0
+        assert p["baseline_inter_bytes_per_step"] == 2 * 40 * item  # ranks 2 and 3
+        # the 16 bytes hold both rows once per node (rb/G each): ranks 1 and 3 fetch them from ranks 0 and 2
+        assert (p["tier1_rows"], p["tier2_rows"]) == (0, 2)
+        assert (p["intra_bytes_per_step"], p["inter_bytes_per_step"]) == (2 * 40 * item, 0)
+        assert p["a2a_bytes_per_step"] == 4 * 40 * item  # ranks 0 and 2 hand their 40 bags to themselves
+        assert p["sync_inter_bytes_per_step"] == 2 * 1 * 2 * 16 + 1 * 8 * 8  # 2 rows among 2 node copies, indices
+        assert p["sync_intra_bytes_per_step"] == 0
 
 
 def test_on_one_node_tiers_are_replication(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=20, rows=300)
-    ctx = open_context(tmp_path / "run")
-    rep, tier = replication.derive(ctx), tiers.derive(ctx)
-    assert tier.section["topology"] == {"nodes": 1, "ranks_per_node": 2}
-    assert tier.section["predicted"]["tier2_rows"] == 0 and "reduce to replicating" in tier.section["why"]
-    assert tier.section["predicted"]["tier1_rows"] == rep.section["predicted"]["hot_rows"]
-    for key in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "sync_bytes_per_step"):
-        assert tier.section["predicted"][key] == pytest.approx(rep.section["predicted"][key])
-    assert set(tier.rows["tiers"]["tier"]) == {1}
+    with open_context(tmp_path / "run") as ctx:
+        rep, tier = replication.derive(ctx), tiers.derive(ctx)
+        assert tier.section["topology"] == {"nodes": 1, "ranks_per_node": 2}
+        assert tier.section["predicted"]["tier2_rows"] == 0 and "reduce to replicating" in tier.section["why"]
+        assert tier.section["predicted"]["tier1_rows"] == rep.section["predicted"]["hot_rows"]
+        for key in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "sync_bytes_per_step"):
+            assert tier.section["predicted"][key] == pytest.approx(rep.section["predicted"][key])
+        assert set(tier.rows["tiers"]["tier"]) == {1}
 
 
 def hot_rows(result) -> pl.DataFrame:
@@ -178,31 +179,32 @@ def schedule_run(path: Path) -> None:
 
 def test_schedule_counts_samples_whose_every_id_is_hot(tmp_path: Path) -> None:
     schedule_run(tmp_path / "run")
-    ctx = open_context(tmp_path / "run", Options(budget_bytes=32))
-    result = schedule.derive(ctx)
-    section = result.section
-    assert hot_rows(result).select("table_name", "row").rows() == [("a", 1), ("b", 5)]
-    # hot samples (a:1 and b:5): rank 0's 1st and 4th, rank 1's 1st and 3rd
-    assert section["hot_sample_fraction"] == 0.5
-    p = section["predicted"]
-    # the hot rows are replicated in every step: each cold sample sends its two lengths entries and
-    # its one cold bag (id and rows, 8 + 2·16); hot steps send nothing. Per step on average, 4 cold
-    # samples, of which two send their cold bag to the other rank and two only a lengths entry
-    assert p["a2a_bytes_per_step"] == 4 * (2 * 4 + 8 + 2 * 16)
-    assert p["a2a_remote_bytes_per_step"] == 2 * (4 + 8 + 2 * 16) + 2 * 4
-    # the replicas are synchronised every step: dense 2(W−1)·32 beats sparse 2·8 + 8·4 + 2·16·2
-    assert p["sync_bytes_per_step"] == 64 and section["sync"] == "dense_allreduce"
-    assert result.evidence["hot_step_sync"] == "dense_allreduce"
-    assert p["switch_bytes"] == 2 * 1 * 32
-    sweep = result.tables["schedule_sweep"]
-    assert sweep.filter(pl.col("chosen"))["hot_sample_fraction"].item() == 0.5
+    with open_context(tmp_path / "run", Options(budget_bytes=32)) as ctx:
+        result = schedule.derive(ctx)
+        section = result.section
+        assert hot_rows(result).select("table_name", "row").rows() == [("a", 1), ("b", 5)]
+        # hot samples (a:1 and b:5): rank 0's 1st and 4th, rank 1's 1st and 3rd
+        assert section["hot_sample_fraction"] == 0.5
+        p = section["predicted"]
+        # the hot rows are replicated in every step: each cold sample sends its two lengths entries and
+        # its one cold bag (id and rows, 8 + 2·16); hot steps send nothing. Per step on average, 4 cold
+        # samples, of which two send their cold bag to the other rank and two only a lengths entry
+        assert p["a2a_bytes_per_step"] == 4 * (2 * 4 + 8 + 2 * 16)
+        assert p["a2a_remote_bytes_per_step"] == 2 * (4 + 8 + 2 * 16) + 2 * 4
+        # the replicas are synchronised every step: dense 2(W−1)·32 beats sparse 2·8 + 8·4 + 2·16·2
+        assert p["sync_bytes_per_step"] == 64 and section["sync"] == "dense_allreduce"
+        assert result.evidence["hot_step_sync"] == "dense_allreduce"
+        assert p["switch_bytes"] == 2 * 1 * 32
+        sweep = result.tables["schedule_sweep"]
+        assert sweep.filter(pl.col("chosen"))["hot_sample_fraction"].item() == 0.5
 
 
 def test_a_cold_sequence_id_makes_its_whole_batch_cold(tmp_path: Path) -> None:
     tables = [table("a", 10, owner=0), table("s", 10, kind="sequence", owner=1)]
     batch = [{"a": [[1], [1]], "s": [[7], [7]]}, {"a": [[1], [1]], "s": [[7], [8]]}]
     build_run(tmp_path / "run", tables, 2, [batch])
-    result = schedule.derive(open_context(tmp_path / "run", Options(budget_bytes=32)))
+    with open_context(tmp_path / "run", Options(budget_bytes=32)) as ctx:
+        result = schedule.derive(ctx)
     assert hot_rows(result).select("table_name", "row").rows() == [("a", 1), ("s", 7)]
     # which of rank 1's samples holds the 8 is not on record: both count cold
     assert result.section["hot_sample_fraction"] == 0.5
@@ -215,18 +217,18 @@ def test_a_cold_sequence_id_makes_its_whole_batch_cold(tmp_path: Path) -> None:
 
 def test_every_section_passes_the_policy_validator(tmp_path: Path) -> None:
     mixed_run(tmp_path / "run")
-    ctx = open_context(tmp_path / "run", Options(budget_fraction=0.2))
-    policy = new_policy(source_run=str(tmp_path / "run"), model=ctx.model.policy_model())
-    rows = {}
-    derived = [module.derive(ctx) for module in (replication, tiers, schedule)]
-    for result in derived:
-        assert result.section is not None, result.reason
-        policy[result.name] = result.section
-        rows.update(result.rows)
-    target = write_policy(tmp_path / "out" / "policy.json", policy, rows)
-    loaded = load_policy(target)
-    assert set(loaded) >= {"replication", "tiers", "schedule"}
-    assert json.loads(target.read_text())["schedule"]["kind"] == "fae"
-    for result in derived:
-        for name, frame in result.rows.items():
-            assert pl.read_parquet(tmp_path / "out" / "policy" / f"{name}.parquet").equals(frame)
+    with open_context(tmp_path / "run", Options(budget_fraction=0.2)) as ctx:
+        policy = new_policy(source_run=str(tmp_path / "run"), model=ctx.model.policy_model())
+        rows = {}
+        derived = [module.derive(ctx) for module in (replication, tiers, schedule)]
+        for result in derived:
+            assert result.section is not None, result.reason
+            policy[result.name] = result.section
+            rows.update(result.rows)
+        target = write_policy(tmp_path / "out" / "policy.json", policy, rows)
+        loaded = load_policy(target)
+        assert set(loaded) >= {"replication", "tiers", "schedule"}
+        assert json.loads(target.read_text())["schedule"]["kind"] == "fae"
+        for result in derived:
+            for name, frame in result.rows.items():
+                assert pl.read_parquet(tmp_path / "out" / "policy" / f"{name}.parquet").equals(frame)

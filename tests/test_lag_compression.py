@@ -82,7 +82,8 @@ def test_the_lag_recurrence_equals_a_discrete_event_simulation() -> None:
 def test_the_exchange_is_apart_from_the_compute(tmp_path: Path) -> None:
     # compute work[p][t], then an all-to-all whose transfer takes 2 ms after the last rank entered
     work = np.array([[3, 4, 9, 4, 3], [4, 3, 3, 4, 9]]) * MS
-    frame = timeline(open_context(bsp_run(tmp_path / "run", work, transfer_ns=2 * MS))).tables["timeline"]
+    with open_context(bsp_run(tmp_path / "run", work, transfer_ns=2 * MS)) as ctx:
+        frame = timeline(ctx).tables["timeline"]
     c, x, ranks, steps = lag.work_matrix(frame)
     assert ranks == [0, 1] and steps == [1, 2, 3, 4]  # step 0 is warm-up
     np.testing.assert_allclose(c, work[:, 1:] / 1e9, atol=1e-12)
@@ -106,7 +107,8 @@ def policy_with(section: dict, name: str) -> dict:
 
 def test_a_balanced_run_keeps_the_synchronous_bound_and_says_so(tmp_path: Path) -> None:
     per_step = np.array([3, 5, 2, 4, 6, 3, 2, 5]) * MS
-    derived = lag.derive(open_context(bsp_run(tmp_path / "run", np.stack([per_step, per_step]), transfer_ns=0)))
+    with open_context(bsp_run(tmp_path / "run", np.stack([per_step, per_step]), transfer_ns=0)) as ctx:
+        derived = lag.derive(ctx)
     assert derived.section["bound"] == 0
     assert abs(derived.section["predicted"]["gain"]) < 1e-12
     assert derived.section["why"].startswith("balanced run")
@@ -118,9 +120,11 @@ def test_a_balanced_run_with_an_exchange_gains_only_its_overlap(tmp_path: Path) 
     # the exchange (1 ms) of the next step runs during this step's compute: bound 1 gets all of it
     per_step = np.array([3, 5, 2, 4, 6, 3, 2, 5]) * MS
     run_dir = bsp_run(tmp_path / "run", np.stack([per_step, per_step]))
-    one_core = lag.derive(open_context(run_dir))  # 2 ranks, 1 core: nothing to overlap
+    with open_context(run_dir) as ctx:
+        one_core = lag.derive(ctx)  # 2 ranks, 1 core: nothing to overlap
     assert one_core.section["bound"] == 0 and not one_core.evidence["exchange_overlaps_compute"]
-    derived = lag.derive(open_context(spare_cores(run_dir, 4)))
+    with open_context(spare_cores(run_dir, 4)) as ctx:
+        derived = lag.derive(ctx)
     assert derived.evidence["exchange_overlaps_compute"]
     c = per_step[warmup_steps(8):] / 1e9  # the first steps are warm-up (analyses.network)
     overlapped = 1e-3 + c.sum()  # the first exchange, then compute back to back
@@ -133,7 +137,8 @@ def test_a_balanced_run_with_an_exchange_gains_only_its_overlap(tmp_path: Path) 
 def test_per_rank_jitter_gets_a_bound_and_its_replayed_gain(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     work = (2 * MS + rng.exponential(3 * MS, size=(2, 30))).astype(np.int64)
-    derived = lag.derive(open_context(spare_cores(bsp_run(tmp_path / "run", work), 4)))
+    with open_context(spare_cores(bsp_run(tmp_path / "run", work), 4)) as ctx:
+        derived = lag.derive(ctx)
     skip = warmup_steps(30)  # compute, and the all-to-all's transfer; the first steps are warm-up
     c, x = work[:, skip:] / 1e9, MS / 1e9
     table = derived.tables["lag_makespan"]
@@ -150,7 +155,8 @@ def test_per_rank_jitter_gets_a_bound_and_its_replayed_gain(tmp_path: Path) -> N
 
 
 def test_one_rank_gets_a_reason_not_a_bound(tmp_path: Path) -> None:
-    derived = lag.derive(open_context(bsp_run(tmp_path / "run", np.array([[1, 2, 3]]) * MS)))
+    with open_context(bsp_run(tmp_path / "run", np.array([[1, 2, 3]]) * MS)) as ctx:
+        derived = lag.derive(ctx)
     assert derived.section is None and "at least 2 ranks" in derived.reason
 
 
@@ -184,7 +190,8 @@ def compression_run(path: Path, *, with_grads: bool = True) -> Path:
 
 
 def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
-    derived = compression.derive(open_context(compression_run(tmp_path / "run")))
+    with open_context(compression_run(tmp_path / "run")) as ctx:
+        derived = compression.derive(ctx)
     dp, mp = derived.section["dp"], derived.section["mp"]
     # 0.1%: step 10 lets 6 + 0 through against targets 1 + 1: 3x, over the bound; 1%: at most 15 / 12
     assert dp["keep_ratio"] == 0.01 and dp["refresh_every"] == 1000 and dp["error_feedback"] is True
@@ -216,8 +223,10 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
 
 
 def test_without_grads_only_mp_is_derived_and_dp_says_why(tmp_path: Path) -> None:
-    derived = compression.derive(open_context(compression_run(tmp_path / "run", with_grads=False)))
+    with open_context(compression_run(tmp_path / "run", with_grads=False)) as ctx:
+        derived = compression.derive(ctx)
     assert set(derived.section) == {"mp"} and "no grads table" in derived.evidence["not_derived"]["dp"]
-    bare = compression.derive(open_context(make_run(tmp_path / "bare", steps={0: [(0, MS)], 1: [(0, MS)]})))
+    with open_context(make_run(tmp_path / "bare", steps={0: [(0, MS)], 1: [(0, MS)]})) as ctx:
+        bare = compression.derive(ctx)
     assert bare.section is None and "compression.dp: no grads table" in bare.reason
     assert "compression.mp: no training comms" in bare.reason

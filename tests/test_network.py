@@ -47,7 +47,8 @@ def built_calls(path: Path) -> Path:
 
 
 def test_the_fit_recovers_known_latency_and_bandwidth(tmp_path: Path) -> None:
-    fit = fit_calls(open_context(built_calls(tmp_path / "run")), [])
+    with open_context(built_calls(tmp_path / "run")) as ctx:
+        fit = fit_calls(ctx, [])
     assert fit.alpha_s["all_to_all_single"] == pytest.approx(ALPHA_A2A, rel=0.01)
     assert fit.alpha_s["all_reduce"] == pytest.approx(ALPHA_AR, rel=0.01)
     assert fit.beta_s_per_byte == pytest.approx(BETA, rel=0.01)
@@ -55,7 +56,8 @@ def test_the_fit_recovers_known_latency_and_bandwidth(tmp_path: Path) -> None:
 
 
 def test_a_given_link_rate_fixes_beta_and_the_alphas_are_fitted(tmp_path: Path) -> None:
-    fit = fit_calls(open_context(built_calls(tmp_path / "run"), Options(inter_bw=25e6)), [])
+    with open_context(built_calls(tmp_path / "run"), Options(inter_bw=25e6)) as ctx:
+        fit = fit_calls(ctx, [])
     assert fit.beta_s_per_byte == pytest.approx(1 / 25e6)
     assert fit.source.startswith("β from")
 
@@ -81,7 +83,8 @@ def test_the_fit_recovers_the_link_rate_of_a_cluster_run(tmp_path: Path) -> None
                         "--link", link, "--record", str(run), "--", sys.executable, "train.py", *trainer],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    net = network(open_context(run))
+    with open_context(run) as ctx:
+        net = network(ctx)
     rate = parse_rate(link) * WIRE_EFFICIENCY
     fitted = net.fit.bandwidth
     assert fitted is not None, net.fit

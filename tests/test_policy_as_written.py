@@ -185,14 +185,14 @@ def test_a_recommended_section_with_a_corrupt_row_list_is_refused_before_any_pro
 
 def test_compare_prints_an_estimate_with_its_interval_and_an_exact_figure_alone() -> None:
     from analyses.compare import row
-    from tracekit import views
+    from tracekit import console
 
     rows = [row("r", "combined", "step_time_s", 0.012, 0.02, (0.01, 0.015)),
             row("r", "combined", "a2a_bytes_per_step", 1000.0, 1000.0)]
     assert [(r["kind"], r["predicted_low"], r["predicted_high"]) for r in rows] == [
         ("estimated", 0.01, 0.015), ("exact", None, None)]
-    with views.console.capture() as captured:
-        views._compare_policies(rows, "base")
+    with console.terminal.capture() as captured:
+        console._compare_policies(rows, "base")
     printed = captured.get()
     assert "~12.00 ms [10.00 ms, 15.00 ms]" in printed and "│ 1.00 kB " in printed, printed
     assert "~1.00 kB" not in printed, printed

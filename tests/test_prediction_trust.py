@@ -51,13 +51,13 @@ def subsampled(run: Path, target: Path, every: int) -> Path:
 
 def exact_remote(run: Path, hot: pl.DataFrame) -> float:
     """The remote all-to-all bytes per step of the fully recorded run with `hot` replicated."""
-    ctx = open_context(run)
-    s = exchange.setup(ctx)
-    ctx.con.register("hot_frame", hot.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
-    ctx.sql("""CREATE TEMP TABLE tk_hot_order AS SELECT n.tid, h."row", (row_number() OVER () - 1)::BIGINT AS pos
-               FROM hot_frame h JOIN tk_names n USING (table_name)""")
-    saved = exchange.hot_curve(ctx, "tk_hot_order", hot.height)
-    return exchange.curve_totals(s, saved, hot.height)[1]
+    with open_context(run) as ctx:
+        s = exchange.baseline(ctx)
+        ctx.con.register("hot_frame", hot.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
+        ctx.sql("""CREATE TEMP TABLE tk_hot_order AS SELECT n.tid, h."row", (row_number() OVER () - 1)::BIGINT AS pos
+                   FROM hot_frame h JOIN tk_names n USING (table_name)""")
+        saved = exchange.hot_curve(ctx, "tk_hot_order", hot.height)
+        return exchange.curve_totals(s, saved, hot.height)[1]
 
 
 def test_a_figure_from_sampled_lookups_has_an_interval_holding_the_exact_one(full_run: Path, tmp_path: Path) -> None:

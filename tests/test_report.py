@@ -1,10 +1,12 @@
 """`tracekit report` on small real runs: the page drawn by headless Chromium (every section's charts,
 no console error, a screenshot that is not blank, no network request), run strings shown as text,
-and the reports of a one-rank run, a failed run and a user script's run without lookups, with what
-is missing said on the page."""
+every table's numbers in the console's units (never an exponent or a long float), a run never
+analysed refused with the command to run, and the reports of a one-rank run, a failed run and a
+user script's run without lookups, with what is missing said on the page."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -20,10 +22,13 @@ from click.testing import CliRunner
 
 from analyses.analyze import analyze
 from analyses.context import Options
+from analyses.simulate import Target, project
 from reports import sections
 from reports.inputs import load
+from reports.numbers import show
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
+from tracekit.errors import TracekitError
 from tracekit.optimize import reruns
 from tracekit.store import RunWriter
 
@@ -221,6 +226,91 @@ def test_nvml_samples_are_drawn_thinned_and_dropped_rows_warned(runs, tmp_path: 
     assert per_section(dom, r'class="plot-container') == per_section(markup, r'class="plotly-graph-div"')
 
 
+# numbers in tables --------------------------------------------------------------------------------
+
+EXPONENT = re.compile(r"\d[eE][+-]?\d")
+DECIMAL = re.compile(r"\d[\d,]*\.\d+")
+BYTES = r"\d[\d,]*(\.\d\d)? (B|kB|MB|GB)"
+TIME = r"\d[\d,]*(\.\d+)? (µs|ms|s)"
+PERCENT = r"-?\d+\.\d%"
+COUNT = r"\d{1,3}(,\d{3})*"
+
+
+def html_tables(markup: str) -> list[tuple[str, list[dict[str, str]]]]:
+    """Every <table> of `markup` with its section's id, as rows of {header: cell text}."""
+    out = []
+    for section, body in re.findall(r'<section id="([a-z]+)"(.*?)</section>', markup, re.S):
+        for part in re.findall(r"<table>(.*?)</table>", body, re.S):
+            header, *rows = [[html.unescape(c) for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)]
+                             for row in re.findall(r"<tr>(.*?)</tr>", part, re.S)]
+            out.append((section, [dict(zip(header, row)) for row in rows]))
+    return out
+
+
+@pytest.mark.parametrize("name, value, shown", [
+    ("predicted.a2a_bytes_per_step", 1003580.0, "1.00 MB"), ("budget_bytes_per_rank", 352, "352 B"),
+    ("step_time_s", 0.0295995, "29.6 ms"), ("latency_s", 2.5e-5, "25.0 µs"), ("makespan_s", 12.345, "12.3 s"),
+    ("rank_work_s", 0, "0 s"), ("hot_sample_fraction", 2.44141e-06, "0.0%"), ("comm_share", 0.4051, "40.5%"),
+    ("saving", 0.0738, "7.4%"), ("keep_ratio", 0.001, "0.1%"), ("unbounded_gain", 0.0573, "5.7%"),
+    ("predicted.ratio", 0.121145, "0.12×"), ("speedup", 1.234, "1.23×"), ("lookups", 1536.0, "1,536"),
+    ("samples_per_s", 6055.6, "6,056"), ("world_size", 12345, "12,345"), ("zipf_alpha", 1.0234, "1.02"),
+    ("gini", 2.44141e-06, "0.00000244"), ("inter_bw", 25e6, "200 Mbit/s"), ("rank_work_s", None, "–"),
+    ("step_time_s", float("nan"), "–"), ("sync", "dense_allreduce", "dense_allreduce"),
+    ("error_feedback", True, "True"),
+])
+def test_a_figure_is_shown_in_the_unit_its_name_says(name: str, value, shown: str) -> None:
+    assert show(name, value) == shown
+
+
+@pytest.mark.slow
+def test_every_table_shows_numbers_in_units_never_an_exponent_or_a_long_float(runs, tmp_path: Path) -> None:
+    run = tmp_path / "projected"
+    shutil.copytree(runs["base"], run)
+    project(run, Target(2, 1, inter_bw=25e6), run / "policy.json")  # the what-if section's table too
+    tables = html_tables(report(run, runs["replicated"], output=tmp_path / "report.html"))
+    assert {section for section, _ in tables} == {"overview", "skew", "policies", "simulate", "compare"}
+    for section, rows in tables:
+        for row in rows:
+            for column, cell in row.items():
+                assert not EXPONENT.search(cell), (section, column, cell)
+                assert all(len(n.replace(",", "").replace(".", "").lstrip("0")) <= 4 for n in DECIMAL.findall(cell)), \
+                    (section, column, cell)
+    rows = {section: [r for s, part in tables if s == section for r in part] for section, _ in tables}
+    assert all(re.fullmatch(COUNT, r["samples/s"]) for r in rows["overview"]), rows["overview"]
+    for r in rows["skew"]:
+        assert re.fullmatch(COUNT, r["lookups"]) and re.fullmatch(PERCENT, r["top 1%"]), r
+    figures = {r["figure"]: r["value"] for r in rows["policies"]}
+    assert re.fullmatch(BYTES, figures["predicted.a2a_bytes_per_step"]), figures
+    assert re.fullmatch(TIME, figures["predicted.step_time_s"]), figures
+    assert re.fullmatch(f"{TIME} – {TIME}", figures["intervals.step_time_s"]), figures
+    assert re.fullmatch(PERCENT, figures["predicted.lookup_coverage"]), figures
+    for r in rows["simulate"]:
+        assert re.fullmatch(BYTES, r["bytes / step"]) and re.fullmatch(TIME, r["step time"]), r
+        assert re.fullmatch(PERCENT, r["comm share"]) and re.fullmatch(r"\d+\.\d\d×", r["speedup"]), r
+    compared = {(r["section"], r["figure"]): r for r in rows["compare"]}
+    exact = compared[("replication", "a2a_bytes_per_step")]
+    assert re.fullmatch(BYTES, exact["predicted"]) and exact["measured"] == exact["predicted"], exact
+    assert exact["interval"] == "exact" and exact["diff"] == "+0.0%", exact
+    step = compared[("replication", "step_time_s")]
+    assert re.fullmatch(TIME, step["measured"]) and re.fullmatch(f"{TIME} – {TIME}", step["interval"]), step
+    saving = compared[("replication", "saving")]
+    assert re.fullmatch(PERCENT, saving["predicted"]) and saving["diff"].endswith(" pts"), saving
+
+
+@pytest.mark.slow
+def test_a_run_never_analysed_is_refused_with_the_command_to_run(runs, tmp_path: Path) -> None:
+    run = runs["replicated"]  # recorded, never analysed: the reports above only compare it with base
+    with pytest.raises(TracekitError) as refused:
+        load(run)
+    message = str(refused.value)
+    assert "\n" not in message and f"`tracekit analyze {run}`" in message, message
+    assert load(run, analysed=False).summary is None  # as a run compared with the base, it is read as it is
+    page = tmp_path / "report.html"
+    r = CliRunner().invoke(cli, ["report", str(run), "-o", str(page)])
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert not page.exists() and not (run / "analysis").exists()  # nothing analysed behind the user's back
+
+
 # runs with parts missing ------------------------------------------------------------------------
 
 FAILS = """
@@ -262,8 +352,9 @@ def test_runs_with_parts_missing_render_and_say_why(case: str, explained: list[s
     else:
         run = _script(tmp_path, FAILS if case == "failed" else NO_LOOKUPS, 1 if case == "failed" else 0)
     page = tmp_path / "report.html"
+    analyze(run)  # a report reads what analyze wrote (a run never analysed is refused)
     markup = report(run, output=page)
-    assert (run / "analysis").is_dir()  # analysed first
+    assert (run / "analysis").is_dir()
     for text in explained:
         assert text in markup, text
     no_network(markup)

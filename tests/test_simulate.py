@@ -82,9 +82,9 @@ def run(tmp_path_factory) -> Path:
 
 
 def _comms_per_step(run_dir: Path) -> dict[str, float]:
-    ctx = open_context(run_dir)
-    rows = ctx.sql("""SELECT op, sum(bytes_out)::DOUBLE / (SELECT count(DISTINCT step) FROM steps)
-                      FROM train_comms GROUP BY op""").fetchall()
+    with open_context(run_dir) as ctx:
+        rows = ctx.sql("""SELECT op, sum(bytes_out)::DOUBLE / (SELECT count(DISTINCT step) FROM steps)
+                          FROM train_comms GROUP BY op""").fetchall()
     return dict(rows)
 
 
@@ -93,7 +93,8 @@ def test_same_world_bytes_are_the_recorded_ones_and_the_policys_prediction(run: 
     measured = _comms_per_step(run)
     for topology, path in (((2, 1), run / "policy.json"), ((1, 2), run / "policy.json"), ((2, 1), None)):
         # with the policy's path its rows are replayed pair by pair; without, the exchange is scaled
-        result = simulate(open_context(run), Target(*topology, inter_bw=12.5e6), policy, path)
+        with open_context(run) as ctx:
+            result = simulate(ctx, Target(*topology, inter_bw=12.5e6), policy, path)
         rows = {r["policy"]: r for r in result.tables["simulate"].iter_rows(named=True)}
         base = rows["baseline"]
         assert base["method"] == "replay"
@@ -105,39 +106,42 @@ def test_same_world_bytes_are_the_recorded_ones_and_the_policys_prediction(run: 
             predicted["a2a_remote_bytes_per_step"], rel=1e-9)
         assert rows["replication"]["sync_bytes_per_step"] == predicted["sync_bytes_per_step"]
     # across two nodes every remote byte and the whole DDP ring cross the link
-    two_nodes = simulate(open_context(run), Target(2, 1, inter_bw=12.5e6), policy).tables["simulate"].row(0, named=True)
+    with open_context(run) as ctx:
+        two_nodes = simulate(ctx, Target(2, 1, inter_bw=12.5e6), policy).tables["simulate"].row(0, named=True)
     assert two_nodes["inter_node_bytes_per_step"] == pytest.approx(
         two_nodes["a2a_remote_bytes_per_step"] + two_nodes["allreduce_bytes_per_step"], rel=1e-12)
 
 
 def test_step_time_is_compute_plus_the_link_time(run: Path) -> None:
-    ctx = open_context(run)
-    slow = simulate(ctx, Target(2, 1, inter_bw=1.25e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
-    fast = simulate(ctx, Target(2, 1, inter_bw=125e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
-    assert slow["compute_s"] == fast["compute_s"] > 0
-    # at 2 ranks on 2 nodes each rank sends its remote exchange and one ring share (S) over its own link
-    per_rank = (slow["a2a_remote_bytes_per_step"] + slow["allreduce_bytes_per_step"]) / 2
-    assert slow["comm_s"] == pytest.approx(per_rank / (1.25e6 * WIRE_EFFICIENCY), rel=0.05)
-    assert slow["step_time_s"] == pytest.approx(slow["compute_s"] + slow["comm_s"])
-    assert slow["comm_share"] > fast["comm_share"]
+    with open_context(run) as ctx:
+        slow = simulate(ctx, Target(2, 1, inter_bw=1.25e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
+        fast = simulate(ctx, Target(2, 1, inter_bw=125e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
+        assert slow["compute_s"] == fast["compute_s"] > 0
+        # at 2 ranks on 2 nodes each rank sends its remote exchange and one ring share (S) over its own link
+        per_rank = (slow["a2a_remote_bytes_per_step"] + slow["allreduce_bytes_per_step"]) / 2
+        assert slow["comm_s"] == pytest.approx(per_rank / (1.25e6 * WIRE_EFFICIENCY), rel=0.05)
+        assert slow["step_time_s"] == pytest.approx(slow["compute_s"] + slow["comm_s"])
+        assert slow["comm_share"] > fast["comm_share"]
 
 
 def test_another_world_keeps_bytes_per_sample(run: Path) -> None:
-    ctx = open_context(run)
-    policy = load_policy(run / "policy.json")
-    base = simulate(ctx, Target(1, 2, inter_bw=1e9), policy).tables["simulate"]
-    big = simulate(ctx, Target(4, 2, inter_bw=1e9, batch=64), policy)
-    assert any("scaled" in n for n in big.notes)
-    rows = {r["policy"]: r for r in big.tables["simulate"].iter_rows(named=True)}
-    b0 = base.row(0, named=True)
-    assert rows["baseline"]["method"] == "scaled"
-    per_sample = b0["a2a_bytes_per_step"] / (2 * b0["batch_per_device"])
-    assert rows["baseline"]["a2a_bytes_per_step"] / (8 * 64) == pytest.approx(per_sample)
-    assert rows["baseline"]["a2a_remote_bytes_per_step"] == pytest.approx(rows["baseline"]["a2a_bytes_per_step"] * 7 / 8)
-    assert rows["baseline"]["allreduce_bytes_per_step"] / 8 == pytest.approx(b0["allreduce_bytes_per_step"] / 2)
-    assert rows["baseline"]["compute_s"] == pytest.approx(b0["compute_s"] * 64 / b0["batch_per_device"])
-    replicas = policy["replication"]["predicted"]["replica_bytes_per_rank"]
-    assert rows["replication"]["sync_bytes_per_step"] == pytest.approx(2 * 7 * replicas)  # dense ring of the replicas
+    with open_context(run) as ctx:
+        policy = load_policy(run / "policy.json")
+        base = simulate(ctx, Target(1, 2, inter_bw=1e9), policy).tables["simulate"]
+        big = simulate(ctx, Target(4, 2, inter_bw=1e9, batch=64), policy)
+        assert any("scaled" in n for n in big.notes)
+        rows = {r["policy"]: r for r in big.tables["simulate"].iter_rows(named=True)}
+        b0 = base.row(0, named=True)
+        assert rows["baseline"]["method"] == "scaled"
+        per_sample = b0["a2a_bytes_per_step"] / (2 * b0["batch_per_device"])
+        assert rows["baseline"]["a2a_bytes_per_step"] / (8 * 64) == pytest.approx(per_sample)
+        baseline = rows["baseline"]
+        assert baseline["a2a_remote_bytes_per_step"] == pytest.approx(baseline["a2a_bytes_per_step"] * 7 / 8)
+        assert rows["baseline"]["allreduce_bytes_per_step"] / 8 == pytest.approx(b0["allreduce_bytes_per_step"] / 2)
+        assert rows["baseline"]["compute_s"] == pytest.approx(b0["compute_s"] * 64 / b0["batch_per_device"])
+        replicas = policy["replication"]["predicted"]["replica_bytes_per_rank"]
+        # a dense ring of the replicas
+        assert rows["replication"]["sync_bytes_per_step"] == pytest.approx(2 * 7 * replicas)
 
 
 def test_cli_prints_writes_and_reports(run: Path) -> None:

@@ -123,7 +123,8 @@ def per_row(accesses: list[Access]) -> dict[str, Counter]:
 
 def test_figures_equal_a_brute_force_computation(tmp_path: Path) -> None:
     accesses, tables = mixed_trace(np.random.default_rng(1))
-    result = skew.compute(open_context(write_run(tmp_path / "run", accesses, tables)))
+    with open_context(write_run(tmp_path / "run", accesses, tables)) as ctx:
+        result = skew.compute(ctx)
     got = {row["table_name"]: row for row in result.tables["skew"].iter_rows(named=True)}
     sizes = {t["name"]: t["num_rows"] for t in tables}
     totals = per_row(accesses)
@@ -150,7 +151,8 @@ def test_figures_equal_a_brute_force_computation(tmp_path: Path) -> None:
 def test_the_zipf_fit_recovers_the_exponent_of_generated_data(tmp_path: Path, alpha: float) -> None:
     rng = np.random.default_rng(int(alpha * 100))
     accesses = accesses_of(zipf_steps(rng, 2000, alpha, 50_000, 40), "z", 0)
-    result = skew.compute(open_context(write_run(tmp_path / "run", accesses, [table_entry("z", 2000)], world=1)))
+    with open_context(write_run(tmp_path / "run", accesses, [table_entry("z", 2000)], world=1)) as ctx:
+        result = skew.compute(ctx)
     assert result.tables["skew"]["zipf_alpha"][0] == pytest.approx(alpha, abs=0.05)
 
 
@@ -179,8 +181,9 @@ def test_hot_set_stability_follows_its_definition(tmp_path: Path) -> None:
     perm = rng.permutation(1000)  # the popular rows drift: step s's ranks shift by 3 s
     draws = [perm[(zipf_ranks(rng, 1000, 1.0, 400) + 3 * s) % 1000] for s in range(25)]
     accesses = accesses_of(draws, "d", 0) + accesses_of([rng.integers(0, 20, 60) for _ in range(25)], "u", 1)
-    result = skew.compute(open_context(write_run(tmp_path / "run", accesses, [table_entry("d", 1000),
-                                                                              table_entry("u", 20, owner=1)])))
+    with open_context(write_run(tmp_path / "run", accesses, [table_entry("d", 1000),
+                                                             table_entry("u", 20, owner=1)])) as ctx:
+        result = skew.compute(ctx)
     stability = result.tables["hot_set_stability"]
     k = dict(result.tables["skew"].select("table_name", "rows_for_80pct").iter_rows())
     for name in ("d", "u"):
@@ -194,20 +197,22 @@ def test_hot_set_stability_follows_its_definition(tmp_path: Path) -> None:
 def test_the_row_sample_keeps_whole_rows_at_the_rate_it_reports(tmp_path: Path) -> None:
     rng = np.random.default_rng(4)
     accesses = accesses_of([rng.integers(0, 20_000, 3000) for _ in range(20)], "t", 0)
-    ctx = open_context(write_run(tmp_path / "run", accesses, [table_entry("t", 20_000)], world=1, split_steps=True))
-    sample = skew.access_sample(ctx, 5000)
-    rate = sample.rates[0]
-    assert 0.05 < rate < 0.15
-    kept = set(sample.row.tolist())
-    every = Counter((a[0], a[3]) for a in accesses for _ in range(a[4]))
-    # whole rows: every access of a kept row is there, once per step, with its full count
-    expected = sorted((s, r, c) for (s, r), c in every.items() if r in kept)
-    assert sorted(zip(sample.step.tolist(), sample.row.tolist(), sample.count.tolist())) == expected
-    touched = {a[3] for a in accesses}
-    assert len(kept) / len(touched) == pytest.approx(rate, rel=0.1)
+    run = write_run(tmp_path / "run", accesses, [table_entry("t", 20_000)], world=1, split_steps=True)
+    with open_context(run) as ctx:
+        sample = skew.access_sample(ctx, 5000)
+        rate = sample.rates[0]
+        assert 0.05 < rate < 0.15
+        kept = set(sample.row.tolist())
+        every = Counter((a[0], a[3]) for a in accesses for _ in range(a[4]))
+        # whole rows: every access of a kept row is there, once per step, with its full count
+        expected = sorted((s, r, c) for (s, r), c in every.items() if r in kept)
+        assert sorted(zip(sample.step.tolist(), sample.row.tolist(), sample.count.tolist())) == expected
+        touched = {a[3] for a in accesses}
+        assert len(kept) / len(touched) == pytest.approx(rate, rel=0.1)
 
 
 def test_a_run_without_training_accesses_says_so(tmp_path: Path) -> None:
     accesses = accesses_of([np.array([1, 2, 2])], "t", 0, phase="eval")
-    result = skew.compute(open_context(write_run(tmp_path / "run", accesses, [table_entry("t", 5)], world=1)))
+    with open_context(write_run(tmp_path / "run", accesses, [table_entry("t", 5)], world=1)) as ctx:
+        result = skew.compute(ctx)
     assert not result.tables and "no training rows" in result.notes[0]

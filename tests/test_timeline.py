@@ -38,7 +38,8 @@ def expected_bsp(work: np.ndarray, tails: list[int], transfer: int = MS) -> tupl
 
 
 def test_waiting_is_the_time_before_the_last_rank_entered(tmp_path: Path) -> None:
-    result = timeline.compute(open_context(bsp_run(tmp_path / "run", WORK, tails_ns=TAILS)))
+    with open_context(bsp_run(tmp_path / "run", WORK, tails_ns=TAILS)) as ctx:
+        result = timeline.compute(ctx)
     per_rank, per_step = expected_bsp(WORK, TAILS)
     frame = result.tables["timeline"]
     got = {(r, t): (round(s * 1e9), round(c * 1e9), round(w * 1e9))
@@ -69,7 +70,8 @@ def test_communication_is_the_union_of_intervals_within_the_step(tmp_path: Path)
             comm(1, "barrier", t0=11 * MS, t1=12 * MS)],
     }
     steps = {r: [(0, 10 * MS), (10 * MS, 20 * MS)] for r in (0, 1)}
-    result = timeline.compute(open_context(make_run(tmp_path / "run", comms=comms, steps=steps)))
+    with open_context(make_run(tmp_path / "run", comms=comms, steps=steps)) as ctx:
+        result = timeline.compute(ctx)
     got = {(r, t): (round(c * 1e9), round(w * 1e9))
            for r, t, c, w in result.tables["timeline"].select("rank", "step", "comm_s", "wait_s").rows()}
     assert got == {(0, 0): (int(5.5 * MS), int(3.5 * MS)),  # [3,7] + [8,9] + [9.5,10]; a2a 6-4, barrier 11-9.5
@@ -82,11 +84,14 @@ def test_communication_is_the_union_of_intervals_within_the_step(tmp_path: Path)
 def test_clocks_of_several_hosts_are_aligned_by_their_anchors(tmp_path: Path) -> None:
     shift = 5_000_000_000  # rank 1's monotonic clock reads 5 s ahead of rank 0's
     anchors = {0: (100, 10**18), 1: (100 + shift, 10**18)}
-    aligned = timeline.compute(open_context(bsp_run(tmp_path / "aligned", WORK[:2], tails_ns=TAILS[:2],
-                                                    shifts_ns=[0, shift], hosts=("a", "b"), anchors=anchors)))
-    unaligned = timeline.compute(open_context(bsp_run(tmp_path / "unaligned", WORK[:2], tails_ns=TAILS[:2],
-                                                      shifts_ns=[0, shift], hosts=("a",), anchors=anchors)))
-    reference = timeline.compute(open_context(bsp_run(tmp_path / "reference", WORK[:2], tails_ns=TAILS[:2])))
+    with open_context(bsp_run(tmp_path / "aligned", WORK[:2], tails_ns=TAILS[:2],
+                              shifts_ns=[0, shift], hosts=("a", "b"), anchors=anchors)) as ctx:
+        aligned = timeline.compute(ctx)
+    with open_context(bsp_run(tmp_path / "unaligned", WORK[:2], tails_ns=TAILS[:2],
+                              shifts_ns=[0, shift], hosts=("a",), anchors=anchors)) as ctx:
+        unaligned = timeline.compute(ctx)
+    with open_context(bsp_run(tmp_path / "reference", WORK[:2], tails_ns=TAILS[:2])) as ctx:
+        reference = timeline.compute(ctx)
     columns = ["rank", "step", "step_s", "comm_s", "wait_s"]
     assert aligned.summary["clock"].startswith("several hosts: aligned")
     assert aligned.tables["timeline"].select(columns).equals(reference.tables["timeline"].select(columns))
@@ -96,7 +101,8 @@ def test_clocks_of_several_hosts_are_aligned_by_their_anchors(tmp_path: Path) ->
 
 def test_a_run_without_steps_gets_no_timeline(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", comms={0: [comm(0, "all_reduce", bytes_out=4, t0=0, t1=MS)]})
-    result = timeline.compute(open_context(run))
+    with open_context(run) as ctx:
+        result = timeline.compute(ctx)
     assert result.tables == {} and "no steps table" in result.notes[0]
 
 

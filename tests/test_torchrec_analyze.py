@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from analyses import planner, sources
+from analyses import attribution, planner
 from analyses.analyze import analyze
 from analyses.context import Options, open_context
 from tests.recorded import REPO, TINY, record
@@ -64,13 +64,13 @@ def sampled_steps(fed: list[dict]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sources_see_the_batch_of_every_rank(analysed) -> None:
+def test_the_attribution_sees_the_batch_of_every_rank(analysed) -> None:
     """The lengths all-to-all carries a length per feature and sample: t0's two features count twice."""
     run_dir, _, _ = analysed
-    ctx = open_context(run_dir)
-    assert sources.features(ctx) == {t: len(fs) for t, fs in TABLES.items()}
-    assert set(sources.batches(ctx)["b"].cast(pl.Int64)) == {BATCH}
-    assert sources.attributed(ctx).exact
+    with open_context(run_dir) as ctx:
+        assert attribution.features(ctx) == {t: len(fs) for t, fs in TABLES.items()}
+        assert set(attribution.batches(ctx)["b"].cast(pl.Int64)) == {BATCH}
+        assert attribution.attributed(ctx).exact
 
 
 @pytest.mark.slow
@@ -80,17 +80,17 @@ def test_replication_and_tiers_predict_the_recorded_exchange(analysed) -> None:
     sampled steps, and the part that crossed ranks; on one node tiers are replication. (Whether a row
     pays for its sync is borderline here: the sync comes from every step's accesses, the exchange
     from the sampled steps.)"""
-    run_dir, fed, report = analysed
+    run_dir, fed, summary = analysed
     policy = json.loads((run_dir / "policy.json").read_text())
     assert policy["model"] == {"tables": [{"name": t, "num_rows": ROWS, "dim": DIM} for t in TABLES],
                                "world_size": RANKS}
-    ctx = open_context(run_dir)
     steps = sampled_steps(fed)
-    recorded, crossing = ctx.sql(f"""
-        SELECT sum(bytes_out)::DOUBLE, sum(bytes_out - splits_out[rank + 1])::DOUBLE
-        FROM train_comms WHERE {EMBEDDING_A2A} AND step IN ({", ".join(steps)})""").fetchall()[0]
+    with open_context(run_dir) as ctx:
+        recorded, crossing = ctx.sql(f"""
+            SELECT sum(bytes_out)::DOUBLE, sum(bytes_out - splits_out[rank + 1])::DOUBLE
+            FROM train_comms WHERE {EMBEDDING_A2A} AND step IN ({", ".join(steps)})""").fetchall()[0]
     for name in ("replication", "tiers"):
-        assert name in report["policies"], report["not_derived"]
+        assert name in summary["policies"], summary["not_derived"]
     nothing = pl.read_parquet(run_dir / "analysis" / "replication_sweep.parquet").filter(hot_rows=0).row(0, named=True)
     assert nothing["a2a_bytes_per_step"] == pytest.approx(recorded / len(steps))
     assert nothing["a2a_remote_bytes_per_step"] == pytest.approx(crossing / len(steps))
@@ -126,18 +126,18 @@ def test_pooling_factors_are_what_the_job_fed(analysed) -> None:
 def test_a_data_parallel_run_has_no_exchange_and_the_same_pooling_factors(recorded) -> None:
     """Every table replicated: no input dist to count samples by, so each rank's bags in `lookups`
     do; the cost model and the embedding policies say why they have nothing to model."""
-    run_dir, fed, report = recorded("data_parallel")
+    run_dir, fed, summary = recorded("data_parallel")
     frame = pl.read_parquet(run_dir / "analysis" / "planner.parquet")
     expected = fed_pooling(fed)
     assert {t: p for t, p in frame.select("table_name", "pooling_factor").unique().iter_rows()} == {
         t: pytest.approx(v) for t, v in expected.items()}
-    assert "costmodel" not in report["analyses"] and any("no sharded table" in n for n in report["notes"])
-    assert {"replication", "tiers"} <= report["not_derived"].keys()
+    assert "costmodel" not in summary["analyses"] and any("no sharded table" in n for n in summary["notes"])
+    assert {"replication", "tiers"} <= summary["not_derived"].keys()
 
 
 @pytest.mark.slow
 def test_cache_load_factors_grow_with_the_target_hit_rate(analysed) -> None:
-    run_dir, _, report = analysed
+    run_dir, _, summary = analysed
     frame = pl.read_parquet(run_dir / "analysis" / "planner.parquet").sort("table_name", "target_hit_rate")
     assert frame["target_hit_rate"].to_list() == list(planner.TARGET_HIT_RATES) * len(TABLES)
     assert ((frame["cache_load_factor"] > 0) & (frame["cache_load_factor"] <= 1)).all()
@@ -148,7 +148,7 @@ def test_cache_load_factors_grow_with_the_target_hit_rate(analysed) -> None:
     default = frame.filter(target_hit_rate=planner.DEFAULT_HIT_RATE)
     assert {t: c["cache_params"]["load_factor"] for t, c in written.items()} == dict(
         default.select("table_name", "cache_load_factor").iter_rows())
-    assert report["analyses"]["planner"]["tables"].keys() == TABLES.keys()
+    assert summary["analyses"]["planner"]["tables"].keys() == TABLES.keys()
 
 
 PLAN = '''
@@ -211,8 +211,8 @@ def test_the_trainers_pooling_factor_is_its_bag_size(tmp_path: Path) -> None:
     code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(REPO / "train.py"), *TINY, options=("--lookup-every", "2"))
     assert code == 0
-    ctx = open_context(run_dir)
-    result = planner.compute(ctx)
+    with open_context(run_dir) as ctx:
+        result = planner.compute(ctx)
     frame = result.tables["planner"]
     assert frame["pooling_factor"].to_list() == [3.0] * 4 * len(planner.TARGET_HIT_RATES)
     assert set(frame["n_features"]) == {1}

@@ -104,19 +104,19 @@ def test_bytes_per_step_are_training_bytes_over_training_steps_with_eval_beside(
 
     comms = {0: rank_rows([10, 30], [10, 20]), 1: rank_rows([20, 40], [30, 40])}
     steps = {r: [(t * 10 * MS, (t + 1) * 10 * MS + r * MS) for t in range(3)] for r in (0, 1)}
-    ctx = open_context(make_run(tmp_path / "run", comms=comms, steps=steps))
-    result = traffic.compute(ctx)
-    by_op = {(op, phase): (calls, out, per_step)
-             for op, _, phase, calls, out, per_step in result.tables["traffic_by_op"].rows()}
-    assert by_op[("all_to_all_single", "train")] == (6, 3 * (40 + 60), 100.0)
-    assert by_op[("all_reduce", "train")] == (6, 600, 200.0)
-    assert by_op[("all_to_all_single", "eval")] == (2, 20, None)  # beside, no per-step figure
-    assert result.summary["train_bytes_per_step"] == 300.0 and result.summary["eval_bytes"] == 20
-    assert result.summary["train_bytes_per_step_by_tag"] == {"ddp_bucket_0": 200.0, "emb": 100.0}
-    by_rank_step = result.tables["traffic_by_rank_step"].filter(pl.col("op") == "all_to_all_single")
-    assert by_rank_step.filter((pl.col("rank") == 1) & (pl.col("step") == 2))["bytes_out"].to_list() == [60]
-    assert traffic.baseline(ctx) == {"a2a_bytes_per_step": 100.0, "allreduce_bytes_per_step": 200.0,
-                                     "step_time_s": 0.011}  # every step: rank 1's 11 ms
+    with open_context(make_run(tmp_path / "run", comms=comms, steps=steps)) as ctx:
+        result = traffic.compute(ctx)
+        by_op = {(op, phase): (calls, out, per_step)
+                 for op, _, phase, calls, out, per_step in result.tables["traffic_by_op"].rows()}
+        assert by_op[("all_to_all_single", "train")] == (6, 3 * (40 + 60), 100.0)
+        assert by_op[("all_reduce", "train")] == (6, 600, 200.0)
+        assert by_op[("all_to_all_single", "eval")] == (2, 20, None)  # beside, no per-step figure
+        assert result.summary["train_bytes_per_step"] == 300.0 and result.summary["eval_bytes"] == 20
+        assert result.summary["train_bytes_per_step_by_tag"] == {"ddp_bucket_0": 200.0, "emb": 100.0}
+        by_rank_step = result.tables["traffic_by_rank_step"].filter(pl.col("op") == "all_to_all_single")
+        assert by_rank_step.filter((pl.col("rank") == 1) & (pl.col("step") == 2))["bytes_out"].to_list() == [60]
+        assert traffic.baseline(ctx) == {"a2a_bytes_per_step": 100.0, "allreduce_bytes_per_step": 200.0,
+                                         "step_time_s": 0.011}  # every step: rank 1's 11 ms
 
 
 def test_the_matrix_maps_group_ranks_to_global_ranks_and_matches_what_was_received(tmp_path: Path) -> None:
@@ -132,7 +132,8 @@ def test_the_matrix_maps_group_ranks_to_global_ranks_and_matches_what_was_receiv
     comms[1].append(comm(0, "send", splits_out=[0, 0, 55], splits_in=[0, 0, 0], group_size=3))
     comms[2].append(comm(0, "recv", splits_out=[0, 0, 0], splits_in=[0, 55, 0], group_size=3))
     comms[1].append(comm(0, "all_to_all_single", splits_out=[3, 5], splits_in=[3, 5], group="9", group_size=2))
-    result = traffic.compute(open_context(make_run(tmp_path / "run", comms=comms)))
+    with open_context(make_run(tmp_path / "run", comms=comms)) as ctx:
+        result = traffic.compute(ctx)
     expected: Counter = Counter()
     for r in range(3):
         for q in range(3):
@@ -152,7 +153,8 @@ def test_bandwidth_follows_the_nccl_tests_definitions(tmp_path: Path) -> None:
             comm(0, "broadcast", bytes_out=3000, bytes_in=3000, group_size=4, t0=0, t1=3 * MS),
             comm(0, "all_reduce", bytes_out=999, bytes_in=999, group_size=4, t0=0, t1=-1),  # completion unknown
             comm(0, "all_reduce", bytes_out=999, bytes_in=999, group_size=1, t0=0, t1=MS)]  # no network
-    table = traffic.compute(open_context(make_run(tmp_path / "run", comms={0: rows}, world_size=4))).tables["bandwidth"]
+    with open_context(make_run(tmp_path / "run", comms={0: rows}, world_size=4)) as ctx:
+        table = traffic.compute(ctx).tables["bandwidth"]
     got = {op: (lo, calls, alg, bus) for op, _, lo, _, calls, _, _, alg, bus, _ in table.rows()}
     assert got == {
         "all_reduce": (1 << 20, 1, pytest.approx((1 << 20) / 1e-3), pytest.approx((1 << 20) / 1e-3 * 2 * 3 / 4)),
@@ -166,7 +168,8 @@ def test_measured_bandwidth_is_the_median_over_the_largest_calls(tmp_path: Path)
     sizes_times = [(1024, 10 * MS), (65536, MS), (65536, 2 * MS), (65536, 4 * MS)]
     rows = [comm(0, "all_to_all_single", splits_out=[s // 2] * 2, splits_in=[s // 2] * 2, t0=0, t1=t)
             for s, t in sizes_times]
-    measured = traffic.measured_bandwidth(open_context(make_run(tmp_path / "run", comms={0: rows})))
+    with open_context(make_run(tmp_path / "run", comms={0: rows})) as ctx:
+        measured = traffic.measured_bandwidth(ctx)
     assert measured == {"all_to_all_single": pytest.approx(65536 / 2e-3 * 0.5), "all_reduce": None}
 
 
@@ -174,22 +177,26 @@ def test_measured_bandwidth_leaves_out_async_calls(tmp_path: Path) -> None:
     """DDP's bucket all-reduce is async: its issue-to-completion time includes the backward it overlaps."""
     rows = [comm(0, "all_reduce", bytes_out=65536, bytes_in=65536, t0=0, t1=50 * MS, is_async=True),
             comm(0, "all_to_all_single", splits_out=[32768] * 2, splits_in=[32768] * 2, t0=0, t1=MS)]
-    measured = traffic.measured_bandwidth(open_context(make_run(tmp_path / "run", comms={0: rows})))
+    with open_context(make_run(tmp_path / "run", comms={0: rows})) as ctx:
+        measured = traffic.measured_bandwidth(ctx)
     assert measured == {"all_to_all_single": pytest.approx(65536 / 1e-3 * 0.5), "all_reduce": None}
 
 
 def test_imbalance_is_the_busiest_rank_over_the_mean(tmp_path: Path) -> None:
     comms = {0: [comm(0, "all_to_all_single", splits_out=[100, 200], splits_in=[100, 50])],
              1: [comm(0, "all_to_all_single", splits_out=[50, 50], splits_in=[200, 50])]}
-    table = traffic.compute(open_context(make_run(tmp_path / "run", comms=comms))).tables["traffic_imbalance"]
+    with open_context(make_run(tmp_path / "run", comms=comms)) as ctx:
+        table = traffic.compute(ctx).tables["traffic_imbalance"]
     assert table.rows() == [("all_to_all_single", 0, 300.0, 200.0, 1.5)]
 
 
 def test_a_run_without_comms_says_so(tmp_path: Path) -> None:
-    result = traffic.compute(open_context(make_run(tmp_path / "run", steps={0: [(0, MS)]})))
+    with open_context(make_run(tmp_path / "run", steps={0: [(0, MS)]})) as ctx:
+        result = traffic.compute(ctx)
     assert result.tables == {} and "no comms table" in result.notes[0]
-    assert traffic.baseline(open_context(tmp_path / "run")) == {"a2a_bytes_per_step": None,
-                                                               "allreduce_bytes_per_step": None, "step_time_s": 0.001}
+    with open_context(tmp_path / "run") as ctx:
+        assert traffic.baseline(ctx) == {"a2a_bytes_per_step": None, "allreduce_bytes_per_step": None,
+                                         "step_time_s": 0.001}
 
 
 @pytest.mark.slow
@@ -205,36 +212,37 @@ def test_a_recorded_two_rank_run_is_reported_exactly(tmp_path: Path) -> None:
     run = open_run(run_dir)
     rows = run.scan("comms").filter(pl.col("phase") == "train").collect()
     steps = run.scan("steps").collect()["step"].n_unique()
-    ctx = open_context(run_dir)
-    result = traffic.compute(ctx)
-    by_op = result.tables["traffic_by_op"].filter(pl.col("phase") == "train")
-    assert steps == 4 and result.summary["steps"] == steps
-    for op, tag, _, calls, bytes_out, per_step in by_op.rows():
-        mine = rows.filter((pl.col("op") == op) & (pl.col("tag") == tag))
-        assert (calls, bytes_out) == (mine.height, mine["bytes_out"].sum()) and per_step * steps == bytes_out
-    assert by_op["bytes_out"].sum() == rows["bytes_out"].sum()
-    sent: Counter = Counter()
-    for rank, splits in rows.filter(pl.col("op") == "all_to_all_single").select("rank", "splits_out").rows():
-        for dst, n in enumerate(splits):
-            sent[(rank, dst)] += n
-    matrix = result.tables["traffic_matrix"]
-    assert {(s, d): b for s, d, b, _, _ in matrix.rows()} == sent
-    assert matrix["bytes"].to_list() == matrix["bytes_received"].to_list()
-    # per rank and step: lengths int32 2*32*4 + ids int64 2*32*3*8 + pooled rows fp32 2*32*8*4, forward and back
-    grads = run.scan("grads").filter(pl.col("rank") == 0).group_by("step").agg(pl.col("numel").sum()).collect()
-    dense_elements = grads["numel"][0]
-    assert traffic.baseline(ctx)["a2a_bytes_per_step"] == 2 * (512 + 3072 + 4096 + 4096)
-    assert traffic.baseline(ctx)["allreduce_bytes_per_step"] == 2 * 4 * dense_elements  # DDP buckets: fp32 gradients
-    # calls this small measure latency, and DDP's all-reduces are async: no bandwidth from them
-    assert result.summary["bandwidth"] == {"all_to_all_single": None, "all_reduce": None}
+    with open_context(run_dir) as ctx:
+        result = traffic.compute(ctx)
+        by_op = result.tables["traffic_by_op"].filter(pl.col("phase") == "train")
+        assert steps == 4 and result.summary["steps"] == steps
+        for op, tag, _, calls, bytes_out, per_step in by_op.rows():
+            mine = rows.filter((pl.col("op") == op) & (pl.col("tag") == tag))
+            assert (calls, bytes_out) == (mine.height, mine["bytes_out"].sum()) and per_step * steps == bytes_out
+        assert by_op["bytes_out"].sum() == rows["bytes_out"].sum()
+        sent: Counter = Counter()
+        for rank, splits in rows.filter(pl.col("op") == "all_to_all_single").select("rank", "splits_out").rows():
+            for dst, n in enumerate(splits):
+                sent[(rank, dst)] += n
+        matrix = result.tables["traffic_matrix"]
+        assert {(s, d): b for s, d, b, _, _ in matrix.rows()} == sent
+        assert matrix["bytes"].to_list() == matrix["bytes_received"].to_list()
+        # per rank and step: lengths int32 2*32*4 + ids int64 2*32*3*8 + pooled rows fp32 2*32*8*4, forward and back
+        grads = run.scan("grads").filter(pl.col("rank") == 0).group_by("step").agg(pl.col("numel").sum()).collect()
+        dense_elements = grads["numel"][0]
+        assert traffic.baseline(ctx)["a2a_bytes_per_step"] == 2 * (512 + 3072 + 4096 + 4096)
+        # DDP buckets: fp32 gradients
+        assert traffic.baseline(ctx)["allreduce_bytes_per_step"] == 2 * 4 * dense_elements
+        # calls this small measure latency, and DDP's all-reduces are async: no bandwidth from them
+        assert result.summary["bandwidth"] == {"all_to_all_single": None, "all_reduce": None}
 
-    frame = timeline.compute(ctx).tables["timeline"]
-    assert frame.height == 2 * steps
-    assert ((frame["comm_s"] + frame["compute_s"] - frame["step_s"]).abs() < 1e-9).all()
-    assert (frame["wait_s"] <= frame["comm_s"] + 1e-9).all() and (frame["comm_s"] > 0).all()
-    policy = new_policy(source_run=str(run_dir), model=ctx.model.policy_model(), baseline=traffic.baseline(ctx))
-    for derived in (lag.derive(ctx), compression.derive(ctx)):
-        assert derived.section is not None, derived.reason
-        policy[derived.name] = derived.section
-    validate(policy, run_dir / "policy.json")
-    assert policy["compression"]["dp"]["predicted"]["baseline_dp_bytes_per_step"] == 2 * 4 * dense_elements
+        frame = timeline.compute(ctx).tables["timeline"]
+        assert frame.height == 2 * steps
+        assert ((frame["comm_s"] + frame["compute_s"] - frame["step_s"]).abs() < 1e-9).all()
+        assert (frame["wait_s"] <= frame["comm_s"] + 1e-9).all() and (frame["comm_s"] > 0).all()
+        policy = new_policy(source_run=str(run_dir), model=ctx.model.policy_model(), baseline=traffic.baseline(ctx))
+        for derived in (lag.derive(ctx), compression.derive(ctx)):
+            assert derived.section is not None, derived.reason
+            policy[derived.name] = derived.section
+        validate(policy, run_dir / "policy.json")
+        assert policy["compression"]["dp"]["predicted"]["baseline_dp_bytes_per_step"] == 2 * 4 * dense_elements

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import IO, Any, Callable
 
 from tracekit.errors import TracekitError
 from tracekit.units import parse_rate
@@ -290,14 +290,16 @@ def _is_python(program: str) -> bool:
     return program == sys.executable or name == "python" or name.startswith("python3")
 
 
-def launch(command: list[str], topology: Topology, network: Network, env: dict[str, str]) -> list[subprocess.Popen]:
+def launch(command: list[str], topology: Topology, network: Network, env: dict[str, str],
+           output: IO | None = None) -> list[subprocess.Popen]:
     """One torchrun per node, each in its namespace and in a process group of its own."""
     procs = []
     threads = rank_threads(topology, env)
     for node in network.nodes:
         argv = ["ip", "netns", "exec", node.netns, *torchrun_argv(command, topology, network, node)]
         procs.append(subprocess.Popen(argv, env={**env, "GLOO_SOCKET_IFNAME": node.veth, "OMP_NUM_THREADS": threads},
-                                      start_new_session=True))
+                                      start_new_session=True, stdout=output,
+                                      stderr=None if output is None else subprocess.STDOUT))
     return procs
 
 
@@ -359,9 +361,10 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
 
 
 def run(command: list[str], topology: Topology, *, env: dict[str, str] | None = None,
-        say: Callable[[str], None] = lambda line: None) -> tuple[int, bool]:
+        say: Callable[[str], None] = lambda line: None, output: IO | None = None) -> tuple[int, bool]:
     """Build the cluster, run `command` on it, tear it all down; (exit code, interrupted).
-    SIGTERM is handled as Ctrl-C is: the nodes are stopped and everything removed."""
+    SIGTERM is handled as Ctrl-C is: the nodes are stopped and everything removed. `output`: a file
+    the nodes' stdout and stderr go to (default: this process's)."""
     check_prerequisites(topology)
     network = plan_network(topology.nodes, new_run_id(), used_subnets())
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -370,7 +373,7 @@ def run(command: list[str], topology: Topology, *, env: dict[str, str] | None = 
     try:
         build(network, topology.link_bytes_per_s, say)
         say(f"running {topology.nodes} node(s) x {topology.ranks_per_node} rank(s), links {topology.link} each way")
-        procs = launch(command, topology, network, dict(os.environ if env is None else env))
+        procs = launch(command, topology, network, dict(os.environ if env is None else env), output)
         return wait(procs)
     except KeyboardInterrupt:  # during the build, or between launch and wait
         _stop(procs)
@@ -383,6 +386,27 @@ def run(command: list[str], topology: Topology, *, env: dict[str, str] | None = 
         say("removed the cluster" + (f", except {', '.join(left)}" if left else ""))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_or_report(command: list[str], topology: Topology, *, say: Callable[[str], None],
+                  env: dict[str, str] | None = None, output: IO | None = None) -> tuple[int, bool]:
+    """`run`, a cluster that cannot be built said (`say`) and exiting with 2."""
+    try:
+        return run(command, topology, env=env, say=say, output=output)
+    except ClusterError as err:
+        say(f"failed: {err}")
+        return 2, False
+
+
+def record(command: list[str], topology: Topology, run_dir: Path, *, say: Callable[[str], None],
+           output: IO | None = None, **settings: Any) -> int:
+    """`command` run on the cluster and recorded into `run_dir` (`tracekit cluster --record`); what
+    `tracekit record` would exit with. `settings`: recording.record's (lookup_every, ...)."""
+    from tracekit import recording
+
+    return recording.record(command, run_dir, manifest_extra={"topology": topology.manifest()}, output=output,
+                            run=lambda env: run_or_report(command, topology, say=say, env=env, output=output),
+                            **settings)
 
 
 def _raise_interrupt(signum, frame) -> None:

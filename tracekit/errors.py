@@ -2,7 +2,10 @@
 
 
 class TracekitError(Exception):
-    """Base of every error tracekit expects and reports without a traceback."""
+    """Base of every error tracekit expects and reports without a traceback; the CLI exits with
+    `exit_code` (2: the input could not be used; 1: the work itself failed)."""
+
+    exit_code = 2
 
 
 class ConfigError(TracekitError, ValueError):

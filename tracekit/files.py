@@ -9,7 +9,7 @@ recorders' own Parquet parts (policy files, analysis tables, the manifest, repor
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -17,13 +17,11 @@ from typing import Iterator
 
 @contextmanager
 def replacing(target: str | os.PathLike) -> Iterator[Path]:
-    """A temporary path beside `target` (its folder made if missing) to write to; renamed onto
+    """A fresh temporary path beside `target` (its folder made if missing) to write to; renamed onto
     `target` when the block ends without an error, removed when it raises."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # made by the writer: umask's mode
     try:
         yield tmp
         os.replace(tmp, target)

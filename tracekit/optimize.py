@@ -1,4 +1,4 @@
-"""`tracekit optimize`: the whole loop in one command (DESIGN.md §1).
+"""`tracekit optimize`: the whole loop in one library call (DESIGN.md §1).
 
     DIR/base            the command recorded as given (lookups on every step, so predictions are exact)
     DIR/base/policy.json and one file per recommended training section: policy.<section>.json
@@ -6,22 +6,88 @@
     DIR/combined        ... with every one re-run together, where there are several (policy.combined.json,
                         which keeps policy.json's `combined` prediction for `compare` to check)
 
-then `tracekit compare DIR/base DIR/<section> ... DIR/combined`. The command must take
-`--policy PATH` as its last option (the reference trainer's train.py does). Each run's output goes
-to DIR/<name>.log; a status line shows which run is going. With `--cluster NODESxRANKS --link RATE`
-every run is `tracekit cluster --record` of the plain command on that emulated cluster.
+then the comparison of DIR/base with DIR/<section> ... DIR/combined and its report, DIR/report.html.
+The command must take `--policy PATH` as its last option (the reference trainer's train.py does).
+Each run's output goes to DIR/<name>.log; `progress` hears which step is going. With a `cluster`
+topology every run is recorded on that emulated cluster (`tracekit cluster`) of the plain command.
+
+    result = optimize(["torchrun", ..., "train.py", "--steps", "300"], Path("runs/opt"), Options())
+    result.summary     # compare's summary, with the notes on the sections left out and why
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Callable
 
-from tracekit.cluster import Topology
-from tracekit.policy import SECTIONS, TRAINING, load_policy, nothing_to_apply, recommended, section_part, write_policy
+from tracekit import cluster as emulated
+from tracekit import recording
+from tracekit.console import describe_record
+from tracekit.errors import TracekitError
+from tracekit.loop import analyze_run, compare_runs, write_report
+from tracekit.policy import TRAINING, Policy, Section, Tiers, nothing_to_apply, read_policy, write_policy
 
+
+class OptimizeError(TracekitError):
+    """The loop could not go on: the baseline failed, or no policy run completed."""
+
+    exit_code = 1
+
+
+@dataclass
+class Optimized:
+    """What `optimize` did: the baseline, the policy runs that completed, the notes on what was left
+    out and why, and compare's summary (None where nothing was re-run)."""
+
+    base: Path
+    runs: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+
+
+def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: int = 1,
+             cluster: emulated.Topology | None = None, check_all: bool = False, dct_replay: bool = False,
+             progress: Callable[[str], None] = lambda what: None) -> Optimized:
+    """Record `command` into OUT/base, analyse it (`options`: analyses.context.Options), re-run it
+    with each section worth a run (`check_all`: the sections analyze did not recommend too) and
+    their combination, and compare them with the baseline."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = out_dir / "base"
+    progress(f"recording the baseline into {base} (log {out_dir / 'base.log'})")
+    code = record(base, command, out_dir / "base.log", lookup_every=lookup_every, cluster=cluster, dct_replay=dct_replay)
+    if code != 0:
+        raise OptimizeError(f"the baseline run failed (exit code {code}); its output is in {out_dir / 'base.log'}")
+    analyze_run(base, options, report=False, progress=lambda step: progress(f"analysing {step}"))
+    if cluster is not None:  # the report's speedup against the link rate
+        from analyses.simulate import Target, project
+
+        progress("analysing simulate")
+        project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), base / "policy.json")
+    plans, notes = reruns(base / "policy.json", checked=check_all)
+    result = Optimized(base, notes=notes)
+    for i, rerun in enumerate(plans, 1):
+        log = out_dir / f"{rerun.name}.log"
+        progress(f"re-running with {rerun.name} ({i}/{len(plans)}; log {log})")
+        code = record(out_dir / rerun.name, [*command, "--policy", str(rerun.policy)], log,
+                      lookup_every=lookup_every, cluster=cluster, dct_replay=dct_replay)  # same tracing: times compare
+        if code == 0:
+            result.runs.append(out_dir / rerun.name)
+        else:
+            notes.append(f"{rerun.name}: the run failed (exit code {code}); see {log}")
+    if not plans:
+        return result
+    if not result.runs:
+        raise OptimizeError("no policy run completed: " + "; ".join(notes))
+    progress("comparing")
+    summary = compare_runs(base, result.runs)
+    summary["notes"] = [*notes, *summary.get("notes", [])]
+    try:
+        summary["report"] = str(write_report([base, *result.runs], out_dir / "report.html"))
+    except Exception as err:  # the runs and the comparison are done; a report bug must not hide them
+        summary["report"] = f"not written ({type(err).__name__}: {err})"
+    result.summary = summary
+    return result
 
 
 @dataclass(frozen=True)
@@ -35,68 +101,60 @@ def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], li
     hold), and one for their combination; with notes on the sections left out and why. `checked`:
     re-run the sections analyze did not recommend as well (each alone, marked recommended in its own
     file, and all of them together), so that the measurement checks the decision."""
-    written = policy = load_policy(policy_path)
-    chosen, notes = [], []
-    for name in TRAINING:
-        body = section_part(policy, name)
-        if body is None:
+    policy = read_policy(policy_path)
+    chosen, notes, rerun = [], [], dict(policy.sections)
+    for label in TRAINING:
+        section = policy.section(label)
+        if section is None:
             continue
-        reason = _why_not(name, body)
-        if reason and checked and not recommended(body) and not _why_not(name, {**body, "recommended": True}):
-            notes.append(f"{name} re-run although not recommended, to check the decision ({body['reason']})")
-            section, _, part = name.partition(".")
-            overridden = {**body, "recommended": True, "not_recommended_because": body["reason"]}
-            overridden.pop("reason")
-            policy = {**policy, section: {**policy[section], part: overridden} if part else overridden}
+        reason = _why_not(label, section)
+        if reason and checked and not section.recommended and not _why_not(label, replace(section, recommended=True)):
+            notes.append(f"{label} re-run although not recommended, to check the decision ({section.reason})")
+            rerun[label] = replace(section, recommended=True, reason=None,
+                                   extra={**section.extra, "not_recommended_because": section.reason})
             reason = None
         if reason:
-            notes.append(f"{name} not re-run: {reason}")
+            notes.append(f"{label} not re-run: {reason}")
             continue
-        chosen.append(name)
-    if "lag" in policy:
+        chosen.append(label)
+    if "lag" in policy.sections:
         notes.append("lag not re-run: it applies to inference (train.py --inference --policy FILE), optimize re-runs training")
-    plans = [Rerun(name, _write_sections(policy_path, policy, [name])) for name in chosen]
-    together = chosen if checked else [name for name in chosen if recommended(section_part(written, name))]
-    if len(together) > 1:
-        plans.append(Rerun("combined", _write_sections(policy_path, policy, together, "combined")))
+    policy = replace(policy, sections=rerun)
+    plans = [Rerun(label, _write_sections(policy_path, policy, [label])) for label in chosen]
+    if len(chosen) > 1:  # with `checked`, the decision's check of the combination as well
+        plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
     return plans, notes
 
 
-def _why_not(name: str, section: dict) -> str | None:
-    if not recommended(section):
-        return f"not recommended ({section['reason']})"
-    if name == "tiers" and section.get("topology", {}).get("nodes", 1) == 1:
+def _why_not(label: str, section: Section) -> str | None:
+    if not section.recommended:
+        return f"not recommended ({section.reason})"
+    if isinstance(section, Tiers) and section.topology.get("nodes", 1) == 1:
         return "one node: the tiers are the replication section"
-    return nothing_to_apply(name, section)
+    return nothing_to_apply(label, section)
 
 
-def _write_sections(policy_path: Path, policy: dict, names: list[str], label: str | None = None) -> Path:
-    """policy.<label>.json: the sections `names` of `policy`; its `combined` only in the combined file."""
-    keep = {k: v for k, v in policy.items() if k not in (*SECTIONS, "combined")}
-    if label == "combined" and "combined" in policy:
-        keep["combined"] = policy["combined"]
-    for name in names:
-        section, _, part = name.partition(".")
-        if part:
-            keep.setdefault(section, {})[part] = policy[section][part]
-        else:
-            keep[section] = policy[section]
-    target = policy_path.with_name(f"policy.{label or names[0]}.json")
-    write_policy(target, keep)
+def _write_sections(policy_path: Path, policy: Policy, labels: list[str], name: str | None = None) -> Path:
+    """policy.<name>.json: the sections `labels` of `policy`; its `combined` only in the combined file."""
+    kept = replace(policy, sections={label: policy.sections[label] for label in labels},
+                   combined=policy.combined if name == "combined" else None)
+    target = policy_path.with_name(f"policy.{name or labels[0]}.json")
+    write_policy(target, kept.to_json())
     return target
 
 
-def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int, cluster: Topology | None = None) -> int:
-    """`tracekit record` of `command` into `run_dir`, its output into `log`; the exit code. With
-    `cluster`, `tracekit cluster --record` instead: `command` (plain `python train.py ...`) runs on
-    every rank of that emulated cluster."""
-    if cluster is None:
-        launcher = ["record", "-o", str(run_dir)]
-    else:
-        launcher = ["cluster", "--nodes", str(cluster.nodes), "--ranks-per-node", str(cluster.ranks_per_node),
-                    "--link", cluster.link, "--record", str(run_dir)]
-        if cluster.latency_ms is not None:
-            launcher += ["--latency", str(cluster.latency_ms)]
-    argv = [sys.executable, "-m", "tracekit", *launcher, "--force", "--lookup-every", str(lookup_every), "--", *command]
+def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int,
+           cluster: emulated.Topology | None = None, dct_replay: bool = False) -> int:
+    """`command` recorded into `run_dir` (replacing what is there) with its output, and the
+    recording's closing lines, in `log`; the exit code. With `cluster`, `command` (plain
+    `python train.py ...`) runs on every rank of that emulated cluster."""
+    recording.check_command(command)
+    recording.prepare_run_dir(run_dir, force=True)
     with open(log, "w") as out:
-        return subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT)
+        if cluster is None:
+            code = recording.record(command, run_dir, lookup_every=lookup_every, dct_replay=dct_replay, output=out)
+        else:
+            code = emulated.record(command, cluster, run_dir, lookup_every=lookup_every, dct_replay=dct_replay,
+                                   output=out, say=lambda line: print(f"tracekit cluster: {line}", file=out, flush=True))
+        print(describe_record(recording.summary(run_dir, recording.read_manifest(run_dir))), file=out)
+    return code

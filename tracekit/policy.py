@@ -26,11 +26,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import pyarrow.parquet as pq
 
+from tracekit import figures
 from tracekit.errors import PolicyMismatch, TracekitError
 from tracekit.files import replacing, write_text
 
@@ -71,20 +73,202 @@ MIN_HOT_SAMPLES = 0.01
 """An FAE schedule with fewer all-hot samples than this skips no step: it is replication by count."""
 
 
-def nothing_to_apply(label: str, body: dict) -> str | None:
+@dataclass(frozen=True)
+class Prediction:
+    """What a section (or the combination) is predicted to do: `figures` (tracekit.figures names ->
+    numbers), the [low, high] of those that are estimates (a figure without one is exact), and why."""
+
+    figures: dict[str, Any]
+    why: str
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: dict) -> Prediction:
+        return cls(dict(body["predicted"]), body["why"],
+                   {figure: (low, high) for figure, (low, high) in body.get("intervals", {}).items()})
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"predicted": dict(self.figures), "why": self.why}
+        if self.intervals:
+            out["intervals"] = {figure: list(pair) for figure, pair in self.intervals.items()}
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """One section of policy.json: what it sets (the fields of each kind below), its prediction,
+    and analyze's decision (`recommended`, with a one-line `reason` where it is not). `extra` keeps
+    the fields this version does not name, so a file reads and writes back as it was."""
+
+    label: ClassVar[str]
+    prediction: Prediction
+    recommended: bool = True
+    reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: dict) -> Section:
+        own = {f.name for f in fields(cls) if f.init} - {"prediction", "recommended", "reason", "extra"}
+        common = {"predicted", "why", "intervals", "recommended", "reason"}
+        return cls(prediction=Prediction.from_json(body), recommended=body.get("recommended", True),
+                   reason=body.get("reason"), extra={k: v for k, v in body.items() if k not in own | common},
+                   **{k: body[k] for k in own if k in body})
+
+    def to_json(self) -> dict:
+        own = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("prediction", "recommended", "reason", "extra")}
+        decision = {"recommended": self.recommended} | ({} if self.reason is None else {"reason": self.reason})
+        return {**{k: v for k, v in own.items() if v is not None}, **self.extra, **self.prediction.to_json(), **decision}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replicating(Section):
+    """A section that keeps rows on every rank: the replica memory per rank it was sized for."""
+
+    budget_bytes_per_rank: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replication(Replicating):
+    """SCARS / HugeCTR: the rows of `rows` (table_name, row) replicated on every rank, their
+    gradients summed by `sync` (REPLICATION_SYNCS)."""
+
+    label: ClassVar[str] = "replication"
+    rows: str
+    sync: str = "sparse_allreduce"
+    kind: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tiers(Replicating):
+    """FlexShard: tier 1 on every rank, tier 2 once per node, tier 3 sharded (`rows`: table_name, row, tier)."""
+
+    label: ClassVar[str] = "tiers"
+    rows: str
+    topology: dict[str, int] = field(default_factory=lambda: {"nodes": 1})  # nodes, ranks_per_node
+    tier1_sync: str = "sparse_allreduce"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule(Replicating):
+    """FAE: samples whose rows are all in `hot_rows` batched apart (hot steps skip the exchange);
+    the hot rows are replicated, their gradients summed by `sync`."""
+
+    label: ClassVar[str] = "schedule"
+    hot_rows: str
+    hot_sample_fraction: float = 0.0
+    kind: str = "fae"
+    sync: str = "sparse_allreduce"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DctDp(Section):
+    """DCT's data-parallel half: DDP's gradient buckets hard-thresholded to `keep_ratio`."""
+
+    label: ClassVar[str] = "compression.dp"
+    keep_ratio: float
+    refresh_every: int | None = None
+    error_feedback: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DctMp(Section):
+    """DCT's model-parallel half: each embedding output row's largest `keep_ratio` of values sent."""
+
+    label: ClassVar[str] = "compression.mp"
+    keep_ratio: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lag(Section):
+    """BLS: a rank may run at most `bound` steps ahead of the slowest (inference runs)."""
+
+    label: ClassVar[str] = "lag"
+    bound: int
+
+
+KINDS: dict[str, type[Section]] = {kind.label: kind for kind in (Replication, Tiers, Schedule, DctDp, DctMp, Lag)}
+"""Each section's type, by its label (LABELS)."""
+
+
+@dataclass(frozen=True)
+class Combined:
+    """The recommended training sections applied together, and their prediction."""
+
+    sections: tuple[str, ...]
+    prediction: Prediction
+
+    @classmethod
+    def from_json(cls, body: dict) -> Combined:
+        return cls(tuple(body["sections"]), Prediction.from_json(body))
+
+    def to_json(self) -> dict:
+        return {"sections": list(self.sections), **self.prediction.to_json()}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """policy.json as types: the model it was derived for, the baseline's figures, each section
+    present by its label, and the combination. `Policy.from_json(load_policy(path))` reads a file;
+    `to_json()` gives back what `write_policy` writes."""
+
+    source_run: str
+    model: dict
+    baseline: dict[str, float] = field(default_factory=dict)
+    sections: dict[str, Section] = field(default_factory=dict)
+    combined: Combined | None = None
+    created_at: str | None = None
+
+    @classmethod
+    def from_json(cls, policy: dict) -> Policy:
+        return cls(policy.get("source_run", ""), policy["model"], dict(policy.get("baseline", {})),
+                   {label: KINDS[label].from_json(body) for label, body in sections(policy)},
+                   Combined.from_json(policy["combined"]) if "combined" in policy else None, policy.get("created_at"))
+
+    def to_json(self) -> dict:
+        out = {"schema": SCHEMA, "source_run": self.source_run, "created_at": self.created_at or _now(),
+               "model": self.model, "baseline": self.baseline}
+        for label in LABELS:
+            if label in self.sections:
+                section, _, part = label.partition(".")
+                body = self.sections[label].to_json()
+                if part:
+                    out.setdefault(section, {})[part] = body
+                else:
+                    out[section] = body
+        if self.combined is not None:
+            out["combined"] = self.combined.to_json()
+        return out
+
+    def section(self, label: str) -> Section | None:
+        return self.sections.get(label)
+
+
+def read_policy(path: str | os.PathLike) -> Policy:
+    """The validated policy at `path`, typed (load_policy gives the JSON object itself)."""
+    return Policy.from_json(load_policy(path))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def nothing_to_apply(label: str, section: dict | Section) -> str | None:
     """Why applying section `label` would change nothing, or is beyond the reference trainer on the
     recorded topology; None where it is not (analyze then decides on its gain, optimize re-runs it)."""
-    predicted = body.get("predicted", {})
-    if label == "replication" and not predicted.get("hot_rows"):
+    if isinstance(section, dict):
+        section = KINDS[label].from_json(section)
+    predicted = section.prediction.figures
+    if isinstance(section, Replication) and not predicted.get(figures.HOT_ROWS):
         return "no row is worth replicating at this budget"
-    hot_share = body.get("hot_sample_fraction", 0)
-    if label == "schedule" and (not predicted.get("hot_rows") or hot_share < MIN_HOT_SAMPLES):
-        return (f"{hot_share:.2%} of samples hold only hot rows (under "
+    if isinstance(section, Schedule) and (not predicted.get(figures.HOT_ROWS)
+                                          or section.hot_sample_fraction < MIN_HOT_SAMPLES):
+        return (f"{section.hot_sample_fraction:.2%} of samples hold only hot rows (under "
                 f"{MIN_HOT_SAMPLES:.0%}: the schedule would be the replication section)")
-    if label == "tiers":
+    if isinstance(section, Tiers):
         if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
             return "no row in tier 1 or 2"
-        if int(body.get("topology", {}).get("nodes", 1)) > 1 and predicted.get("tier2_rows"):
+        if int(section.topology.get("nodes", 1)) > 1 and predicted.get("tier2_rows"):
             return "the reference trainer does not apply tier 2 across nodes yet (tier 1 is the replication section)"
     return None
 
@@ -92,7 +276,7 @@ def nothing_to_apply(label: str, body: dict) -> str | None:
 def new_policy(*, source_run: str, model: dict, baseline: dict | None = None) -> dict:
     """An empty policy for `model` ({"tables": [{"name", "num_rows", "dim"}...], "world_size"})."""
     return {"schema": SCHEMA, "source_run": source_run,
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": _now(),
             "model": model, "baseline": baseline or {}}
 
 
@@ -170,12 +354,12 @@ def validate(policy: Any, path: str | os.PathLike) -> None:
             reason = body.get("reason")
             if not recommended(body) and not (isinstance(reason, str) and reason.strip() and "\n" not in reason):
                 fail(f"{where}.reason", "a one-line reason why the section is not recommended")
-        for field in ROW_FIELDS.get(name, ()):
-            relative = section.get(field)
+        for key in ROW_FIELDS.get(name, ()):
+            relative = section.get(key)
             if not isinstance(relative, str) or Path(relative).is_absolute():
-                fail(f"{name}.{field}", "a Parquet path relative to the policy file")
+                fail(f"{name}.{key}", "a Parquet path relative to the policy file")
             if not row_path(path, relative).is_file():
-                fail(f"{name}.{field}", f"an existing file; {row_path(path, relative)} is missing")
+                fail(f"{name}.{key}", f"an existing file; {row_path(path, relative)} is missing")
     if "replication" in policy:
         if policy["replication"].get("sync") not in REPLICATION_SYNCS:
             fail("replication.sync", f"one of {', '.join(REPLICATION_SYNCS)}")

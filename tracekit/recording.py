@@ -26,7 +26,7 @@ import subprocess
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 import collectors
 from tracekit import __version__
@@ -64,6 +64,12 @@ def prepare_run_dir(run_dir: Path, *, force: bool) -> None:
         raise RecordError(f"-o {run_dir}: cannot write there ({err.strerror})") from None
 
 
+def prepare(command: list[str], run_dir: Path, *, force: bool) -> None:
+    """Check `command` can start and `run_dir` can take the run; RecordError saying why not."""
+    check_command(command)
+    prepare_run_dir(run_dir, force=force)
+
+
 def check_command(command: list[str]) -> None:
     if not command:
         raise RecordError("no command given: tracekit record [OPTIONS] -- CMD ...")
@@ -80,19 +86,41 @@ def check_command(command: list[str]) -> None:
     raise RecordError(f"command not found: {command[0]}")
 
 
+def command_start(args: list[str], takes_value: dict[str, bool]) -> int | None:
+    """Where the traced command begins in record's `args` without a `--` (record's own options,
+    `takes_value[option]` saying whether each takes a value, skipped), or None where an option
+    record does not know comes first."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-") or arg == "-":
+            return i
+        name = arg.split("=", 1)[0]
+        if name in takes_value:
+            i += 2 if takes_value[name] and "=" not in arg else 1
+        elif takes_value.get(arg[:2]):  # -oDIR
+            i += 1
+        else:
+            return None
+    return None
+
+
 def _interpreter(script: Path) -> str:
     return {".py": "python", ".sh": "bash"}.get(script.suffix, "INTERPRETER")
 
 
-def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: int, flush_interval_s: float,
-           gpu_interval_s: float, dct_replay: bool = False, manifest_extra: dict | None = None,
-           run: Callable[[dict[str, str]], tuple[int, bool]] | None = None) -> int:
+def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_every: int = 100,
+           flush_interval_s: float = 1.0, gpu_interval_s: float = 0.1, dct_replay: bool = False,
+           manifest_extra: dict | None = None, run: Callable[[dict[str, str]], tuple[int, bool]] | None = None,
+           output: IO | None = None) -> int:
     """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
     130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start.
+    The defaults are `tracekit record`'s.
 
     `manifest_extra` adds fields to the manifest (a cluster's `topology`). `run`, where given, runs
     the command itself in the tracing environment it is passed and returns (exit code, interrupted):
-    `tracekit cluster` runs it on every node."""
+    `tracekit cluster` runs it on every node. `output`: a file the command's stdout and stderr go to
+    (default: this process's)."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
                 "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay}
@@ -113,7 +141,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int, grad_every: 
         code, interrupted = run(env)
         return finalise(run_dir, code, interrupted)["record_exit_code"]
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, stdout=output, stderr=None if output is None else subprocess.STDOUT)
     except OSError as err:  # found and executable, yet the system cannot run it
         hint = (f"; a script needs a #! line, or its interpreter: tracekit record -- {_interpreter(Path(command[0]))} "
                 f"{shlex.join(command)}" if err.errno == errno.ENOEXEC else "")

@@ -1,11 +1,14 @@
-"""Sizes and rates as people type them: `64MiB`, `5%`, `1gbit`, `12.5GB/s`.
+"""Sizes, rates and durations as people type them (`64MiB`, `5%`, `1gbit`, `50us`) and as people
+read them (`21.11 kB`, `200 Mbit/s`, `11.6 ms`, `7.4%`, `1.23×`, `1,536`).
 
     parse_bytes("64MiB") == 67108864          parse_rate("1gbit") == 125e6   (bytes per second)
     parse_budget("5%") == (None, 0.05)        parse_budget("1e6") == (1000000, None)
+    format_bytes(21109) == "21.11 kB"         format_seconds(0.011577) == "11.6 ms"
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 _BYTES = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024**2,
@@ -73,3 +76,31 @@ def format_rate(bytes_per_s: float) -> str:
         if bits >= size:
             return f"{bits / size:,.4g} {unit}"
     return f"{bits:,.0f} bit/s"
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """`value` rounded to `digits` significant digits, in plain notation with thousands separators."""
+    if value == 0:
+        return "0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
+
+
+def format_seconds(value: float) -> str:
+    """`11.6 ms`, `1.23 s`, `25.0 µs`: 3 significant digits in the largest unit under the value."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3)):
+        if abs(value) >= size:
+            return f"{significant(value / size)} {unit}"
+    return "0 s" if value == 0 else f"{significant(value / 1e-6)} µs"
+
+
+def format_percent(fraction: float) -> str:
+    return f"{fraction:.1%}"
+
+
+def format_times(ratio: float) -> str:
+    return f"{ratio:,.2f}×"
+
+
+def format_count(value: float) -> str:
+    return f"{value:,.0f}"

@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import contextlib
 import math
 import os
 import shutil
 import statistics
 import threading
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -355,11 +356,15 @@ def watch(run_dir: str | os.PathLike, *, interval: float = 1.0, once: bool = Fal
     return figures
 
 
-def watch_beside(run_dir: str | os.PathLike, *, interval: float = 1.0,
-                 console: Console | None = None) -> tuple[threading.Thread, threading.Event]:
-    """Start `watch` on a thread for a run about to be recorded (it waits for the manifest); set the
-    returned event once the run is finalised and join the thread. The thread only reads files; an
-    error ends the view with one line on the console, never the recording."""
+@contextlib.contextmanager
+def watching(run_dir: str | os.PathLike, *, enabled: bool = True, interval: float = 1.0,
+             console: Console | None = None) -> Iterator[None]:
+    """`watch` on a thread, beside the run recorded inside the block (it waits for the manifest,
+    and ends with the block once the run is finalised). The thread only reads files; an error ends
+    the view with one line on the console, never the recording. `enabled` False: nothing."""
+    if not enabled:
+        yield
+        return
     run_dir, stop = Path(run_dir), threading.Event()
 
     def run() -> None:
@@ -375,4 +380,8 @@ def watch_beside(run_dir: str | os.PathLike, *, interval: float = 1.0,
     console = console or wide_console(stderr=True)
     thread = threading.Thread(target=run, name="tracekit-watch", daemon=True)
     thread.start()
-    return thread, stop
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -56,7 +56,8 @@ the hook's calibrated work (selection per entry and bucket, a threshold refresh 
 its byte ratio and adds the codec's calibrated work. As if the exchange were not overlapped with
 compute: an upper bound on the saving, which analyses.decision weighs against the model's error.
 
-    policy = derive(open_context("runs/base"))
+    with open_context("runs/base") as ctx:
+        policy = derive(ctx)
     policy.section["dp"]["keep_ratio"], policy.section["mp"]["predicted"]["ratio"]
 """
 

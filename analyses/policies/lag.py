@@ -37,7 +37,8 @@ predicted gain ~0; where the exchange overlaps the compute, L = 1 gains that ove
 BLS keeps results exact in inference-only runs (read-only tables); in training, L > 0 means
 stale-synchronous updates, which the `why` says.
 
-    policy = derive(open_context("runs/base"))
+    with open_context("runs/base") as ctx:
+        policy = derive(ctx)
     policy.section     # {"bound": 2, "predicted": {"step_time_s", "makespan_s", "gain", ...}, "why": ...}
 """
 

@@ -19,8 +19,8 @@ hot). Every prefix K of that order is replayed over the recorded lookups (exchan
 item leaves at K > its last position), with both syncs per step: dense 2(W−1)·Σ rb over the K
 rows, sparse over the union of hot rows touched that step. Where lookups were sampled, the bytes
 at the chosen K are estimates with an interval over the sampled steps (exchange.step_interval);
-with --lookup-every 1 they are exact. The sync is network.sync_choice's; the K is the one of
-least predicted step time (network.timing: the measured step less the baseline exchange's time,
+with --lookup-every 1 they are exact. The sync is exchange.sync_choice's; the K is the one of
+least predicted step time (exchange.timing: the measured step less the baseline exchange's time,
 plus the policy's exchange, sync collectives and calibrated rank-side work, analyses.network),
 with Σ rb ≤ the budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes;
 without one, the unconstrained optimum). Its step time carries the model's error as an interval;
@@ -36,20 +36,30 @@ Outputs: the `replication` section (sync, budget_bytes_per_rank, predicted {a2a_
 a2a_remote_bytes_per_step, sync_bytes_per_step, step_time_s, ...}), policy/hot_rows.parquet
 (table_name, row, count, benefit_bytes = a2a_i), and analysis table `replication_sweep` (one row
 per budget point; `point` says which is the optimum, HugeCTR's, the given budget).
+
+Temporary tables it creates that other modules read (call the function named first):
+
+    tk_order_replication  (`benefit_curve(ctx)`) the rows by benefit per replica byte
+    tk_order_count        (`count_curve(ctx)`) the rows by count, most read first
+        both: tid, row, rb, kind, lookups, remote_lookups, steps, src_steps, samples, placed,
+        benefit_out, benefit_rem (as analyses.exchange's tk_rows, over every step), table_name,
+        pos (0, 1, ... in the order)
+
+`order_table` and `curve` write such a table under the caller's name (a test's, a benchmark's).
+tk_rows_est (`estimated_rows`) is its own step.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
-from analyses import exchange, network
+from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
-from analyses.exchange import Setup
+from analyses.exchange import ExchangeBaseline
 
 P_DUP_MAX = 0.01  # HugeCTR's default
 
@@ -64,7 +74,7 @@ class Curve:
     a2a_rem: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
-    is_sparse: np.ndarray  # network.sync_choice at each K
+    is_sparse: np.ndarray  # exchange.sync_choice at each K
     coverage: np.ndarray  # share of lookups on hot rows
     union_rows: np.ndarray  # hot rows touched per step (union over ranks)
     comm_time: np.ndarray
@@ -73,7 +83,7 @@ class Curve:
     error: np.ndarray  # the model's error on step_time, seconds
     saved: dict[str, np.ndarray]  # '<collective>_out' / '_rem': bytes per step freed, exchange.hot_curve
 
-    def collectives(self, s: Setup, k: int) -> dict[str, dict[str, float]]:
+    def collectives(self, s: ExchangeBaseline, k: int) -> dict[str, dict[str, float]]:
         """Per collective of the exchange: bytes_out and remote bytes per step left at K = k."""
         return {c: {"bytes_per_step": s.base[c][0] - float(self.saved[f"{c}_out"][k]),
                     "remote_bytes_per_step": s.base[c][1] - float(self.saved[f"{c}_rem"][k])}
@@ -87,9 +97,6 @@ class Curve:
         return "sparse_allreduce" if self.is_sparse[k] else "dense_allreduce"
 
 
-_cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
-
-
 def cannot(ctx: Context) -> str | None:
     """Why no embedding policy can be derived from this run, or None."""
     if not ctx.has("lookups"):
@@ -98,7 +105,7 @@ def cannot(ctx: Context) -> str | None:
         return "one rank: every lookup is already local, nothing travels"
     if not ctx.has("comms"):
         return "the run has no comms: the source rank of each lookup is unknown"
-    s = exchange.setup(ctx)
+    s = exchange.baseline(ctx)
     if s.sampled_steps == 0 or not s.base_remote:
         return "no training lookup could be attributed to a source rank (no input-dist all-to-all)"
     return None
@@ -115,7 +122,16 @@ def budget(ctx: Context) -> int | None:
     return None
 
 
-def estimated_rows(ctx: Context, s: Setup) -> str:
+def replica_budget(ctx: Context) -> float:
+    """Replica bytes per rank a policy building on replication's may use (tiers, schedule): the
+    options' budget, else the replica bytes replication chose."""
+    limit = budget(ctx)
+    if limit is None:
+        limit = (derive(ctx).section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
+    return limit
+
+
+def estimated_rows(ctx: Context, s: ExchangeBaseline) -> str:
     """A temp table like tk_rows (per row: rb, lookups, steps, src_steps, benefit_rem ...), its
     figures over EVERY training step where `accesses` has them (exact counts), in units of the
     sampled steps' replay (lookups scaled by S/T; steps and src_steps too): choosing rows on the
@@ -124,8 +140,12 @@ def estimated_rows(ctx: Context, s: Setup) -> str:
     it, so a row's own sampled share (all remote, or all local, in a few sampled steps) is noise
     that would favour exactly the rows the sampled replay then finds remote. A row the sampled
     steps never saw counts one source rank per step touched."""
-    if ctx.sql("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'tk_rows_est'").fetchall()[0][0]:
-        return "tk_rows_est"
+    return ctx.memo(estimated_rows, lambda: _estimated_rows(ctx, s))
+
+
+def _estimated_rows(ctx: Context, s: ExchangeBaseline) -> str:
+    attribution.attributed(ctx)  # tk_names
+    exchange.baseline(ctx)  # tk_rows
     total = ctx.sql("SELECT count(DISTINCT step) FROM train_accesses").fetchall()[0][0] if ctx.has("accesses") else 0
     if not total:
         ctx.sql("CREATE OR REPLACE TEMP TABLE tk_rows_est AS SELECT * FROM tk_rows")
@@ -149,9 +169,10 @@ def estimated_rows(ctx: Context, s: Setup) -> str:
 
 
 def order_table(ctx: Context, name: str, order_by: str) -> pl.DataFrame:
-    """Write temp table `name` (tid, row, pos) ordering the rows (`estimated_rows`) by the SQL
+    """Write temp table `name` (module docstring) ordering the rows (`estimated_rows`) by the SQL
     `order_by` list, ties by lookups, tid, row; return the ordered rows with their figures."""
-    rows = estimated_rows(ctx, exchange.setup(ctx))
+    attribution.attributed(ctx)  # tk_names
+    rows = estimated_rows(ctx, exchange.baseline(ctx))
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE {name} AS
                 SELECT r.*, n.table_name,
                        (row_number() OVER (ORDER BY {order_by}, r.lookups DESC, r.tid, r."row") - 1)::BIGINT AS pos
@@ -160,7 +181,7 @@ def order_table(ctx: Context, name: str, order_by: str) -> pl.DataFrame:
                          FROM {name} ORDER BY pos""")
 
 
-def curve(ctx: Context, s: Setup, name: str, order_by: str) -> Curve:
+def curve(ctx: Context, s: ExchangeBaseline, name: str, order_by: str) -> Curve:
     """Replay every prefix of the order `order_by` (module docstring)."""
     order = order_table(ctx, name, order_by)
     n = order.height
@@ -176,15 +197,30 @@ def curve(ctx: Context, s: Setup, name: str, order_by: str) -> Curve:
     remote = {c: s.base[c][1] - saved[f"{c}_rem"] for c in exchange.COLLECTIVES}
     hot_ids = coverage * s.lookups_per_rank
     k = np.arange(n + 1, dtype=np.float64)
-    is_sparse = network.sync_choice(ctx, s, remote, dense, sparse, hot_ids, union_rows, k)
-    t = network.timing(ctx, s, remote, is_sparse, np.where(is_sparse, sparse, dense), hot_ids,
-                         np.where(is_sparse, union_rows, k))
+    is_sparse = exchange.sync_choice(ctx, s, remote, dense, sparse, hot_ids, union_rows, k)
+    t = exchange.timing(ctx, s, remote, is_sparse, np.where(is_sparse, sparse, dense), hot_ids,
+                        np.where(is_sparse, union_rows, k))
     replica = np.concatenate([zero, np.cumsum(rb)])
     return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, is_sparse, coverage, union_rows, t.comm_s,
                  t.work_s, t.step_s, t.error_s, saved)
 
 
-def benefit_key(s: Setup, net: network.Network) -> str:
+def benefit_curve(ctx: Context) -> Curve:
+    """Every prefix of the rows by benefit per replica byte (`benefit_key`), replayed once per
+    context (ctx.memo); its order in tk_order_replication."""
+    def replay() -> Curve:
+        s = exchange.baseline(ctx)
+        return curve(ctx, s, "tk_order_replication", benefit_key(s, network.network(ctx)))
+    return ctx.memo(benefit_curve, replay)
+
+
+def count_curve(ctx: Context) -> Curve:
+    """Every prefix of the rows by count (HugeCTR's and FAE's order), replayed once per context
+    (ctx.memo); its order in tk_order_count."""
+    return ctx.memo(count_curve, lambda: curve(ctx, exchange.baseline(ctx), "tk_order_count", "r.lookups DESC"))
+
+
+def benefit_key(s: ExchangeBaseline, net: network.Network) -> str:
     """SQL ORDER BY list over the rows: score_i descending (module docstring) while it is positive,
     then the rows that do not pay for their sync by all-to-all bytes freed per replica byte, so
     the curve past the optimum says what more memory would still take off the all-to-all."""
@@ -206,7 +242,7 @@ def best(c: Curve, limit: int | None, objective: str = "time") -> int:
     return int(np.argmin(np.where(allowed, merit, np.inf)))
 
 
-def hugectr(ctx: Context, s: Setup) -> dict:
+def hugectr(ctx: Context, s: ExchangeBaseline) -> dict:
     """HugeCTR's count threshold (papers B.3) over the sampled steps, and how many rows pass it."""
     steps = max(s.sampled_steps, 1)
     batch = s.samples / steps
@@ -218,6 +254,7 @@ def hugectr(ctx: Context, s: Setup) -> dict:
     else:
         threshold = batch * steps * math.sqrt(2 * P_DUP_MAX / max(per_rank * (per_rank - 1), 1e-12))
         rule = "B·I·sqrt(2·p_dup/(M(M−1)))"
+    exchange.baseline(ctx)  # tk_rows
     passing, seen = ctx.sql(f"""SELECT count(*) FILTER (WHERE lookups >= {threshold!r}), count(*)
                                 FROM tk_rows""").fetchall()[0]
     frequent = int(math.ceil(passing / s.world) * s.world)
@@ -227,7 +264,7 @@ def hugectr(ctx: Context, s: Setup) -> dict:
             "per_rank_batch": per_rank, "nodes": nodes, "p_dup_max": P_DUP_MAX, "rows": frequent}
 
 
-def sweep(s: Setup, c: Curve, points: dict[str, int], ordering: str) -> pl.DataFrame:
+def sweep(s: ExchangeBaseline, c: Curve, points: dict[str, int], ordering: str) -> pl.DataFrame:
     """One row per K of `points` (label -> K), sorted by K."""
     rows = []
     for label, k in points.items():
@@ -244,22 +281,23 @@ def sweep(s: Setup, c: Curve, points: dict[str, int], ordering: str) -> pl.DataF
 
 
 def derive(ctx: Context) -> PolicyResult:
-    """The replication section, its hot_rows list, the budget sweep and the evidence."""
-    return exchange.once(_cache, ctx, _derive)
+    """The replication section, its hot_rows list, the budget sweep and the evidence; once per
+    context (ctx.memo)."""
+    return ctx.memo(derive, lambda: _derive(ctx))
 
 
 def _derive(ctx: Context) -> PolicyResult:
     reason = cannot(ctx)
     if reason:
         return PolicyResult("replication", reason=reason)
-    s = exchange.setup(ctx)
+    s = exchange.baseline(ctx)
     net = network.network(ctx)
-    c = curve(ctx, s, "tk_order_replication", benefit_key(s, net))
+    c = benefit_curve(ctx)
     limit = budget(ctx)
     objective = ctx.options.objective
     k = best(c, limit, objective)
     h = hugectr(ctx, s)
-    by_count = curve(ctx, s, "tk_order_count", "r.lookups DESC")
+    by_count = count_curve(ctx)
     points = {f"sweep {i}": p for i, p in enumerate(exchange.log_points(c.order.height))}
     points.update({"optimum": best(c, None, objective)} if limit is None
                   else {"optimum": best(c, None, objective), "budget": k})
@@ -294,7 +332,7 @@ def _derive(ctx: Context) -> PolicyResult:
                         tables={"replication_sweep": table})
 
 
-def intervals(ctx: Context, s: Setup, c: Curve, k: int, order: str) -> dict[str, list[float]]:
+def intervals(ctx: Context, s: ExchangeBaseline, c: Curve, k: int, order: str) -> dict[str, list[float]]:
     """The estimated figures at K = k with their intervals: the all-to-all bytes (from sampled
     steps: exchange.step_interval, none where every step was sampled) and the step time (± the
     model's error, analyses.network)."""
@@ -304,7 +342,8 @@ def intervals(ctx: Context, s: Setup, c: Curve, k: int, order: str) -> dict[str,
     return out
 
 
-def _evidence(s: Setup, c: Curve, k: int, limit: int | None, h: dict, by_count: Curve, net: network.Network) -> dict:
+def _evidence(s: ExchangeBaseline, c: Curve, k: int, limit: int | None, h: dict, by_count: Curve,
+              net: network.Network) -> dict:
     """Which trace rows and formulas the section comes from, and HugeCTR's rule beside it."""
     return {
         "trace": f"train_lookups of {s.sampled_steps} sampled steps, source ranks from the input dist "

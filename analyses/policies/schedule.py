@@ -5,7 +5,7 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   while their bytes fit the budget per rank (FAE: K = budget / row_bytes; Options.budget_bytes or
   budget_fraction, else the replication policy's chosen replica bytes).
 - A sample is hot when every id it holds, in every table, is hot (FAE's input classification).
-  Samples are named across tables by the global sample id of analyses.sources (sampled step,
+  Samples are named across tables by the global sample id of analyses.attribution (sampled step,
   source rank, position in the source's batch). A sequence id that cannot be placed in a sample
   (row-wise sequence tables) makes every sample of its (step, source) batch cold if its row is
   cold (conservative). hot_sample_fraction H = hot samples / samples; with batches formed from each
@@ -30,26 +30,25 @@ of every size along the count order, so the budget FAE needs is visible.
 Outputs: the `schedule` section (kind "fae", hot_rows, hot_sample_fraction, predicted
 {a2a_bytes_per_step, sync_bytes_per_step, step_time_s, hot_step_fraction, switch_bytes, ...}) and its
 row list: policy/hot_rows.parquet when the hot set is replication's, else policy/fae_hot_rows.parquet.
+Its temporary tables (tk_fae_hot, tk_fae_cold_batches, tk_fae_cold, tk_fae_batches) are its own.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import polars as pl
 
-from analyses import exchange, network
+from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
-from analyses.exchange import Setup
+from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
-
-_cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
 
 
 def hot_set(ctx: Context, limit: float) -> pl.DataFrame:
     """Temp table tk_fae_hot (tid, row) and its rows (table_name, row, count, benefit_bytes): the
     most counted rows while their bytes fit `limit`."""
+    attribution.attributed(ctx)  # tk_names
+    exchange.baseline(ctx)  # tk_rows
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_hot AS
                 SELECT tid, "row", lookups, benefit_rem FROM (
                     SELECT *, sum(rb) OVER (ORDER BY lookups DESC, tid, "row"
@@ -64,6 +63,8 @@ def classify(ctx: Context) -> int:
     """Temp tables tk_fae_cold_batches (step, src: a batch holding an unplaced cold sequence id,
     every sample of it cold), tk_fae_cold (gid, step, src: the other samples holding a cold id)
     and tk_fae_batches (step, src, b, hot: hot samples per sampled batch); returns the cold count."""
+    attribution.attributed(ctx)  # tk_batches, tk_steps
+    exchange.baseline(ctx)  # tk_x
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_cold_batches AS
                SELECT DISTINCT l.step, l.src FROM tk_x l ANTI JOIN tk_fae_hot h USING (tid, "row")
                WHERE l.gid IS NULL""")
@@ -79,9 +80,11 @@ def classify(ctx: Context) -> int:
     return int(ctx.sql("SELECT coalesce(sum(b - hot), 0) FROM tk_fae_batches").fetchall()[0][0])
 
 
-def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, hot_rows: int) -> tuple[float, str, float]:
+def hot_batch_sync(ctx: Context, s: ExchangeBaseline, hot_bytes: float, hot_rows: int) -> tuple[float, str, float]:
     """(sync bytes per hot step, kind, hot batches replayed): hot samples in gid order cut into
     global batches of B (module docstring)."""
+    attribution.attributed(ctx)  # tk_names
+    exchange.baseline(ctx)  # tk_x
     batch = max(int(round(s.samples / max(s.sampled_steps, 1))), 1)
     per_rank = max(batch // max(s.world, 1), 1)
     w1 = s.world - 1
@@ -101,15 +104,17 @@ def hot_batch_sync(ctx: Context, s: Setup, hot_bytes: float, hot_rows: int) -> t
     hot_batches, sparse = rows[0], float(rows[1] or 0.0) + exchange.count_exchange(s.world)
     dense = 2 * w1 * hot_bytes
     remote = {c: 0.0 for c in exchange.COLLECTIVES}
-    is_sparse = bool(network.sync_choice(ctx, s, remote, dense, sparse, s.lookups_per_rank, hot_rows, hot_rows))
+    is_sparse = bool(exchange.sync_choice(ctx, s, remote, dense, sparse, s.lookups_per_rank, hot_rows, hot_rows))
     return (sparse if is_sparse else dense), ("sparse_allreduce" if is_sparse else "dense_allreduce"), hot_batches
 
 
-def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
+def sweep(ctx: Context, s: ExchangeBaseline, chosen: int) -> pl.DataFrame:
     """Table `schedule_sweep`: per hot-set size K (rows by count) the hot-sample fraction and the
     a2a bytes per step left, in one pass (a sample is hot for K > the last count position of its
     ids); sequence ids not placed in samples are left out of this curve."""
-    order = ctx.frame('SELECT rb FROM tk_order_count ORDER BY pos')
+    attribution.attributed(ctx)  # tk_names
+    exchange.baseline(ctx)  # tk_x, tk_tshards
+    order = replication.count_curve(ctx).order  # in tk_order_count
     n = order.height
     hist = ctx.frame(f"""
         WITH per_sample AS (
@@ -145,27 +150,26 @@ def sweep(ctx: Context, s: Setup, chosen: int) -> pl.DataFrame:
 
 
 def derive(ctx: Context) -> PolicyResult:
-    """The schedule section and its hot-row list (module docstring)."""
-    return exchange.once(_cache, ctx, _derive)
+    """The schedule section and its hot-row list (module docstring); once per context (ctx.memo)."""
+    return ctx.memo(derive, lambda: _derive(ctx))
 
 
 def _derive(ctx: Context) -> PolicyResult:
     reason = replication.cannot(ctx)
     if reason:
         return PolicyResult("schedule", reason=reason)
-    s = exchange.setup(ctx)
+    s = exchange.baseline(ctx)
     rep = replication.derive(ctx)
-    limit = replication.budget(ctx)
-    if limit is None:
-        limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
+    limit = replication.replica_budget(ctx)
     rows = hot_set(ctx, limit)
+    attribution.attributed(ctx)  # tk_names
     hot_bytes = float(ctx.sql("SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN tk_names n USING (tid)")
                       .fetchall()[0][0])
     cold = classify(ctx)
     fraction = 1 - cold / s.samples if s.samples else 0.0
     k = rows.height
     sync_hot, _, hot_batches = hot_batch_sync(ctx, s, hot_bytes, k)
-    replicated = replication.curve(ctx, s, "tk_order_count", "r.lookups DESC")
+    replicated = replication.count_curve(ctx)
     lengths_out, lengths_rem = s.base["input_lengths"]
     a2a_out = float(replicated.a2a_out[k]) - fraction * lengths_out
     a2a_rem = float(replicated.a2a_rem[k]) - fraction * lengths_rem
@@ -175,9 +179,9 @@ def _derive(ctx: Context) -> PolicyResult:
     sync_kind = replicated.sync_kind(k)
     sync = float(replicated.sync[k]) if k else 0.0
     rows_synced = replicated.union_rows[k] if sync_kind == "sparse_allreduce" else k
-    t = network.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
-                         replicated.coverage[k] * s.lookups_per_rank, rows_synced,
-                         skipped_calls=fraction * len(exchange.COLLECTIVES))
+    t = exchange.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
+                        replicated.coverage[k] * s.lookups_per_rank, rows_synced,
+                        skipped_calls=fraction * len(exchange.COLLECTIVES))
     step_time = None if t.step_s is None else float(t.step_s)
     saved_rem = s.base_remote - a2a_rem
     switch = 2 * (s.world - 1) * hot_bytes

@@ -42,17 +42,13 @@ policy/tiers.parquet (table_name, row, tier) listing tier 1 and 2 rows (unlisted
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import polars as pl
 
-from analyses import exchange, network
+from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
-from analyses.exchange import Setup
+from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
-
-_cache: weakref.WeakKeyDictionary[Context, dict] = weakref.WeakKeyDictionary()
 
 
 def topology(ctx: Context) -> tuple[int, int]:
@@ -66,9 +62,11 @@ def topology(ctx: Context) -> tuple[int, int]:
     return 1, ctx.model.world_size
 
 
-def classes(ctx: Context, s: Setup, order: str, per_node: int) -> pl.DataFrame:
+def classes(ctx: Context, s: ExchangeBaseline, order: str, per_node: int) -> pl.DataFrame:
     """Network bytes per step of items grouped by (maxpos, recorded class c0, tier-2 class c2);
     class 0 local, 1 intra-node, 2 inter-node; maxpos null: an id outside the order."""
+    attribution.attributed(ctx)  # tk_names
+    exchange.baseline(ctx)  # tk_x
     g = per_node
     item = exchange.item_bytes_sql(s.len_bytes, s.id_bytes)
     return ctx.frame(f"""
@@ -87,9 +85,10 @@ def classes(ctx: Context, s: Setup, order: str, per_node: int) -> pl.DataFrame:
         FROM (SELECT maxpos, c0, c2, {item} FROM sized) GROUP BY ALL""")
 
 
-def fixed_bytes(ctx: Context, s: Setup, per_node: int, hist: pl.DataFrame) -> dict[int, float]:
+def fixed_bytes(ctx: Context, s: ExchangeBaseline, per_node: int, hist: pl.DataFrame) -> dict[int, float]:
     """Bytes per step no item carries (sequence tables' lengths, bags without ids), by class
     (0: what a rank hands itself): the recorded exchange (tk_pairs) less the items' bytes."""
+    exchange.baseline(ctx)  # tk_pairs
     g = per_node
     rows = ctx.sql(f"""SELECT CASE WHEN sender // {g} = receiver // {g} THEN 1 ELSE 2 END AS c,
                               sum(bytes)::DOUBLE / {max(s.sampled_steps, 1)}
@@ -109,8 +108,9 @@ def _cumulative(hist: pl.DataFrame, n: int, where: pl.Expr) -> np.ndarray:
 
 
 def derive(ctx: Context) -> PolicyResult:
-    """The tiers section and row list for the topology (module docstring)."""
-    return exchange.once(_cache, ctx, _derive)
+    """The tiers section and row list for the topology (module docstring); once per context
+    (ctx.memo)."""
+    return ctx.memo(derive, lambda: _derive(ctx))
 
 
 def _derive(ctx: Context) -> PolicyResult:
@@ -121,12 +121,13 @@ def _derive(ctx: Context) -> PolicyResult:
     if nodes * g != ctx.model.world_size:
         return PolicyResult("tiers", reason=f"topology {nodes}x{g} does not hold the run's "
                                             f"{ctx.model.world_size} ranks")
-    s = exchange.setup(ctx)
+    s = exchange.baseline(ctx)
     net = network.network(ctx)
     rep = replication.derive(ctx)
-    order = replication.order_table(ctx, "tk_order_tiers", replication.benefit_key(s, net))
+    by_benefit = replication.benefit_curve(ctx)  # replication's order, in tk_order_replication
+    order = by_benefit.order
     n = order.height
-    hist = classes(ctx, s, "tk_order_tiers", g)
+    hist = classes(ctx, s, "tk_order_replication", g)
     c0, c2 = pl.col("c0"), pl.col("c2")
     fixed = fixed_bytes(ctx, s, g, hist)
     total = {c: float(hist.filter(c0 == c)["bytes"].sum()) + fixed[c] for c in (0, 1, 2)}
@@ -136,12 +137,9 @@ def _derive(ctx: Context) -> PolicyResult:
     cum_rb = np.concatenate([[0.0], np.cumsum(rb)])
     union = np.concatenate([[0.0], np.cumsum(rb * steps)]) / max(s.sampled_steps, 1)  # Σ rb·U per step
     pairs = np.concatenate([[0.0], np.cumsum(src_steps)]) / max(s.sampled_steps, 1)
-    limit = replication.budget(ctx)
-    if limit is None:
-        limit = (rep.section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
-    limit = float(limit)
+    limit = float(replication.replica_budget(ctx))
 
-    one = replication.curve(ctx, s, "tk_order_tiers", replication.benefit_key(s, net)) if nodes == 1 else None
+    one = by_benefit if nodes == 1 else None
     # across nodes the fitted link is the nodes' (a cluster run's calls cross it); within a node
     # the ranks share memory: free beside it unless --intra-bw says otherwise
     beta = net.fit.beta_s_per_byte
@@ -213,9 +211,9 @@ def _derive(ctx: Context) -> PolicyResult:
     if step_time is not None:
         section["intervals"] = {"step_time_s": [max(step_time - chosen["error_s"], 0.0), step_time + chosen["error_s"]]}
     if one is not None:  # one node: replication's figures, with their interval from sampled steps
-        section.setdefault("intervals", {}).update(exchange.step_interval(ctx, s, "tk_order_tiers", k1))
+        section.setdefault("intervals", {}).update(exchange.step_interval(ctx, s, "tk_order_replication", k1))
     else:  # across nodes: the sampled exchange's relative spread at the rows that leave it, on each byte figure
-        spread = exchange.step_interval(ctx, s, "tk_order_tiers", k1 + k2).get("a2a_remote_bytes_per_step")
+        spread = exchange.step_interval(ctx, s, "tk_order_replication", k1 + k2).get("a2a_remote_bytes_per_step")
         if spread:
             rel = (spread[1] - spread[0]) / 2 / max(sum(spread) / 2, 1.0)
             section.setdefault("intervals", {}).update(

@@ -49,9 +49,10 @@ import torch
 import torch.distributed as dist
 
 import tracekit
+from tracekit import tags
 from tracekit.schema import DCT_WHOLE_BELOW
 
-LABEL = "dct_dp"
+LABEL = tags.DCT_DP
 ENCODINGS = ("dense", "bitmap", "int16", "int32")  # ties go to the first
 COUNT_BYTES = 4  # each rank's count, int32
 BLOCK = 1 << 16  # int16 indices are offsets within blocks of this many entries

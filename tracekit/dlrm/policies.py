@@ -40,8 +40,8 @@ import torch
 from tracekit.dlrm.compression import DctDp
 from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.sharding import TableSpec
-from tracekit.policy import (INFERENCE_ONLY, PolicyError, check_model, load_policy, recommended, row_path,
-                             section_part, sections)
+from tracekit.policy import (INFERENCE_ONLY, DctDp as DctDpSection, Policy, PolicyError, Tiers,
+                             check_model, load_policy, row_path)
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,13 @@ class AppliedPolicy:
         return [head, *(f"policy: skipped {label}: {why}" for label, why in self.skipped.items())]
 
 
-def choose(policy: dict, *, inference: bool) -> tuple[list[str], dict[str, str]]:
+def choose(policy: Policy, *, inference: bool) -> tuple[list[str], dict[str, str]]:
     """The labels of the sections a run applies (the recommended ones of its kind: training, or
     `--inference`), and each other section present with why it is skipped."""
     applied, skipped = [], {}
-    for label, body in sections(policy):
-        if not recommended(body):
-            skipped[label] = f"not recommended ({body['reason']})"
+    for label, section in policy.sections.items():
+        if not section.recommended:
+            skipped[label] = f"not recommended ({section.reason})"
         elif label in INFERENCE_ONLY and not inference:
             skipped[label] = "inference-only (train.py --inference --policy FILE applies it)"
         elif label not in INFERENCE_ONLY and inference:
@@ -88,27 +88,26 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     """The policy at `path` as the trainer applies it (module docstring); PolicyError (or
     PolicyMismatch) saying what differs or what cannot be applied."""
     path = Path(path)
-    policy = load_policy(path)
-    check_model(policy, tables=[{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables],
+    raw = load_policy(path)
+    check_model(raw, tables=[{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables],
                 world_size=world_size, path=path)
+    policy = Policy.from_json(raw)
     applied, skipped = choose(policy, inference=inference)
+    chosen = {label: policy.sections[label] for label in applied}
     if inference:
-        bound = int(policy["lag"]["bound"]) if "lag" in applied else None
-        return AppliedPolicy(path, tuple(applied), skipped, lag_bound=bound)
+        return AppliedPolicy(path, tuple(applied), skipped, lag_bound=chosen["lag"].bound if "lag" in chosen else None)
     replicated: list[tuple[torch.Tensor, str, str]] = []  # (keys, sync, where the sync is named)
-    if "replication" in applied:
-        replicated.append((_rows(path, policy["replication"]["rows"], tables), policy["replication"]["sync"],
-                           "replication.sync"))
-    if "tiers" in applied:
-        replicated.append((_tier_one(path, policy["tiers"], tables, world_size, local_world_size),
-                           policy["tiers"].get("tier1_sync", "sparse_allreduce"), "tiers.tier1_sync"))
+    if replication := chosen.get("replication"):
+        replicated.append((_rows(path, replication.rows, tables), replication.sync, "replication.sync"))
+    if tiers := chosen.get("tiers"):
+        replicated.append((_tier_one(path, tiers, tables, world_size, local_world_size), tiers.tier1_sync,
+                           "tiers.tier1_sync"))
     fae = None
-    if "schedule" in applied:
-        schedule = policy["schedule"]
-        if schedule.get("kind") != "fae":
-            raise PolicyError(f"{path}: schedule.kind: expected \"fae\", got {schedule.get('kind')!r}")
-        fae = _rows(path, schedule["hot_rows"], tables)
-        replicated.append((fae, schedule.get("sync", "sparse_allreduce"), "schedule.sync"))
+    if schedule := chosen.get("schedule"):
+        if schedule.kind != "fae":
+            raise PolicyError(f"{path}: schedule.kind: expected \"fae\", got {schedule.kind!r}")
+        fae = _rows(path, schedule.hot_rows, tables)
+        replicated.append((fae, schedule.sync, "schedule.sync"))
     for _, sync, where in replicated:
         if sync not in SYNCS:
             raise PolicyError(f"{path}: {where}: expected one of {', '.join(SYNCS)}, got {sync!r}")
@@ -116,16 +115,19 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     if replicated:
         hot = _split(torch.unique(torch.cat([keys for keys, _, _ in replicated])), tables)
         sync = max(replicated, key=lambda r: r[0].numel())[1]
-    dct_dp = None
-    if "compression.dp" in applied:
-        dp = section_part(policy, "compression.dp")
-        try:
-            dct_dp = DctDp(**{key: dp[key] for key in ("keep_ratio", "refresh_every", "error_feedback") if key in dp})
-        except ValueError as err:
-            raise PolicyError(f"{path}: compression.dp: {err}") from None
-    mp = section_part(policy, "compression.mp") if "compression.mp" in applied else None
+    dct_dp = _dct_dp(path, chosen["compression.dp"]) if "compression.dp" in chosen else None
+    mp = chosen.get("compression.mp")
     return AppliedPolicy(path, tuple(applied), skipped, hot, sync, None if fae is None else _split(fae, tables),
-                         dct_dp, mp_keep_ratio=None if mp is None else float(mp["keep_ratio"]))
+                         dct_dp, mp_keep_ratio=None if mp is None else float(mp.keep_ratio))
+
+
+def _dct_dp(path: Path, section: DctDpSection) -> DctDp:
+    settings = {"keep_ratio": section.keep_ratio, "refresh_every": section.refresh_every,
+                "error_feedback": section.error_feedback}
+    try:
+        return DctDp(**{key: value for key, value in settings.items() if value is not None})
+    except ValueError as err:
+        raise PolicyError(f"{path}: compression.dp: {err}") from None
 
 
 def _rows(policy_path: Path, relative: str, tables: list[TableSpec]) -> torch.Tensor:
@@ -165,15 +167,14 @@ def _split(keys: torch.Tensor, tables: list[TableSpec]) -> list[torch.Tensor]:
     return out
 
 
-def _tier_one(path: Path, section: dict, tables: list[TableSpec], world_size: int, local_world_size: int):
+def _tier_one(path: Path, section: Tiers, tables: list[TableSpec], world_size: int, local_world_size: int):
     """Tier-1 rows as keys. Tier 2 sits once per node; on one node that is the recorded sharding."""
-    topology = section.get("topology", {})
-    nodes, per_node = int(topology.get("nodes", 1)), int(topology.get("ranks_per_node", world_size))
+    nodes, per_node = int(section.topology.get("nodes", 1)), int(section.topology.get("ranks_per_node", world_size))
     if nodes * per_node != world_size or per_node != local_world_size:
         raise PolicyError(f"{path}: tiers.topology is {nodes} node(s) × {per_node} ranks, but this run has "
                           f"{world_size // max(local_world_size, 1)} node(s) × {local_world_size} ranks "
                           f"(WORLD_SIZE {world_size}, LOCAL_WORLD_SIZE {local_world_size})")
-    file = row_path(path, section["rows"])
+    file = row_path(path, section.rows)
     try:
         frame = pq.read_table(file, columns=["table_name", "row", "tier"]).to_pydict()
     except Exception as err:  # noqa: BLE001

@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 import tracekit
+from tracekit import tags
 
 SYNCS = ("sparse_allreduce", "dense_allreduce")
-SYNC_LABEL = "replica_sync"
+SYNC_LABEL = tags.REPLICA_SYNC
 
 
 class _ReplicaLookup(torch.autograd.Function):

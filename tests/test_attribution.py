@@ -1,4 +1,4 @@
-"""Source-rank attribution (analyses/sources.py): runs written with RunWriter whose lookups and
+"""Source-rank attribution (analyses/attribution.py): runs written with RunWriter whose lookups and
 input-dist all-to-alls follow the trainer's layout (build_run, shared with the cost model and
 policy tests), and real 2-rank trainer runs checked against the samples the trainer consumed."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from analyses import sources
+from analyses import attribution
 from analyses.context import Options, open_context
 from tests.recorded import REPO, TINY, record
 from tracekit.dlrm.data import open_dataset
@@ -131,11 +131,11 @@ def _comm(step, seq, op, dtype, out, inn, t0, t1, tag, size=None, world=2):
             "t_end_ns": [t1], "tag": [tag], "async": [False], "phase": ["train"]}
 
 
-def attributed_rows(run: Path, options: Options | None = None) -> tuple[dict, sources.Attribution]:
-    ctx = open_context(run, options)
-    a = sources.attributed(ctx)
-    got = {(step, owner, name, sample, pos): [row, src, src_sample]
-           for step, owner, name, kind, sample, pos, row, src, src_sample, gid in a.relation.fetchall()}
+def attributed_rows(run: Path, options: Options | None = None) -> tuple[dict, attribution.Attribution]:
+    with open_context(run, options) as ctx:
+        a = attribution.attributed(ctx)
+        got = {(step, owner, name, sample, pos): [row, src, src_sample]
+               for step, owner, name, kind, sample, pos, row, src, src_sample, gid in a.relation.fetchall()}
     return got, a
 
 
@@ -154,7 +154,8 @@ def test_pooled_sequence_and_replicated_lookups_get_their_source(tmp_path: Path)
     assert a.exact and not a.notes
     methods = {(o, t): m for o, t, m in a.methods.iter_rows()}
     assert methods[(1, "s")] == "ids" and methods[(0, "a")] == "bags" and methods[(0, "d")] == "own-rank"
-    batches = sources.batches(open_context(tmp_path / "run"))
+    with open_context(tmp_path / "run") as ctx:
+        batches = attribution.batches(ctx)
     assert batches.rows() == [(0, 0, 2), (0, 1, 3), (0, 2, 1), (1, 0, 4), (1, 1, 4), (1, 2, 4)]
 
 
@@ -178,9 +179,9 @@ def test_a_step_without_an_input_dist_leaves_the_source_unknown(tmp_path: Path) 
     comms = tmp_path / "run" / "comms"
     for part in comms.glob("*/*.parquet"):
         part.unlink()
-    ctx = open_context(tmp_path / "run")
-    a = sources.attributed(ctx)
-    assert {row[7] for row in a.relation.fetchall()} == {None}
+    with open_context(tmp_path / "run") as ctx:
+        a = attribution.attributed(ctx)
+        assert {row[7] for row in a.relation.fetchall()} == {None}
     assert not a.exact and any("no source rank" in n for n in a.notes)
 
 
@@ -215,9 +216,10 @@ def test_trainer_lookups_are_attributed_to_the_rank_that_sent_them(tmp_path: Pat
                            "--nproc-per-node", "2", str(REPO / "train.py"), *TINY, "--sharding", sharding,
                            "--sequence-tables", str(sequence_tables), options=("--lookup-every", "2"))
     assert code == 0
-    ctx = open_context(run_dir)
-    a = sources.attributed(ctx)
-    rows = a.relation.fetchall()
+    with open_context(run_dir) as ctx:
+        a = attribution.attributed(ctx)
+        rows = a.relation.fetchall()
+        batches = attribution.batches(ctx)
     truth = trainer_truth(2, [0, 2])
     seq_tables = {f"t{t}" for t in range(sequence_tables)}
     pooled = Counter((s, n, r, src, ss) for s, o, n, k, _, _, r, src, ss, _ in rows if n not in seq_tables)
@@ -238,4 +240,4 @@ def test_trainer_lookups_are_attributed_to_the_rank_that_sent_them(tmp_path: Pat
         assert by_table == want_by_table and a.exact
     else:  # several on one owner: their tables are apportioned
         assert not a.exact
-    assert sources.batches(ctx)["b"].to_list() == [32] * 8
+    assert batches["b"].to_list() == [32] * 8

@@ -27,25 +27,35 @@ E[U] is per device batch. The rule (DESIGN.md §4 layout, TorchRec's input dist)
 
 The check: replaying the exchange from the attributed lookups gives every split of every
 input-dist and output-dist all-to-all in `comms` byte for byte (analyses.exchange,
-`costmodel_check`); tests/test_sources.py holds the attribution against the samples the trainer
-consumed on 2-rank runs (table- and row-wise, pooled and sequence).
+`costmodel_check`); tests/test_attribution.py holds the attribution against the samples the
+trainer consumed on 2-rank runs (table- and row-wise, pooled and sequence).
 
-`attributed(ctx)` builds the temporary table `tk_src` once per context (DuckDB passes over
-`train_lookups`, no Python loop over rows): step, owner, tid (the table's index in the manifest),
-seq (a sequence table), sample, pos, row, src, src_sample (null where the sample is unknown) and
-gid, a global sample id `(sampled step index · W + src) · max batch + src_sample` that names a
-sample across tables and owners. It returns the same as a relation with table_name and kind, and
-the rule's bookkeeping (which tables were attributed how). `batches(ctx)` is `tk_batches`
-(step, src, b) for every training step, from the same all-to-all. Lookups of a step without such
-an all-to-all keep `src` null. Also on the connection: tk_names (tid, table_name, kind, sharded,
-n_shards, rb), tk_shards (tid, rank), tk_a2a (training all-to-alls with their ordinal k within
-(rank, step)), tk_bounds (step, owner, src, b, lo), tk_ids (ids each owner received per source),
-tk_steps (sampled steps, si).
+`attributed(ctx)` attributes once per context (ctx.memo; DuckDB passes over `train_lookups`, no
+Python loop over rows) and returns the attributed lookups as a relation with table names, and
+the rule's bookkeeping (which tables were attributed how). `batches(ctx)` is every rank's local
+batch at every training step, from the same all-to-all. Lookups of a step without such an
+all-to-all keep `src` null.
+
+Temporary tables it creates that other modules read (call `attributed(ctx)` first):
+
+    tk_names    tid (the table's index in the manifest), table_name, kind, sharded, n_shards,
+                rb (row bytes), n_features
+    tk_shards   tid, rank: each rank holding a shard of the table
+    tk_a2a      rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in, k: the
+                training all_to_all_singles with their ordinal k within (rank, step)
+    tk_batches  step, src, b: every rank's local batch at every training step
+    tk_bounds   step, owner, src, b, lo: each source's bag range in each owner's received batch
+    tk_steps    step, si: the sampled steps (with lookups) and their index
+    tk_src      step, owner, tid, seq (a sequence table), sample, pos, row, src, src_sample (null
+                where the sample is unknown), gid: a global sample id
+                `(si · W + src) · max batch + src_sample` naming a sample across tables and owners
+
+The others (tk_owner_tables, tk_lengths, tk_ids, tk_lookups, tk_bmax, tk_uniform, tk_seq_bounds,
+tk_src_bags, tk_src_seq, tk_seq_lookups) are its own steps.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import duckdb
@@ -69,9 +79,6 @@ class Attribution:
     methods: pl.DataFrame
     exact: bool
     notes: list[str] = field(default_factory=list)
-
-
-_cache: weakref.WeakKeyDictionary[Context, Attribution] = weakref.WeakKeyDictionary()
 
 
 def elem_bytes(dtype: str) -> int:
@@ -115,9 +122,11 @@ def shards(ctx: Context) -> pl.DataFrame:
 
 
 def attributed(ctx: Context) -> Attribution:
-    """The training lookups with their source rank (module docstring), built once per context."""
-    if ctx in _cache:
-        return _cache[ctx]
+    """The training lookups with their source rank (module docstring), attributed once per context."""
+    return ctx.memo(attributed, lambda: _attribute(ctx))
+
+
+def _attribute(ctx: Context) -> Attribution:
     notes: list[str] = []
     ctx.con.register("tk_names_frame", table_ids(ctx))
     ctx.con.register("tk_shards_frame", shards(ctx))
@@ -155,9 +164,7 @@ def attributed(ctx: Context) -> Attribution:
     relation = ctx.sql("""SELECT l.step, l.owner, n.table_name, n.kind, l.sample, l.pos, l."row", l.src,
                                  l.src_sample, l.gid
                           FROM tk_src l JOIN tk_names n USING (tid)""")
-    result = Attribution(relation, methods, not approximate and not unknown, notes)
-    _cache[ctx] = result
-    return result
+    return Attribution(relation, methods, not approximate and not unknown, notes)
 
 
 def batches(ctx: Context) -> pl.DataFrame:

@@ -1,58 +1,63 @@
-"""Console rendering of what `tracekit analyze` and `tracekit sql` return (rich), so the library
-returns data and the CLI only prints it.
+"""What the commands print (rich): every console table, summary line and progress bar, so the
+library returns data and the CLI only prints it.
 
     with analysis_progress(enabled=True) as progress:
-        report = analyze(run, options, progress=progress)
-    print_analysis(report)
+        summary = analyze_run(run, options, progress=progress)
+    print_analysis(summary)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
+import signal
+import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tracekit import figures
 from tracekit.units import format_bytes
 
 # 120 columns where no terminal says otherwise (a pipe, a file, the README): the tables stay whole
-console = Console(width=shutil.get_terminal_size((120, 24)).columns)
+terminal = Console(width=shutil.get_terminal_size((120, 24)).columns)
 
 
 @contextlib.contextmanager
-def analysis_progress(enabled: bool) -> Iterator[Callable[[str], None]]:
-    """A `progress(step)` callback showing the step now running (on stderr), or a no-op."""
-    if not enabled:
-        yield lambda step: None
-        return
-    with Progress(SpinnerColumn(), TextColumn("analysing {task.description}"), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("", total=None)
-        yield lambda step: bar.update(task, description=step)
-
-
-@contextlib.contextmanager
-def run_progress(enabled: bool) -> Iterator[Callable[[str], None]]:
-    """A `progress(what)` callback showing the run now going and its elapsed time (stderr), or a no-op."""
+def progress_lines(enabled: bool = True, *, keep: bool = True,
+                   prefix: str = "") -> Iterator[Callable[[str], None]]:
+    """A `progress(what)` callback (or a no-op where not `enabled`): each call starts a line on
+    stderr with a spinner and its elapsed time, ending the one before; `keep` False: the last line
+    vanishes when the block ends (analyze's phases), True: every line stays (optimize's runs)."""
     if not enabled:
         yield lambda what: None
         return
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=False) as bar:
-        task = None
+    with Progress(SpinnerColumn(), TextColumn(prefix + "{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=not keep) as bar:
+        tasks: list = []
 
         def show(what: str) -> None:
-            nonlocal task
-            if task is not None:
-                bar.update(task, completed=1, total=1)
-            task = bar.add_task(what, total=None)
+            if tasks:
+                bar.update(tasks[-1], completed=1, total=1, visible=keep)
+            tasks.append(bar.add_task(what, total=None))
 
         yield show
-        if task is not None:
-            bar.update(task, completed=1, total=1)
+        if tasks:
+            bar.update(tasks[-1], completed=1, total=1)
+
+
+def analysis_progress(enabled: bool) -> contextlib.AbstractContextManager[Callable[[str], None]]:
+    """analyze's phase, one line that changes (`analysing skew`, ...), gone at the end."""
+    return progress_lines(enabled, keep=False, prefix="analysing ")
+
+
+def run_progress(enabled: bool) -> contextlib.AbstractContextManager[Callable[[str], None]]:
+    """One line per run or phase of optimize and calibrate, each with its elapsed time, kept."""
+    return progress_lines(enabled, keep=True)
 
 
 def print_frame(frame: Any) -> None:
@@ -60,7 +65,7 @@ def print_frame(frame: Any) -> None:
     table = Table(*frame.columns, show_lines=False)
     for row in frame.iter_rows():
         table.add_row(*(_cell(v) for v in row))
-    console.print(table)
+    terminal.print(table)
 
 
 def _cell(value: Any) -> str:
@@ -71,25 +76,25 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def print_analysis(report: dict) -> None:
+def print_analysis(summary: dict) -> None:
     """The summary a person reads in a minute: warnings, skew, traffic, timeline, cache, the cost
     model's check, each policy with its predicted saving and why, what could not be derived."""
-    for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
-    analyses = report["analyses"]
+    for warning in summary["warnings"]:
+        terminal.print(f"[yellow]warning:[/] {warning}")
+    analyses = summary["analyses"]
     traffic = analyses.get("traffic", {})
-    console.print(f"[bold]{report['run']}[/] ({report['status']}): {traffic.get('steps', '?')} training steps, "
-                  f"{traffic.get('world_size', '?')} rank(s); every figure is from training rows unless it says eval")
+    terminal.print(f"[bold]{summary['run']}[/] ({summary['status']}): {traffic.get('steps', '?')} training steps, "
+                   f"{traffic.get('world_size', '?')} rank(s); every figure is from training rows unless it says eval")
     for name, render in RENDERERS.items():
         if name in analyses:
             render(analyses[name])
-    if report.get("network"):
-        _network(report["network"])
-    _print_policies(report)
-    for note in report["notes"]:
-        console.print(f"[dim]note: {note}[/]")
-    console.print(f"wrote {len(report['written'])} files: {report['run']}/analysis/*.parquet, policy.json, policy/*.parquet "
-                  f"(tracekit sql {report['run']} \"SELECT ...\" reads them all)")
+    if summary.get("network"):
+        _network(summary["network"])
+    _print_policies(summary)
+    for note in summary["notes"]:
+        terminal.print(f"[dim]note: {note}[/]")
+    terminal.print(f"wrote {len(summary['written'])} files: {summary['run']}/analysis/*.parquet, policy.json, policy/*.parquet "
+                   f"(tracekit sql {summary['run']} \"SELECT ...\" reads them all)")
 
 
 def _skew(summary: dict) -> None:
@@ -99,7 +104,7 @@ def _skew(summary: dict) -> None:
         table.add_row(name, _cell(t["num_rows"]), _cell(t["rows_touched"]), _cell(t["lookups"]),
                       f"{t['top_1pct_share']:.1%}", f"{t['top_10pct_share']:.1%}", f"{t['gini']:.2f}",
                       f"{t['zipf_alpha']:.2f}", _cell(t["rows_for_90pct"]), _ratio(t.get("hot_set_jaccard")))
-    console.print(table)
+    terminal.print(table)
 
 
 def _traffic(summary: dict) -> None:
@@ -108,9 +113,9 @@ def _traffic(summary: dict) -> None:
     for tag, value in sorted(summary["train_bytes_per_step_by_tag"].items(), key=lambda kv: -kv[1]):
         table.add_row(tag, format_bytes(value))
     table.add_row("[bold]total[/]", format_bytes(summary["train_bytes_per_step"]))
-    console.print(table)
+    terminal.print(table)
     bandwidth = ", ".join(f"{op} {format_bytes(v)}/s" for op, v in summary["bandwidth"].items() if v)
-    console.print(f"  crossing ranks: {format_bytes(summary['cross_rank_bytes_per_step'])} per step; "
+    terminal.print(f"  crossing ranks: {format_bytes(summary['cross_rank_bytes_per_step'])} per step; "
                   f"bus bandwidth measured: {bandwidth or 'n/a'}; eval, beside: {format_bytes(summary['eval_bytes'])} in all")
 
 
@@ -119,9 +124,9 @@ def _timeline(summary: dict) -> None:
                   title_justify="left")
     for rank, t in summary["per_rank"].items():
         table.add_row(rank, *(f"{t[k] * 1e3:.1f} ms" for k in ("step_s", "compute_s", "comm_s", "wait_s")))
-    console.print(table)
+    terminal.print(table)
     last = summary["stragglers"]["last"]
-    console.print(f"  last to end a step: {', '.join(f'rank {r} {n}x' for r, n in last.items())}; "
+    terminal.print(f"  last to end a step: {', '.join(f'rank {r} {n}x' for r, n in last.items())}; "
                   f"mean spread {summary['stragglers']['mean_end_spread_s'] * 1e3:.2f} ms")
 
 
@@ -133,12 +138,12 @@ def _cache(summary: dict) -> None:
     for name, t in summary["tables"].items():
         table.add_row(name, _cell(t["expected_lookups"]),
                       *(f"{t['miss_ratio'][policy][f]:.1%}" for f in factors for policy in ("lru", "lfu", "oracle")))
-    console.print(table)
+    terminal.print(table)
 
 
 def _costmodel(summary: dict) -> None:
     matches = "equal to" if summary.get("baseline_matches_comms") else "[red]different from[/]"
-    console.print(f"cost model: the replayed embedding exchange, {format_bytes(summary['baseline_a2a_bytes_per_step'])} "
+    terminal.print(f"cost model: the replayed embedding exchange, {format_bytes(summary['baseline_a2a_bytes_per_step'])} "
                   f"per step ({format_bytes(summary['baseline_a2a_remote_bytes_per_step'])} crossing ranks), is "
                   f"{matches} the bytes in comms; E[U] within {summary['distinct_rows_max_rel_diff']:.1%} of the replay")
 
@@ -148,7 +153,7 @@ def _network(n: dict) -> None:
     alphas = ", ".join(f"{op} {a * 1e3:.2f} ms" for op, a in sorted(n["alpha_s"].items())) or "none timed"
     rate = f"{format_bytes(n['bandwidth_bytes_per_s'])}/s" if n.get("bandwidth_bytes_per_s") else "bytes free (β ≈ 0)"
     step = n.get("step_time_s")
-    console.print(f"network model: α {alphas}; link {rate}; fit residual {n['residual_s'] * 1e3:.2f} ms over "
+    terminal.print(f"network model: α {alphas}; link {rate}; fit residual {n['residual_s'] * 1e3:.2f} ms over "
                   f"{n['calls_fitted']} of {n['calls']} calls; baseline step "
                   + (f"{step * 1e3:.2f} ms ± {n['step_spread_s'] * 1e3:.2f} ms drift" if step else "unknown")
                   + f" ({n['warmup_steps']} warm-up steps left out); rank work {n['rank_work'].split(' (')[0]}")
@@ -157,32 +162,30 @@ def _network(n: dict) -> None:
 RENDERERS = {"skew": _skew, "traffic": _traffic, "timeline": _timeline, "cache": _cache, "costmodel": _costmodel}
 
 
-def _print_policies(report: dict) -> None:
-    baseline = report.get("baseline") or {}
+def _print_policies(summary: dict) -> None:
+    baseline = summary.get("baseline") or {}
     table = Table("policy", "predicted per training step (all ranks)", "why", title="policies (policy.json)",
                   title_justify="left")
     if baseline:
         table.add_row("baseline (recorded)", _figures(baseline, KEY_FIGURES), "what the run did")
-    for name, section in report["policies"].items():
+    for name, section in summary["policies"].items():
         parts = [(f"{name}.{sub}", section[sub]) for sub in ("dp", "mp") if sub in section] if name == "compression" \
             else [(name, section)]
         for label, body in parts:
             table.add_row(_decision(label, body), _figures(body["predicted"], KEY_FIGURES, body.get("intervals")),
                           body["why"] if body.get("recommended", True) else f"{body['reason']}\n[dim]{body['why']}[/]")
-    if report.get("combined"):
-        combined = report["combined"]
+    if summary.get("combined"):
+        combined = summary["combined"]
         table.add_row("[bold]combined[/]\n" + ", ".join(combined["sections"]),
                       _figures(combined["predicted"], KEY_FIGURES, combined.get("intervals")), combined["why"])
-    for name, reason in report["not_derived"].items():
+    for name, reason in summary["not_derived"].items():
         table.add_row(name, "[dim]not derived[/]", reason)
-    for sub, reason in report["policies"].get("compression", {}).get("evidence", {}).get("not_derived", {}).items():
+    for sub, reason in summary["policies"].get("compression", {}).get("evidence", {}).get("not_derived", {}).items():
         table.add_row(f"compression.{sub}", "[dim]not derived[/]", reason)
-    console.print(table)
+    terminal.print(table)
 
 
-KEY_FIGURES = ("a2a_bytes_per_step", "allreduce_bytes_per_step", "a2a_remote_bytes_per_step", "sync_bytes_per_step",
-               "intra_bytes_per_step", "inter_bytes_per_step", "dp_bytes_per_step", "output_a2a_bytes_per_step",
-               "hot_sample_fraction", "gain", "step_time_s")
+KEY_FIGURES = figures.SHOWN
 
 
 def _decision(label: str, body: dict) -> str:
@@ -222,20 +225,20 @@ def print_compare(summary: dict) -> None:
     BASE), bytes by op and tag, the hot/cold split where there is one, and each policy's
     predicted against measured figures."""
     for warning in summary["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+        terminal.print(f"[yellow]warning:[/] {warning}")
     runs = summary["runs"]
-    console.print(f"[bold]compare[/]: {len(runs) - 1} run(s) against BASE {summary['base']}; training rows only, "
+    terminal.print(f"[bold]compare[/]: {len(runs) - 1} run(s) against BASE {summary['base']}; training rows only, "
                   f"bytes over every training step, times after the first {summary['skip_steps']} steps")
     table = Table("", *(_heading(i, r) for i, r in enumerate(runs)),
                   title="runs (RUN figures with their ratio to BASE)", title_justify="left")
     for label, key, kind in COMPARE_FIGURES:
         table.add_row(label, *(_compared(r, runs[0], key, kind, i == 0) for i, r in enumerate(runs)))
-    console.print(table)
+    terminal.print(table)
     _compare_bytes(runs)
     _compare_schedule(runs)
     _compare_policies(summary["rows"], summary["base"])
     for note in summary["notes"]:
-        console.print(f"[dim]note: {note}[/]")
+        terminal.print(f"[dim]note: {note}[/]")
 
 
 COMPARE_FIGURES = (  # label, figure, how it is shown and compared
@@ -309,7 +312,7 @@ def _compare_bytes(runs: list[dict]) -> None:
                 text += f" {r['bytes_out_per_step'] / base['bytes_out_per_step'] - 1:+.0%}"
             cells.append(text)
         table.add_row(*key, *cells)
-    console.print(table)
+    terminal.print(table)
 
 
 def _compare_schedule(runs: list[dict]) -> None:
@@ -321,12 +324,12 @@ def _compare_schedule(runs: list[dict]) -> None:
     for i, s in split:
         table.add_row("BASE" if i == 0 else f"RUN {i}", s["schedule"], _cell(s["steps"]),
                       format_bytes(s["bytes_per_step"]), format_bytes(s["embedding_bytes_per_step"]))
-    console.print(table)
+    terminal.print(table)
 
 
 def _compare_policies(rows: list[dict], base: str) -> None:
     if not rows:
-        console.print("[dim]no run names a policy it applied (manifest `policy`): nothing predicted to compare[/]")
+        terminal.print("[dim]no run names a policy it applied (manifest `policy`): nothing predicted to compare[/]")
         return
     table = Table("run", "section", "figure", "predicted", "measured", "diff",
                   title=f"policies: predicted against measured (savings against BASE's measured totals; "
@@ -335,7 +338,7 @@ def _compare_policies(rows: list[dict], base: str) -> None:
     for r in rows:
         table.add_row(r["run"], r["section"], r["figure"], _policy_predicted(r), _policy_value(r, r["measured"]),
                       _policy_diff(r))
-    console.print(table)
+    terminal.print(table)
 
 
 def _policy_value(row: dict, value: float | None) -> str:
@@ -364,7 +367,7 @@ def print_simulate(summary: dict) -> None:
     from tracekit.units import format_rate
 
     target, source = summary["target"], summary["source"]
-    console.print(f"projected onto {target['topology']} ({target['world']} ranks, batch "
+    terminal.print(f"projected onto {target['topology']} ({target['world']} ranks, batch "
                   f"{target['batch_per_device']:g} per rank): {format_rate(target['inter_bw'])} between nodes, "
                   f"{format_rate(target['intra_bw'])} within; latency {target['latency_s'] * 1e6:,.0f} µs per "
                   f"collective; from {summary['run']} ({source['world']} ranks, compute "
@@ -377,10 +380,129 @@ def print_simulate(summary: dict) -> None:
         table.add_row(row["policy"], format_bytes(row["bytes_per_step"]), format_bytes(row["inter_node_bytes_per_step"]),
                       _seconds(row["compute_s"]), _seconds(row["comm_s"]), _seconds(row["step_time_s"]),
                       "" if row["comm_share"] is None else f"{row['comm_share']:.0%}", _ratio(row["speedup"]))
-    console.print(table)
+    terminal.print(table)
     for note in summary.get("notes", []):
-        console.print(f"note: {note}")
+        terminal.print(f"note: {note}")
 
 
 def _seconds(value: float | None) -> str:
     return "?" if value is None else f"{value * 1e3:,.1f} ms"
+
+
+def show(summary: dict, as_json: bool, render: Callable[[dict], None], report: bool = False) -> None:
+    """A command's result: one JSON object on stdout, or `render`ed for a person (with the report's path)."""
+    if as_json:
+        return print(json.dumps(summary, default=str))
+    render(summary)
+    if report:
+        print(f"report: {summary['report']}")
+
+
+def describe_record(s: dict) -> str:
+    """`tracekit record`'s closing lines (on stderr): how the command ended, steps and rows per rank."""
+    elapsed = "?" if s["elapsed_s"] is None else f"{s['elapsed_s']:.1f}"
+    code = s["exit_code"]
+    ended = f"exited with {code}" if code >= 0 else f"was killed by signal {-code} ({_signal_name(-code)})"
+    exits = f"  command {ended}; tracekit record exits with {s['record_exit_code']}"
+    if not s["traced"]:
+        lines = [f"tracekit: {s['status']} after {elapsed} s; nothing was traced into {s['run_dir']}", exits,
+                 f"  why: {s['untraced_reason']}"]
+    else:
+        steps = ", ".join(f"{rank}: {s['steps'].get(str(rank), 'unknown')}" for rank in s["ranks"])
+        rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s["rows"].items())) or "none"
+        dropped = sum(n for per_rank in s["dropped_rows"].values() for n in per_rank.values())
+        lines = [f"tracekit: {s['status']} after {elapsed} s: {len(s['ranks'])} rank(s), "
+                 f"{s['bytes'] / 1e6:.1f} MB in {s['run_dir']}", exits,
+                 f"  steps per rank: {steps}", f"  rows: {rows}", f"  dropped rows: {dropped:,}; gpu: {s['gpu']}"]
+        if s["writer_cpu_s"]:
+            cpu = ", ".join(f"{rank}: {seconds:.2f} s" for rank, seconds in sorted(s["writer_cpu_s"].items()))
+            lines.append(f"  trace writer CPU per rank (counting, encoding, writing): {cpu}{_scheduling(s)}")
+    lines += [f"  manifest incomplete: {error}" for error in s["finalise_errors"]]
+    return "\n".join(lines)
+
+
+def _scheduling(summary: dict) -> str:
+    """How the ranks' writer threads ran, for the summary: '' if the manifest does not say."""
+    ranks = summary["writer_scheduling"].values()
+    if not ranks:
+        return ""
+    policies = ", ".join(sorted({r["policy"] for r in ranks}))
+    rescues = sum(r["rescues"] for r in ranks)
+    lifted = f"; lifted {rescues} time(s) where no core was idle" if rescues else ""
+    return f" ({policies}{lifted})"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+def print_calibration(c: dict) -> None:
+    """`tracekit calibrate`'s table: each model's coefficients and residual, in µs (ns per element)."""
+    def us(seconds: float) -> str:
+        return f"{seconds * 1e6:,.1f} µs"
+
+    def ns(seconds: float) -> str:
+        return f"{seconds * 1e9:,.1f} ns"
+
+    m, i = c["machine"], c["inputs"]
+    say = print  # plain lines, as they are: no wrapping or markup
+    say(f"calibration of {i['run']} ({i['world_size']} rank(s), batch {i['batch_per_rank']} per rank, "
+        f"{i['optimizer']}) on {m['host']}: {m['cpu']}, {m['cores']} cores, {m['threads']} thread(s), "
+        f"torch {m['torch']}, {m['backend']} world {m['world_size']}, {m['clock']} time, "
+        f"load {m['load_avg']}; took {c['seconds']:.1f} s")
+    say("replication: extra per step = c0 + c_ids·ids + c_hot·hot ids + c_rows·rows synchronised")
+    say(f"  {'sync':<18}{'c0':>12}{'c_ids':>12}{'c_hot':>12}{'c_rows':>12}{'residual':>12}  collectives")
+    for sync, r in c["replication"].items():
+        calls = ", ".join(f"{n} {op}" for op, n in r["collectives"].items())
+        say(f"  {sync:<18}{us(r['c0_s']):>12}{ns(r['c_ids_s']):>12}{ns(r['c_hot_s']):>12}"
+            f"{ns(r['c_rows_s']):>12}{us(r['residual_s']):>12}  {calls}")
+    say("collective call (world 1, no wire): " + ", ".join(f"{op} {us(s)}" for op, s in c["collective_call_s"].items()))
+    dp, mp, fae = c["dct_dp"], c["dct_mp"], c["schedule"]
+    say(f"DCT-DP hook over the plain one (keep ratio {dp['keep_ratio']}): {us(dp['c_bucket_s'])} per bucket + "
+        f"{ns(dp['c_elem_s'])} per element (residual {us(dp['residual_s'])}); a refresh adds "
+        f"{ns(dp['c_refresh_elem_s'])} per element (residual {us(dp['refresh_residual_s'])})")
+    say(f"DCT-MP codec (dim {mp['dim']}): {us(mp['c0_s'])} per step + {ns(mp['c_value_s'])} per value sent + "
+        f"{ns(mp['c_kept_s'])} per value kept (residual {us(mp['residual_s'])})")
+    say(f"FAE schedule: {ns(fae['c_sample_s'])} per sample taken by index (in-memory data); hot split "
+        f"{ns(fae['setup_s_per_sample'])} per training sample, once")
+    for note in c["notes"]:
+        say(f"note: {note}")
+
+
+def print_planner(summary: dict) -> None:
+    """`tracekit planner`: per table its TorchRec planner inputs, then the snippet to paste."""
+    for name, t in summary["tables"].items():
+        caches = ", ".join(f"{float(h):.0%}: {c['load_factor']:.3g} ({c['source']})"
+                           for h, c in t["cache_load_factor"].items() if c["load_factor"] is not None)
+        pooling = t["pooling_factor"] if t["pooling_factor"] is None else round(t["pooling_factor"], 3)
+        print(f"{name}: {t['num_embeddings']:,} rows x {t['embedding_dim']}, {t['n_features']} feature(s), "
+              f"pooling factor {pooling}, cache load factor for an LRU hit rate of {caches or 'any: unknown'}")
+    print(f"pooling factors: {summary['pooling_source']}; written: {summary['constraints']}")
+    print(summary["snippet"])
+
+
+def write_frame(frame: Any, fmt: str, output: Path | None) -> None:
+    """`tracekit sql`'s result: a table on the console, or csv, json or parquet (to `output`, or
+    stdout for the text formats)."""
+    if fmt == "table":
+        return print_frame(frame)
+    if fmt == "parquet":
+        return frame.write_parquet(output)
+    text = _csv(frame) if fmt == "csv" else frame.write_json()
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        output.write_text(text)
+
+
+def _csv(frame: Any) -> str:
+    """CSV of a Polars frame, list columns (an all-to-all's splits) written as `[a, b, ...]`, as CSV has no lists."""
+    import polars as pl
+
+    lists = [name for name, dtype in frame.schema.items() if isinstance(dtype, (pl.List, pl.Array))]
+    return frame.with_columns(
+        pl.format("[{}]", pl.col(name).list.eval(pl.element().cast(pl.String)).list.join(", ")).alias(name)
+        for name in lists).write_csv()

@@ -1,0 +1,130 @@
+"""The command line's plumbing (tracekit/cli.py holds the commands): the group that prints a
+TracekitError as one line, the options several commands share, options turned into the library's
+types (click.BadParameter naming the option at fault), and record's hint for options written after
+the command without a `--`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+
+class InputError(click.ClickException):
+    """A run or file that cannot be used: one line, exit 2 (or the error's own exit code)."""
+
+    exit_code = 2
+
+
+class Commands(click.Group):
+    """The group: a TracekitError out of any command is printed as its one line, no traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from tracekit.errors import TracekitError
+
+        try:
+            return super().invoke(ctx)
+        except TracekitError as err:
+            error = InputError(str(err))
+            error.exit_code = err.exit_code
+            raise error from None
+
+
+def _options_of(*decorators: Callable) -> Callable:
+    """One decorator applying the click options `decorators`, for options commands share."""
+    def apply(command: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+    return apply
+
+
+RUN_DIR = click.argument("run_dir", type=click.Path(path_type=Path))
+JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+TRACING = _options_of(  # what record and cluster --record trace
+    click.option("--lookup-every", type=click.IntRange(min=0), default=10, show_default=True,
+                 envvar="TRACEKIT_LOOKUP_EVERY", help="Write raw per-sample lookups every N steps (0: never)."),
+    click.option("--grad-every", type=click.IntRange(min=0), default=100, show_default=True, envvar="TRACEKIT_GRAD_EVERY",
+                 help="Write gradient statistics (grads table) of every optimized parameter every N steps (0: never)."),
+    click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+                 help="Seconds between flushes of each rank's trace rows to Parquet."))
+DCT_REPLAY = click.option("--dct-replay", is_flag=True, envvar="TRACEKIT_DCT_REPLAY",
+                          help="Replay DCT-DP with error feedback on every step's gradients (dct_replay table), from "
+                               "which analyze derives compression.dp; costs the step ~15% on the reference trainer, "
+                               "so off by default.")
+ANALYSIS = _options_of(  # what analyze and optimize derive
+    click.option("--budget", default=None, help="Replica/cache memory per rank: bytes (64MiB) or a share of the "
+                 "embedding bytes (5%). Default: the sweep's optimum."),
+    click.option("--topology", default=None, help="NODESxRANKS for the FlexShard tiers, e.g. 2x4 (default: one node)."),
+    click.option("--intra-bw", default=None, help="Bandwidth within a node, e.g. 100Gbit (default: measured in the run)."),
+    click.option("--inter-bw", default=None, help="Bandwidth between nodes, e.g. 10Gbit (default: measured in the run)."),
+    click.option("--policies", default=None, help="Comma-separated policies to derive (default: all)."),
+    click.option("--objective", type=click.Choice(["time", "bytes"]), default="time", show_default=True,
+                 help="What the replica budget minimises: predicted step time (measured bandwidths and latency), "
+                      "or the bytes that cross the network (what a slower cluster pays for)."))
+
+
+def parsed(parse: Callable[[str], Any], text: str | None, hint: str) -> Any:
+    """`parse(text)` (None for None); click.BadParameter naming the option `hint` where it fails."""
+    try:
+        return None if text is None else parse(text)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint=hint) from None
+
+
+def analysis_options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
+                      policies: str | None, objective: str):
+    """The ANALYSIS options as analyses.context.Options."""
+    from analyses.analyze import POLICIES
+    from analyses.context import Options
+    from tracekit.cluster import parse_topology
+    from tracekit.units import parse_budget, parse_rate
+
+    options = Options(objective=objective, topology=parsed(parse_topology, topology, "--topology"),
+                      intra_bw=parsed(parse_rate, intra_bw, "--intra-bw"),
+                      inter_bw=parsed(parse_rate, inter_bw, "--inter-bw"))
+    if budget is not None:
+        options.budget_bytes, options.budget_fraction = parsed(parse_budget, budget, "--budget")
+    if policies is not None:
+        options.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
+        if unknown := [p for p in options.policies if p not in POLICIES]:
+            raise click.BadParameter(f"unknown policy {', '.join(unknown)}; the policies are {', '.join(POLICIES)}",
+                                     param_hint="--policies")
+    return options
+
+
+class RecordCommand(click.Command):
+    """`record`, whose "No such option" says so when the option follows the command without a `--`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from tracekit.recording import command_start
+
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption as err:
+            takes_value = {opt: not (p.is_flag or p.count) for p in self.get_params(ctx)
+                           if isinstance(p, click.Option) for opt in (*p.opts, *p.secondary_opts)}
+            start = None if "--" in args else command_start(args, takes_value)
+            if start is None:
+                raise
+            fixed = shlex.join([*args[:start], "--", *args[start:]])
+            raise click.UsageError(f"No such option '{err.option_name}': without `--`, the command's options are "
+                                   f"read as record's; put `--` before the command: tracekit record {fixed}",
+                                   ctx) from None
+
+
+def cluster_topology(shape: str | None, link: str | None):
+    """optimize's --cluster NODESxRANKS --link RATE as a tracekit.cluster.Topology (None without them)."""
+    from tracekit.cluster import Topology, parse_topology
+    from tracekit.units import parse_rate
+
+    if (shape is None) != (link is None):
+        raise click.UsageError("--cluster NODESxRANKS and --link RATE go together, e.g. --cluster 2x2 --link 200mbit")
+    if link is None:
+        return None
+    topology = Topology(*parsed(parse_topology, shape, "--cluster"), link)
+    parsed(parse_rate, link, "--link")
+    return topology

@@ -1,0 +1,122 @@
+"""The steps of the loop a user runs, one library function each: the CLI parses its options, calls
+one of these and prints what it returns; `tracekit.optimize` chains them.
+
+    summary = analyze_run("runs/base", Options(budget_fraction=0.05))   # calibrates first, writes the report
+    summary = compare_runs("runs/base", ["runs/hybrid"])                  # with BASE/compare.html
+    summary = simulate_run("runs/base", Target(8, 8, 25e9))               # RUN/policy.json where there is one
+    frame = query("runs/base", "SELECT op, sum(bytes_out) FROM train_comms GROUP BY op")
+
+Each raises TracekitError (one line naming the run or file) for input it cannot use.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from tracekit.errors import TracekitError
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from analyses.context import Options
+    from analyses.simulate import Target
+
+Progress = Callable[[str], None]
+
+
+def _silent(what: str) -> None:
+    return None
+
+
+class QueryError(TracekitError):
+    """A `tracekit sql` query DuckDB refused: its first line."""
+
+    exit_code = 1
+
+
+def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, plotly_js: str = "inline") -> Path:
+    """The HTML report of `runs` (the first is the base, and must have been analysed) at `output`."""
+    from reports import write_report as render
+
+    return render(runs, output, plotly_js)
+
+
+def _report_if_analysed(runs: Sequence[str | os.PathLike], output: str | os.PathLike) -> str:
+    """The report's path, or why it was not written where the base was never analysed (the work that
+    asked for it is done and is not lost for it)."""
+    from reports.inputs import NotAnalysed
+
+    try:
+        return str(write_report(runs, output))
+    except NotAnalysed as err:
+        return f"not written ({err})"
+
+
+def analyze_run(run_dir: str | os.PathLike, options: Options, *, calibrate: bool = True, report: bool = True,
+                progress: Progress = _silent) -> dict[str, Any]:
+    """`tracekit analyze`: calibrate the rank-side costs where they are missing (`calibrate`), derive
+    every analysis and policy, write RUN/report.html (`report`); the analysis summary, with the
+    report's path under "report"."""
+    from analyses.analyze import analyze
+    from tracekit.calibration import calibrate_if_missing
+
+    run_dir = Path(run_dir)
+    calibration_note = None
+    if calibrate:
+        progress("calibration (rank-side costs, in a subprocess)")
+        calibration_note = calibrate_if_missing(run_dir)
+    summary = analyze(run_dir, options, progress=progress)
+    if calibration_note is not None:
+        summary["notes"].append(calibration_note)
+    if report:
+        progress("report")
+        summary["report"] = str(write_report([run_dir], run_dir / "report.html"))
+    return summary
+
+
+def compare_runs(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_steps: int | None = None,
+                 report: str | os.PathLike | None = None) -> dict[str, Any]:
+    """`tracekit compare`: BASE and `runs` measured side by side and each policy's prediction against
+    its measurement; with `report`, the HTML report written there (its path under "report")."""
+    from analyses.compare import compare
+
+    summary = compare(base, list(runs), skip_steps=skip_steps).summary
+    if report is not None:
+        summary["report"] = _report_if_analysed([base, *runs], report)
+    return summary
+
+
+def simulate_run(run_dir: str | os.PathLike, target: Target, policy: str = "all", *,
+                 report: bool = True) -> dict[str, Any]:
+    """`tracekit simulate`: the run projected onto `target` with `policy`: a policy file's path,
+    "all" (RUN/policy.json where analyze wrote one, else the baseline alone) or "none"."""
+    from analyses.simulate import project
+
+    run_dir = Path(run_dir)
+    policy_path = None if policy == "none" else run_dir / "policy.json" if policy == "all" else Path(policy)
+    if policy != "all" and policy_path is not None and not policy_path.is_file():
+        raise TracekitError(f"--policy {policy_path}: no such file")
+    unwritten = policy == "all" and not policy_path.is_file()
+    summary = project(run_dir, target, None if unwritten else policy_path)
+    if unwritten:
+        summary["notes"].append(f"no {policy_path}: the baseline only (tracekit analyze writes it)")
+    if report:
+        summary["report"] = _report_if_analysed([run_dir], run_dir / "report.html")
+    return summary
+
+
+def query(run_dir: str | os.PathLike, sql: str) -> pl.DataFrame:
+    """`tracekit sql`: `sql` over the run, every trace table and every analysis table a view."""
+    import duckdb
+
+    from analyses.context import open_context
+
+    with open_context(run_dir) as ctx:
+        for part in sorted((ctx.path / "analysis").glob("*.parquet")):
+            ctx.con.sql(f"CREATE VIEW \"{part.stem}\" AS SELECT * FROM read_parquet('{part}')")
+        try:
+            return ctx.frame(sql)
+        except duckdb.Error as err:
+            raise QueryError(f"query failed: {str(err).splitlines()[0]}") from None
