@@ -38,6 +38,7 @@ from tracekit.errors import TracekitError
 from tracekit.files import replacing, write_text
 from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
+from tracekit.topology import Topology
 
 T = TypeVar("T")
 
@@ -92,7 +93,7 @@ class Options:
 
     budget_bytes: int | None = None  # replica/cache bytes per rank
     budget_fraction: float | None = None  # or a fraction of the embedding bytes
-    topology: tuple[int, int] | None = None  # (nodes, ranks per node)
+    topology: Topology | None = None  # None: the recorded one (analyses.policies.tiers.topology)
     intra_bw: float | None = None  # bytes/s
     inter_bw: float | None = None
     policies: tuple[str, ...] = ("replication", "tiers", "schedule", "compression", "lag")

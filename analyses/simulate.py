@@ -78,6 +78,7 @@ from analyses.context import Context, Result, open_context
 from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.policy import check_model, load_policy, row_path, section_part
+from tracekit.topology import Topology
 
 SIMULATED = ("replication", "tiers", "schedule")
 """policy.json sections whose predictions say what the exchange becomes."""
@@ -89,24 +90,14 @@ SPARSE_SYNC_CALLS = 3
 
 
 @dataclass(frozen=True)
-class Target:
-    """The cluster projected onto. Rates in bytes/s; None: taken from the run."""
+class Target(Topology):
+    """The cluster projected onto: its topology and rates (bytes/s; None: taken from the run)."""
 
-    nodes: int
-    ranks_per_node: int
     inter_bw: float
     intra_bw: float | None = None
     batch: int | None = None  # per device
     latency_s: float | None = None
     duplex: bool = True  # both directions of a link at once; False: gloo's worst case (module docstring)
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    @property
-    def name(self) -> str:
-        return f"{self.nodes}x{self.ranks_per_node}"
 
 
 @dataclass
@@ -432,7 +423,7 @@ UNMEASURED_INTRA_BW = 10e9
 def _intra_bw(ctx: Context, notes: list[str]) -> float:
     """Within a node: the run's fitted link (analyses.network) where its ranks shared one node;
     a run recorded across nodes measured its links instead, so UNMEASURED_INTRA_BW, said in a note."""
-    if int((ctx.manifest.get("topology") or {}).get("nodes", 1)) > 1:
+    if Topology.of_run(ctx.manifest, ctx.model.world_size).nodes > 1:
         notes.append(f"within a node: {UNMEASURED_INTRA_BW / 1e9:g} GB/s assumed (the run was recorded across nodes, "
                      "so it measured the links between them; --intra-bw sets it)")
         return UNMEASURED_INTRA_BW

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from analyses import simulate  # noqa: E402
 from analyses.compare import compare  # noqa: E402
 from analyses.context import open_context  # noqa: E402
-from tracekit.cluster import parse_topology  # noqa: E402
+from tracekit.topology import Topology  # noqa: E402
 from tracekit.policy import load_policy  # noqa: E402
 from tracekit.units import parse_rate  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> None:
     results = []
     for config in args.configs.split(","):
         shape, _, link = config.partition("@")
-        nodes, per_node = parse_topology(shape)
+        nodes, per_node = Topology.parse(shape).nodes, Topology.parse(shape).ranks_per_node
         world = nodes * per_node
         out = args.out / config.replace("@", "-")
         if args.analyse_only:

@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO))
 
 from analyses.compare import compare  # noqa: E402
 from tracekit.cli import cli  # noqa: E402
-from tracekit.cluster import Topology, check_prerequisites  # noqa: E402
+from tracekit.cluster import Cluster, check_prerequisites  # noqa: E402
 from tracekit.optimize import _why_not, _write_sections, record  # noqa: E402
 from tracekit.policy import TRAINING, load_policy, recommended, sections  # noqa: E402
 from prediction_table import markdown_table, rich_table, summary_lines  # noqa: E402
@@ -183,7 +183,7 @@ def machine() -> str:
 def cluster_unavailable() -> str | None:
     """Why `tracekit cluster` cannot run here (root, iproute2, tbf), or None."""
     try:
-        check_prerequisites(Topology(2, 1, "1gbit"))
+        check_prerequisites(Cluster(2, 1, "1gbit"))
     except Exception as err:  # a ClusterError, or `ip netns add` failing outright
         return str(err).splitlines()[0]
     return None
@@ -250,7 +250,7 @@ class Config:
             w, mode, repeats, folder, store, bar, task)
         self.lookup_every = 1 if mode == "every1" else default_lookup_every()
         self.key = f"{w.name}/{mode}"
-        self.topology = Topology(w.world, 1, w.link) if w.link else None
+        self.topology = Cluster(w.world, 1, w.link) if w.link else None
         samples = math.ceil(steps * w.batch * w.world * 1.05 / (1 - EVAL_FRACTION))
         train = ["train.py", *w.args, "--batch-size", str(w.batch), "--steps", str(steps), "--samples", str(samples),
                  "--eval-fraction", str(EVAL_FRACTION), "--log-every", "1000"]

@@ -26,7 +26,7 @@ TINY_TRAINER = ["--tables", "4", "--rows", "1000", "--dim", "8", "--bottom-mlp",
 
 def _missing() -> str | None:
     try:
-        cluster.check_prerequisites(cluster.Topology(1, 1, "1gbit"))
+        cluster.check_prerequisites(cluster.Cluster(1, 1, "1gbit"))
     except cluster.ClusterError as err:
         return str(err)
     return None
@@ -213,11 +213,11 @@ def test_missing_iproute2_or_root_is_one_line_naming_it(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines() == ["Error: tracekit cluster needs iproute2: ip and tc not found on PATH"]
     if _missing() is None or "root" in _missing():
         with pytest.raises(cluster.ClusterError, match=r"^tracekit cluster needs root \(it creates network namespaces"):
-            cluster.check_prerequisites(cluster.Topology(1, 1, "1gbit"), is_root=lambda: False)
+            cluster.check_prerequisites(cluster.Cluster(1, 1, "1gbit"), is_root=lambda: False)
 
 
 def test_commands_become_torchrun_forms() -> None:
-    topology = cluster.Topology(2, 3, "1gbit")
+    topology = cluster.Cluster(2, 3, "1gbit")
     network = cluster.plan_network(2, "abc123", [])
     node0, node1 = network.nodes
     head = cluster.torchrun_argv(["python", "x.py"], topology, network, node0)
@@ -266,9 +266,9 @@ def test_optimize_records_each_run_through_cluster(tmp_path: Path, monkeypatch) 
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "stale").write_text("")  # replaced, as --force did
     code = optimize.record(tmp_path / "base", [sys.executable, "train.py"], tmp_path / "base.log", lookup_every=1,
-                           cluster=cluster.Topology(2, 2, "200mbit"))
+                           cluster=cluster.Cluster(2, 2, "200mbit"))
     assert code == 0 and not (tmp_path / "base" / "stale").exists()
-    assert seen == [([sys.executable, "train.py"], cluster.Topology(2, 2, "200mbit"), "1", str(tmp_path / "base.log"))]
+    assert seen == [([sys.executable, "train.py"], cluster.Cluster(2, 2, "200mbit"), "1", str(tmp_path / "base.log"))]
     manifest = json.loads((tmp_path / "base" / "manifest.json").read_text())
-    assert manifest["topology"] == cluster.Topology(2, 2, "200mbit").manifest()
+    assert manifest["topology"] == cluster.Cluster(2, 2, "200mbit").manifest()
     assert "tracekit: " in (tmp_path / "base.log").read_text()  # the recording's closing lines, in the log

@@ -15,6 +15,7 @@ from analyses.policies import replication, schedule, tiers
 from tests.test_costmodel import one_hot_run
 from tests.test_attribution import build_run, table
 from tracekit.policy import load_policy, new_policy, write_policy
+from tracekit.topology import Topology
 
 
 
@@ -140,7 +141,7 @@ def four_rank_run(path: Path) -> None:
 
 def test_tiers_move_inter_node_bytes_inside_nodes(tmp_path: Path) -> None:
     four_rank_run(tmp_path / "run")
-    with open_context(tmp_path / "run", Options(topology=(2, 2), budget_bytes=16, intra_bw=1e9, inter_bw=1e6)) as ctx:
+    with open_context(tmp_path / "run", Options(topology=Topology(2, 2), budget_bytes=16, intra_bw=1e9, inter_bw=1e6)) as ctx:
         p = tiers.derive(ctx).section["predicted"]
         item = 4 + 8 + 2 * 16  # one one-hot bag: its length, id, row forward and backward
         assert p["baseline_intra_bytes_per_step"] == 40 * item  # rank 1, same node as rank 0

@@ -314,8 +314,8 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
     from tracekit.units import parse_rate
 
     parsed(parse_rate, link, "--link")
-    topology, command = emulated.Topology(nodes, ranks_per_node, link, latency), list(command)
-    emulated.check_prerequisites(topology)
+    on, command = emulated.Cluster(nodes, ranks_per_node, link, latency), list(command)
+    emulated.check_prerequisites(on)
     if run_dir is None:
         recording.check_command(command)
     else:
@@ -325,9 +325,9 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
         click.echo(f"tracekit cluster: {line}", err=True)
 
     if run_dir is None:
-        sys.exit(emulated.run_or_report(command, topology, say=say)[0])
+        sys.exit(emulated.run_or_report(command, on, say=say)[0])
     say(f"recording into {run_dir}")
-    code = emulated.record(command, topology, run_dir, say=say, lookup_every=lookup_every, grad_every=grad_every,
+    code = emulated.record(command, on, run_dir, say=say, lookup_every=lookup_every, grad_every=grad_every,
                            flush_interval_s=flush_interval)
     click.echo(describe_record(recording.summary(run_dir, recording.read_manifest(run_dir))), err=True)
     sys.exit(code)
@@ -381,12 +381,13 @@ def simulate(run_dir: Path, topology: str, inter_bw: str, intra_bw: str | None, 
       tracekit simulate runs/base --topology 2x1 --inter-bw 200mbit
     """
     from analyses.simulate import Target
-    from tracekit.cluster import parse_topology
     from tracekit.console import print_simulate
     from tracekit.loop import simulate_run
+    from tracekit.topology import Topology
     from tracekit.units import parse_duration, parse_rate
 
-    target = Target(*parsed(parse_topology, topology, "--topology"), parsed(parse_rate, inter_bw, "--inter-bw"),
+    shape = parsed(Topology.parse, topology, "--topology")
+    target = Target(shape.nodes, shape.ranks_per_node, parsed(parse_rate, inter_bw, "--inter-bw"),
                     parsed(parse_rate, intra_bw, "--intra-bw"), batch_size,
                     parsed(parse_duration, latency, "--latency"), duplex == "full")
     show(simulate_run(run_dir, target, policy_arg, report=with_report), as_json, print_simulate, report=with_report)

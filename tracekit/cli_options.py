@@ -80,10 +80,10 @@ def analysis_options(budget: str | None, topology: str | None, intra_bw: str | N
     """The ANALYSIS options as analyses.context.Options."""
     from analyses.analyze import POLICIES
     from analyses.context import Options
-    from tracekit.cluster import parse_topology
+    from tracekit.topology import Topology
     from tracekit.units import parse_budget, parse_rate
 
-    options = Options(objective=objective, topology=parsed(parse_topology, topology, "--topology"),
+    options = Options(objective=objective, topology=parsed(Topology.parse, topology, "--topology"),
                       intra_bw=parsed(parse_rate, intra_bw, "--intra-bw"),
                       inter_bw=parsed(parse_rate, inter_bw, "--inter-bw"))
     if budget is not None:
@@ -117,14 +117,15 @@ class RecordCommand(click.Command):
 
 
 def cluster_topology(shape: str | None, link: str | None):
-    """optimize's --cluster NODESxRANKS --link RATE as a tracekit.cluster.Topology (None without them)."""
-    from tracekit.cluster import Topology, parse_topology
+    """optimize's --cluster NODESxRANKS --link RATE as a tracekit.cluster.Cluster (None without them)."""
+    from tracekit.cluster import Cluster
+    from tracekit.topology import Topology
     from tracekit.units import parse_rate
 
     if (shape is None) != (link is None):
         raise click.UsageError("--cluster NODESxRANKS and --link RATE go together, e.g. --cluster 2x2 --link 200mbit")
     if link is None:
         return None
-    topology = Topology(*parsed(parse_topology, shape, "--cluster"), link)
+    topology = parsed(Topology.parse, shape, "--cluster")
     parsed(parse_rate, link, "--link")
-    return topology
+    return Cluster(topology.nodes, topology.ranks_per_node, link)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from tracekit.errors import TracekitError
+from tracekit.topology import Topology
 from tracekit.units import parse_rate
 
 RDZV_PORT = 29400  # each namespace has its own ports, so clusters never collide on it
@@ -39,9 +40,9 @@ class ClusterError(TracekitError):
 
 
 @dataclass(frozen=True)
-class Topology:
-    nodes: int
-    ranks_per_node: int
+class Cluster(Topology):
+    """An emulated cluster: its topology, and each node's link rate (and latency)."""
+
     link: str  # as given, e.g. "200mbit"
     latency_ms: float | None = None
 
@@ -53,15 +54,7 @@ class Topology:
         """The manifest's `topology` (torchrun makes global rank = node_rank * R + local_rank)."""
         return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "link": self.link,
                 "link_bytes_per_s": self.link_bytes_per_s, "latency_ms": self.latency_ms,
-                "rank_nodes": [r // self.ranks_per_node for r in range(self.nodes * self.ranks_per_node)]}
-
-
-def parse_topology(text: str) -> tuple[int, int]:
-    """(nodes, ranks per node) from `2x4`; ValueError naming the expected form."""
-    nodes, _, ranks = text.lower().partition("x")
-    if not (nodes.isdigit() and ranks.isdigit() and int(nodes) > 0 and int(ranks) > 0):
-        raise ValueError(f"expected NODESxRANKS such as 2x4, got {text!r}")
-    return int(nodes), int(ranks)
+                "rank_nodes": [r // self.ranks_per_node for r in range(self.world)]}
 
 
 def tbf_params(rate_bytes_per_s: float) -> dict[str, int]:
@@ -74,7 +67,7 @@ def tbf_params(rate_bytes_per_s: float) -> dict[str, int]:
 
 # --- prerequisites ---------------------------------------------------------------------------
 
-def check_prerequisites(topology: Topology, *, is_root: Callable[[], bool] = lambda: os.geteuid() == 0) -> None:
+def check_prerequisites(cluster: Cluster, *, is_root: Callable[[], bool] = lambda: os.geteuid() == 0) -> None:
     """One ClusterError naming what is missing: root, `ip`/`tc`, the tbf qdisc, netem for --latency."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
@@ -88,8 +81,8 @@ def check_prerequisites(topology: Topology, *, is_root: Callable[[], bool] = lam
         if not _qdisc_works(probe, "tbf", "rate", "1mbit", "burst", "64kb", "latency", "50ms"):
             raise ClusterError("tracekit cluster needs the tbf qdisc (sch_tbf) to shape links; `tc qdisc add ... tbf` "
                                "fails here")
-        if topology.latency_ms is not None and not _qdisc_works(probe, "netem", "delay", "1ms"):
-            raise ClusterError(f"--latency {topology.latency_ms:g}: needs the netem qdisc (sch_netem), which this "
+        if cluster.latency_ms is not None and not _qdisc_works(probe, "netem", "delay", "1ms"):
+            raise ClusterError(f"--latency {cluster.latency_ms:g}: needs the netem qdisc (sch_netem), which this "
                                "kernel does not have; run without --latency (links are then shaped by rate only)")
     finally:
         _ip("netns", "del", probe, check=False)
@@ -268,12 +261,12 @@ def _kill(pid: int, sig: int) -> None:
 
 # --- the command -----------------------------------------------------------------------------
 
-def torchrun_argv(command: list[str], topology: Topology, network: Network, node: Node) -> list[str]:
+def torchrun_argv(command: list[str], cluster: Cluster, network: Network, node: Node) -> list[str]:
     """torchrun of `command` on `node`: `python X.py ...` and `python -m mod ...` in torchrun's own
     forms, anything else with --no-python."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    argv = [torchrun, "--nnodes", str(topology.nodes), "--node-rank", str(node.index),
-            "--nproc-per-node", str(topology.ranks_per_node), "--rdzv-backend", "c10d",
+    argv = [torchrun, "--nnodes", str(cluster.nodes), "--node-rank", str(node.index),
+            "--nproc-per-node", str(cluster.ranks_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{network.nodes[0].addr}:{RDZV_PORT}", "--rdzv-id", network.run_id,
             "--local-addr", node.addr]
     if node.index == 0:
@@ -290,23 +283,23 @@ def _is_python(program: str) -> bool:
     return program == sys.executable or name == "python" or name.startswith("python3")
 
 
-def launch(command: list[str], topology: Topology, network: Network, env: dict[str, str],
+def launch(command: list[str], cluster: Cluster, network: Network, env: dict[str, str],
            output: IO | None = None) -> list[subprocess.Popen]:
     """One torchrun per node, each in its namespace and in a process group of its own."""
     procs = []
-    threads = rank_threads(topology, env)
+    threads = rank_threads(cluster, env)
     for node in network.nodes:
-        argv = ["ip", "netns", "exec", node.netns, *torchrun_argv(command, topology, network, node)]
+        argv = ["ip", "netns", "exec", node.netns, *torchrun_argv(command, cluster, network, node)]
         procs.append(subprocess.Popen(argv, env={**env, "GLOO_SOCKET_IFNAME": node.veth, "OMP_NUM_THREADS": threads},
                                       start_new_session=True, stdout=output,
                                       stderr=None if output is None else subprocess.STDOUT))
     return procs
 
 
-def rank_threads(topology: Topology, env: dict[str, str]) -> str:
+def rank_threads(cluster: Cluster, env: dict[str, str]) -> str:
     """OMP_NUM_THREADS of every rank: the user's, else this machine's cores shared out over all the
     cluster's ranks (the nodes share one machine; torchrun would give a lone rank every core)."""
-    return env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // (topology.nodes * topology.ranks_per_node)))
+    return env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cluster.world))
 
 
 def wait(procs: list[subprocess.Popen]) -> tuple[int, bool]:
@@ -360,20 +353,20 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
         p.wait()
 
 
-def run(command: list[str], topology: Topology, *, env: dict[str, str] | None = None,
+def run(command: list[str], cluster: Cluster, *, env: dict[str, str] | None = None,
         say: Callable[[str], None] = lambda line: None, output: IO | None = None) -> tuple[int, bool]:
     """Build the cluster, run `command` on it, tear it all down; (exit code, interrupted).
     SIGTERM is handled as Ctrl-C is: the nodes are stopped and everything removed. `output`: a file
     the nodes' stdout and stderr go to (default: this process's)."""
-    check_prerequisites(topology)
-    network = plan_network(topology.nodes, new_run_id(), used_subnets())
+    check_prerequisites(cluster)
+    network = plan_network(cluster.nodes, new_run_id(), used_subnets())
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGTERM, _raise_interrupt)
     procs: list[subprocess.Popen] = []
     try:
-        build(network, topology.link_bytes_per_s, say)
-        say(f"running {topology.nodes} node(s) x {topology.ranks_per_node} rank(s), links {topology.link} each way")
-        procs = launch(command, topology, network, dict(os.environ if env is None else env), output)
+        build(network, cluster.link_bytes_per_s, say)
+        say(f"running {cluster.nodes} node(s) x {cluster.ranks_per_node} rank(s), links {cluster.link} each way")
+        procs = launch(command, cluster, network, dict(os.environ if env is None else env), output)
         return wait(procs)
     except KeyboardInterrupt:  # during the build, or between launch and wait
         _stop(procs)
@@ -388,24 +381,24 @@ def run(command: list[str], topology: Topology, *, env: dict[str, str] | None = 
             signal.signal(sig, handler)
 
 
-def run_or_report(command: list[str], topology: Topology, *, say: Callable[[str], None],
+def run_or_report(command: list[str], cluster: Cluster, *, say: Callable[[str], None],
                   env: dict[str, str] | None = None, output: IO | None = None) -> tuple[int, bool]:
     """`run`, a cluster that cannot be built said (`say`) and exiting with 2."""
     try:
-        return run(command, topology, env=env, say=say, output=output)
+        return run(command, cluster, env=env, say=say, output=output)
     except ClusterError as err:
         say(f"failed: {err}")
         return 2, False
 
 
-def record(command: list[str], topology: Topology, run_dir: Path, *, say: Callable[[str], None],
+def record(command: list[str], cluster: Cluster, run_dir: Path, *, say: Callable[[str], None],
            output: IO | None = None, **settings: Any) -> int:
     """`command` run on the cluster and recorded into `run_dir` (`tracekit cluster --record`); what
     `tracekit record` would exit with. `settings`: recording.record's (lookup_every, ...)."""
     from tracekit import recording
 
-    return recording.record(command, run_dir, manifest_extra={"topology": topology.manifest()}, output=output,
-                            run=lambda env: run_or_report(command, topology, say=say, env=env, output=output),
+    return recording.record(command, run_dir, manifest_extra={"topology": cluster.manifest()}, output=output,
+                            run=lambda env: run_or_report(command, cluster, say=say, env=env, output=output),
                             **settings)
 
 

@@ -47,7 +47,7 @@ class Optimized:
 
 
 def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: int = 1,
-             cluster: emulated.Topology | None = None, check_all: bool = False, dct_replay: bool = False,
+             cluster: emulated.Cluster | None = None, check_all: bool = False, dct_replay: bool = False,
              progress: Callable[[str], None] = lambda what: None) -> Optimized:
     """Record `command` into OUT/base, analyse it (`options`: analyses.context.Options), re-run it
     with each section worth a run (`check_all`: the sections analyze did not recommend too) and
@@ -144,7 +144,7 @@ def _write_sections(policy_path: Path, policy: Policy, labels: list[str], name: 
 
 
 def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int,
-           cluster: emulated.Topology | None = None, dct_replay: bool = False) -> int:
+           cluster: emulated.Cluster | None = None, dct_replay: bool = False) -> int:
     """`command` recorded into `run_dir` (replacing what is there) with its output, and the
     recording's closing lines, in `log`; the exit code. With `cluster`, `command` (plain
     `python train.py ...`) runs on every rank of that emulated cluster."""

@@ -247,7 +247,7 @@ def hugectr(ctx: Context, s: ExchangeBaseline) -> dict:
     steps = max(s.sampled_steps, 1)
     batch = s.samples / steps
     per_rank = batch / s.world
-    nodes = ctx.options.topology[0] if ctx.options.topology else 1
+    nodes = ctx.options.topology.nodes if ctx.options.topology else 1
     if nodes > 1:
         threshold = steps * nodes * nodes / (nodes - 1)  # BW_a2a / BW_ar = 1: one fitted link (analyses.network)
         rule = "I·N·(BW_a2a/BW_ar)·N/(N−1), BW_a2a = BW_ar"

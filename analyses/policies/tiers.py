@@ -49,17 +49,12 @@ from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
+from tracekit.topology import Topology
 
 
-def topology(ctx: Context) -> tuple[int, int]:
-    """(nodes, ranks per node): Options.topology, else the cluster the run was recorded on (manifest
-    `topology`, written by `tracekit cluster`), else one node of the run's ranks."""
-    if ctx.options.topology:
-        return tuple(ctx.options.topology)
-    recorded = ctx.manifest.get("topology") or {}
-    if recorded.get("nodes") and recorded.get("ranks_per_node"):
-        return int(recorded["nodes"]), int(recorded["ranks_per_node"])
-    return 1, ctx.model.world_size
+def topology(ctx: Context) -> Topology:
+    """Options.topology, else the cluster the run was recorded on, else one node of its ranks."""
+    return ctx.options.topology or Topology.of_run(ctx.manifest, ctx.model.world_size)
 
 
 def classes(ctx: Context, s: ExchangeBaseline, order: str, per_node: int) -> pl.DataFrame:
@@ -117,7 +112,8 @@ def _derive(ctx: Context) -> PolicyResult:
     reason = replication.cannot(ctx)
     if reason:
         return PolicyResult("tiers", reason=reason)
-    nodes, g = topology(ctx)
+    shape = topology(ctx)
+    nodes, g = shape.nodes, shape.ranks_per_node
     if nodes * g != ctx.model.world_size:
         return PolicyResult("tiers", reason=f"topology {nodes}x{g} does not hold the run's "
                                             f"{ctx.model.world_size} ranks")
