@@ -62,8 +62,8 @@ import duckdb
 import polars as pl
 
 from analyses.context import Context
+from tracekit.tags import TORCHREC_SPLITS
 
-SPLITS_TAG = "SplitsAllToAllAwaitable"  # TorchRec's all-to-all of the KJT exchange's split sizes (torchrec 1.8.0)
 ELEM_BYTES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
               "float32": 4, "float64": 8}
 
@@ -183,7 +183,7 @@ def _a2a(ctx: Context) -> None:
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_a2a AS
                SELECT rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in,
                       row_number() OVER (PARTITION BY rank, step ORDER BY seq) AS k
-               FROM train_comms WHERE op = 'all_to_all_single' AND coalesce(tag, '') NOT LIKE '{SPLITS_TAG}%'""")
+               FROM train_comms WHERE op = 'all_to_all_single' AND coalesce(tag, '') NOT LIKE '{TORCHREC_SPLITS}%'""")
 
 
 def _split_counts(k: int, per: str) -> str:

@@ -24,15 +24,15 @@ Per run:
 - embedding bytes per step (what the policies change), comparable with policy.json's `predicted`:
       exchange  training all-to-alls not tagged as sync or as a DDP bucket (the reference trainer's
                 tags are the values of analyses.exchange.TRAINER_TAGS; a user's own labels count as well)
-      sync      calls whose tag starts with replica_sync or tier2_sync (the trainer's labels for
-                replica and FlexShard tier-2 synchronisation)
+      sync      calls whose tag starts with replica_sync or tier2_sync (tracekit.tags.SYNC_TAGS, the
+                trainer's labels for replica and FlexShard tier-2 synchronisation)
       a2a_bytes_per_step          Σ exchange bytes_out, self splits included
       a2a_remote_bytes_per_step   Σ exchange wire (self splits left out)
       sync_bytes_per_step         Σ sync wire: a ring all-reduce of n bytes per rank is 2(W−1)·n over
                                   the ranks, an index all-gather (W−1)·ids (counted as sent)
       total_bytes_per_step        a2a + sync;   total_remote_bytes_per_step  a2a_remote + sync
       dp_bytes_per_step           Σ bytes_out of the data-parallel gradient exchange: calls tagged
-                                  ddp_bucket*, _sum_allreduce_hook or dct_dp* (DP_TAGS)
+                                  ddp_bucket*, _sum_allreduce_hook or dct_dp* (tracekit.tags.DP_TAGS)
 - hot/cold, where steps has a `schedule` column ('hot' | 'cold'; schema 1.2): steps, bytes and
   embedding bytes per step of each kind.
 - quality: manifest `metrics` (eval_auc, eval_logloss, train_loss, samples_per_s; null where absent)
@@ -96,19 +96,16 @@ from analyses.context import Context, Result, open_context
 from analyses.network import warmup_steps
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.errors import PolicyMismatch, RunMismatch, TracekitError
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
 from tracekit.policy import PolicyError, check_model, load_policy, sections
 from tracekit.schema import STATUS_COMPLETED
+from tracekit.tags import DDP_BUCKET, DP_TAGS, SYNC_TAGS
 
-SYNC_TAGS = ("replica_sync", "tier2_sync")
-"""Tag prefixes of replica synchronisation (the trainer's tracekit.label names)."""
-DDP_TAGS = ("ddp_bucket",)
-DP_TAGS = ("ddp_bucket", "_sum_allreduce_hook", "dct_dp")
-"""Tag prefixes of the data-parallel gradient exchange: DDP's buckets, the reference trainer's
-all-reduce hook, and its DCT-DP hook's collectives."""
-EMBEDDING = ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "sync_bytes_per_step", "total_bytes_per_step",
+DDP_TAGS = (DDP_BUCKET,)
+EMBEDDING = (A2A_BYTES, A2A_REMOTE_BYTES, SYNC_BYTES, "total_bytes_per_step",
              "total_remote_bytes_per_step")
 METRICS = ("eval_auc", "eval_logloss", "train_loss", "samples_per_s")
-RATIOS = ("step_time_s", "step_time_p90_s", "samples_per_s", "bytes_per_step", "wire_bytes_per_step", *EMBEDDING)
+RATIOS = (STEP_TIME, "step_time_p90_s", "samples_per_s", "bytes_per_step", "wire_bytes_per_step", *EMBEDDING)
 IGNORED_OPTIONS = {"--policy": True, "-o": True, "--out": True, "--output": True, "--json": False}
 """Options of a recorded command that may differ between compared runs (True: takes a value)."""
 
@@ -133,7 +130,7 @@ _CALLS = f"""
                     WHEN op IN ({sql_list(GATHER_OPS)}) THEN (group_size - 1) * bytes_out
                     ELSE bytes_out END)::DOUBLE AS wire_bytes
     FROM c GROUP BY ALL ORDER BY step, op, tag"""
-_STEPS_SCHEMA = {"step": pl.Int64, "step_time_s": pl.Float64, "samples": pl.Int64, "loss": pl.Float64,
+_STEPS_SCHEMA = {"step": pl.Int64, STEP_TIME: pl.Float64, "samples": pl.Int64, "loss": pl.Float64,
                  "schedule": pl.String}
 _CALLS_SCHEMA = {"step": pl.Int64, "op": pl.String, "tag": pl.String, "kind": pl.String, "calls": pl.Int64,
                  "bytes_out": pl.Int64, "wire_bytes": pl.Float64}
@@ -205,10 +202,10 @@ def measure(ctx: Context, skip_steps: int | None) -> Measured:
         "run": name, "status": manifest.get("status"), "exit_code": manifest.get("exit_code"),
         "where": where(manifest), "world_size": ctx.model.world_size, "steps": n, "timed_steps": kept.height,
         "skip_steps": skip_steps,
-        "step_time_s": kept["step_time_s"].median(),
-        "step_time_p90_s": kept["step_time_s"].quantile(0.9, "linear"),
+        STEP_TIME: kept[STEP_TIME].median(),
+        "step_time_p90_s": kept[STEP_TIME].quantile(0.9, "linear"),
         "samples_per_step": steps["samples"].mean() if samples_known else None,
-        "samples_per_s": kept["samples"].sum() / kept["step_time_s"].sum() if samples_known else None,
+        "samples_per_s": kept["samples"].sum() / kept[STEP_TIME].sum() if samples_known else None,
         "samples_source": samples_source if samples_known else None,
         **bytes_figures(calls, n),
         "metrics": {k: (manifest.get("metrics") or {}).get(k) for k in METRICS},
@@ -254,15 +251,15 @@ def bytes_figures(calls: pl.DataFrame, n: int) -> dict[str, float | None]:
 
     exchange, sync = pl.col("kind") == "exchange", pl.col("kind") == "sync"
     out = {"bytes_per_step": per_step(pl.col("bytes_out")), "wire_bytes_per_step": per_step(pl.col("wire_bytes")),
-           "a2a_bytes_per_step": per_step(pl.col("bytes_out").filter(exchange)),
-           "a2a_remote_bytes_per_step": per_step(pl.col("wire_bytes").filter(exchange)),
-           "sync_bytes_per_step": per_step(pl.col("wire_bytes").filter(sync)),
-           "allreduce_bytes_per_step": per_step(pl.col("bytes_out").filter(pl.col("op") == "all_reduce")),
-           "dp_bytes_per_step": per_step(pl.col("bytes_out").filter(
+           A2A_BYTES: per_step(pl.col("bytes_out").filter(exchange)),
+           A2A_REMOTE_BYTES: per_step(pl.col("wire_bytes").filter(exchange)),
+           SYNC_BYTES: per_step(pl.col("wire_bytes").filter(sync)),
+           ALLREDUCE_BYTES: per_step(pl.col("bytes_out").filter(pl.col("op") == "all_reduce")),
+           DP_BYTES: per_step(pl.col("bytes_out").filter(
                pl.any_horizontal(pl.col("tag").str.starts_with(t) for t in DP_TAGS)))}
     if n:
-        out["total_bytes_per_step"] = out["a2a_bytes_per_step"] + out["sync_bytes_per_step"]
-        out["total_remote_bytes_per_step"] = out["a2a_remote_bytes_per_step"] + out["sync_bytes_per_step"]
+        out["total_bytes_per_step"] = out[A2A_BYTES] + out[SYNC_BYTES]
+        out["total_remote_bytes_per_step"] = out[A2A_REMOTE_BYTES] + out[SYNC_BYTES]
     else:
         out["total_bytes_per_step"] = out["total_remote_bytes_per_step"] = None
     return out
@@ -432,7 +429,7 @@ def applied_policy(m: Measured) -> tuple[dict | None, dict | None, list[str]]:
 def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> list[dict]:
     """Predicted against measured for each section the run applied, their combination and the
     policy's baseline (module docstring)."""
-    measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, "dp_bytes_per_step", "step_time_s")},
+    measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, DP_BYTES, STEP_TIME)},
                 "makespan_s": (m.manifest.get("metrics") or {}).get("makespan_s"),  # inference runs
                 **savings(m.figures, base.figures)}
     bodies, applied = dict(sections(policy)), m.figures["policy"]["sections"]
@@ -453,8 +450,8 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
         intervals = predicted_intervals(body, base.figures)
         rows += [row(m.name, label, figure, value, measured.get(figure), intervals.get(figure))
                  for figure, value in predicted_figures(body["predicted"], base.figures).items()]
-    baseline = {"a2a_bytes_per_step": "a2a_bytes_per_step", "allreduce_bytes_per_step": "allreduce_bytes_per_step",
-                "step_time_s": "step_time_s"}
+    baseline = {A2A_BYTES: A2A_BYTES, ALLREDUCE_BYTES: ALLREDUCE_BYTES,
+                STEP_TIME: STEP_TIME}
     rows += [row(m.name, "baseline", key, policy["baseline"][key], base.figures.get(ours))
              for key, ours in baseline.items() if _number(policy.get("baseline", {}).get(key))]
     return rows
@@ -462,13 +459,13 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
 
 def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
     """The figures a section predicts, with totals and savings derived as the module docstring says."""
-    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], "dp_bytes_per_step", "step_time_s", "makespan_s")
+    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], DP_BYTES, STEP_TIME, "makespan_s")
            if _number(predicted.get(k))}
-    sync = out.get("sync_bytes_per_step", 0.0)
-    if "a2a_bytes_per_step" in out:
-        out["total_bytes_per_step"] = out["a2a_bytes_per_step"] + sync
-    if "a2a_remote_bytes_per_step" in out:
-        out["total_remote_bytes_per_step"] = out["a2a_remote_bytes_per_step"] + sync
+    sync = out.get(SYNC_BYTES, 0.0)
+    if A2A_BYTES in out:
+        out["total_bytes_per_step"] = out[A2A_BYTES] + sync
+    if A2A_REMOTE_BYTES in out:
+        out["total_remote_bytes_per_step"] = out[A2A_REMOTE_BYTES] + sync
     out.update(savings(out, base))
     return out
 

@@ -36,6 +36,7 @@ from analyses import attribution, exchange, network
 from analyses.context import Context, Result
 from analyses.exchange import ExchangeBaseline, comms_replay, count_exchange
 from analyses.policies import replication
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, STEP_TIME, SYNC_BYTES
 
 
 # the formulas ----------------------------------------------------------------------------------
@@ -82,7 +83,7 @@ def compute(ctx: Context, policies: dict[str, Any] | None = None) -> Result:
         "sampled_steps": s.sampled_steps, "world_size": s.world, "batch_per_device": s.batch,
         "baseline_a2a_bytes_per_step": s.base_out, "baseline_a2a_remote_bytes_per_step": s.base_remote,
         "baseline_comm_time_s": float(sum(r["time_s"] for r in _baseline_rows(s, net))),
-        "step_time_s": s.step_time_s, "network": net.summary(),
+        STEP_TIME: s.step_time_s, "network": net.summary(),
         "baseline_matches_comms": bool(len(bytes_check) and (bytes_check["diff"] == 0).all()),
         "distinct_rows_max_rel_diff": _max_rel(check, "distinct_rows"),
         "source_attribution_exact": s.attribution.exact,
@@ -136,14 +137,14 @@ def _policy_rows(ctx: Context, s: ExchangeBaseline, policies: dict[str, Any]) ->
         if derived is None or derived.section is None:
             continue
         p = derived.section["predicted"]
-        a2a = p["a2a_bytes_per_step"]
-        remote = p.get("a2a_remote_bytes_per_step", a2a)
+        a2a = p[A2A_BYTES]
+        remote = p.get(A2A_REMOTE_BYTES, a2a)
         per_collective = derived.evidence.get("collectives") or {"all_to_all": {"bytes_per_step": a2a,
                                                                                "remote_bytes_per_step": remote}}
         for collective, b in per_collective.items():
             rows.append(_row(derived.name, collective, "replay", b["bytes_per_step"], b["remote_bytes_per_step"],
                              _seconds(net, b["remote_bytes_per_step"], s.world)))
-        sync = p["sync_bytes_per_step"]
+        sync = p[SYNC_BYTES]
         kind = derived.section.get("sync") or derived.section.get("tier1_sync") or "sparse_allreduce"
         rows.append(_row(derived.name, "sync", "replay", sync, sync, net.sync(kind, sync)))
         if derived.name == "replication":

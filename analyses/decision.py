@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from analyses.network import Network
+from tracekit.figures import A2A_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
 from tracekit.policy import LABELS, TRAINING, nothing_to_apply, recommended, section_part
 
 EXCHANGE = ("replication", "tiers", "schedule")
@@ -40,7 +41,7 @@ def decide(policy: dict, net: Network) -> None:
             body["reason"] = reason
     chosen = [label for label in EXCHANGE if _recommended(policy, label)]
     if len(chosen) > 1:
-        best = min(chosen, key=lambda label: section_part(policy, label)["predicted"]["step_time_s"])
+        best = min(chosen, key=lambda label: section_part(policy, label)["predicted"][STEP_TIME])
         for label in chosen:
             if label != best:
                 body = section_part(policy, label)
@@ -55,7 +56,7 @@ def decide(policy: dict, net: Network) -> None:
 
 def no_gain(label: str, body: dict, base: float | None, net: Network) -> str | None:
     predicted = body.get("predicted", {})
-    step = predicted.get("step_time_s")
+    step = predicted.get(STEP_TIME)
     if label == "lag" and base is not None and predicted.get("gain") is not None:
         step = base * (1 - predicted["gain"])  # the lag model's gain over its own replay of the bound-0 steps
     if base is None or step is None:
@@ -69,8 +70,8 @@ def no_gain(label: str, body: dict, base: float | None, net: Network) -> str | N
 
 
 def interval(body: dict, net: Network, step: float | None = None) -> tuple[float, float]:
-    step = float(body["predicted"]["step_time_s"] if step is None else step)
-    given = body.get("intervals", {}).get("step_time_s")
+    step = float(body["predicted"][STEP_TIME] if step is None else step)
+    given = body.get("intervals", {}).get(STEP_TIME)
     if given:
         return float(given[0]), float(given[1])
     error = net.fit.residual_s + net.step.spread_s
@@ -83,25 +84,25 @@ def combined(policy: dict, labels: list[str], base: float, net: Network) -> dict
     for label in labels:
         body = section_part(policy, label)
         low, high = interval(body, net)
-        change += float(body["predicted"]["step_time_s"]) - base
+        change += float(body["predicted"][STEP_TIME]) - base
         variance += ((high - low) / 2) ** 2
     step = max(base + change, 0.0)
     error = math.sqrt(variance)
-    predicted = {"step_time_s": step}
+    predicted = {STEP_TIME: step}
     exchange = next((section_part(policy, label) for label in labels if label in EXCHANGE), None)
     baseline = policy.get("baseline", {})
-    a2a = (exchange or {}).get("predicted", {}).get("a2a_bytes_per_step", baseline.get("a2a_bytes_per_step"))
+    a2a = (exchange or {}).get("predicted", {}).get(A2A_BYTES, baseline.get(A2A_BYTES))
     mp = section_part(policy, "compression.mp") if "compression.mp" in labels else None
     if a2a is not None:
-        if mp is not None and baseline.get("a2a_bytes_per_step"):
-            a2a *= mp["predicted"]["a2a_bytes_per_step"] / baseline["a2a_bytes_per_step"]
-        predicted["a2a_bytes_per_step"] = float(a2a)
+        if mp is not None and baseline.get(A2A_BYTES):
+            a2a *= mp["predicted"][A2A_BYTES] / baseline[A2A_BYTES]
+        predicted[A2A_BYTES] = float(a2a)
     if exchange is not None:
-        predicted["sync_bytes_per_step"] = float(exchange["predicted"].get("sync_bytes_per_step", 0.0))
+        predicted[SYNC_BYTES] = float(exchange["predicted"].get(SYNC_BYTES, 0.0))
     if "compression.dp" in labels:
-        predicted["dp_bytes_per_step"] = float(section_part(policy, "compression.dp")["predicted"]["dp_bytes_per_step"])
+        predicted[DP_BYTES] = float(section_part(policy, "compression.dp")["predicted"][DP_BYTES])
     return {"sections": labels, "predicted": predicted,
-            "intervals": {"step_time_s": [max(step - error, 0.0), step + error]},
+            "intervals": {STEP_TIME: [max(step - error, 0.0), step + error]},
             "why": (f"{', '.join(labels)} together: the baseline's {base * 1e3:.2f} ms plus each section's predicted "
                     "change (assumed additive), bytes from the exchange section"
                     + (" scaled by compression.mp's ratio" if mp is not None else ""))}

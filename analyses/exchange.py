@@ -65,12 +65,13 @@ import polars as pl
 
 from analyses import attribution, network
 from analyses.context import Context
+from tracekit import tags
 
 COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
 
 
-TRAINER_TAGS = {"input_lengths": "ShardedEmbeddings._input_dist", "input_ids": "ShardedEmbeddings._input_dist",
-                "output_fwd": "_AllToAll.forward", "output_bwd": "_AllToAll.backward"}
+TRAINER_TAGS = {"input_lengths": tags.INPUT_DIST, "input_ids": tags.INPUT_DIST,
+                "output_fwd": tags.OUTPUT_FWD, "output_bwd": tags.OUTPUT_BWD}
 
 
 COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int64

@@ -46,6 +46,7 @@ import numpy as np
 import polars as pl
 
 from analyses.context import Context
+from tracekit.figures import STEP_TIME
 from tracekit.schema import CALIBRATION_PATH
 
 A2A = "all_to_all_single"
@@ -171,7 +172,7 @@ class Network:
         return {"group_size": self.fit.group_size, "alpha_s": self.fit.alpha_s,
                 "beta_s_per_byte": self.fit.beta_s_per_byte, "bandwidth_bytes_per_s": self.fit.bandwidth,
                 "residual_s": self.fit.residual_s, "calls": self.fit.calls, "calls_fitted": self.fit.kept,
-                "source": self.fit.source, "step_time_s": self.step.median_s, "step_spread_s": self.step.spread_s,
+                "source": self.fit.source, STEP_TIME: self.step.median_s, "step_spread_s": self.step.spread_s,
                 "timed_steps": self.step.steps, "warmup_steps": self.step.warmup,
                 "rank_work": "calibrated" if self.calibration else "not calibrated (tracekit calibrate RUN)",
                 "rank_work_per_cpu_second": self.oversubscribed,
@@ -199,13 +200,13 @@ def _network(ctx: Context) -> Network:
 def step_frame(ctx: Context) -> pl.DataFrame:
     """Per training step: step, step_time_s (the slowest rank's), in step order."""
     if not ctx.has("steps"):
-        return pl.DataFrame(schema={"step": pl.Int64, "step_time_s": pl.Float64})
+        return pl.DataFrame(schema={"step": pl.Int64, STEP_TIME: pl.Float64})
     return ctx.frame("""SELECT step, max(t_end_ns - t_start_ns) / 1e9 AS step_time_s FROM steps
                         WHERE t_end_ns >= t_start_ns GROUP BY step ORDER BY step""")
 
 
 def step_time(ctx: Context) -> StepTime:
-    return timed(step_frame(ctx)["step_time_s"].to_numpy())
+    return timed(step_frame(ctx)[STEP_TIME].to_numpy())
 
 
 def timed(times: np.ndarray) -> StepTime:

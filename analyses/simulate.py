@@ -73,11 +73,12 @@ import numpy as np
 import polars as pl
 
 from analyses import attribution, exchange, network, traffic
-from analyses.compare import SYNC_TAGS
 from analyses.context import Context, Result, open_context
 from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
 from tracekit.policy import check_model, load_policy, row_path, section_part
+from tracekit.tags import SYNC_TAGS
 from tracekit.topology import Topology
 
 SIMULATED = ("replication", "tiers", "schedule")
@@ -125,9 +126,9 @@ class Traffic:
     def figures(self) -> dict[str, float]:
         """Bytes per step in `comms`' convention (Σ ranks' bytes_out), and the sync's wire bytes."""
         w, total = self.world, self.total_exchange
-        return {"a2a_bytes_per_step": float(total.sum()),
-                "a2a_remote_bytes_per_step": float(total.sum() - np.trace(total)),
-                "allreduce_bytes_per_step": self.ring * w, "sync_bytes_per_step": self.sync_wire,
+        return {A2A_BYTES: float(total.sum()),
+                A2A_REMOTE_BYTES: float(total.sum() - np.trace(total)),
+                ALLREDUCE_BYTES: self.ring * w, SYNC_BYTES: self.sync_wire,
                 "bytes_per_step": float(total.sum()) + self.ring * w + self.gather * w
                                   + (self.sync_ring * w if self.sync_ring else self.sync_wire)}
 
@@ -172,7 +173,7 @@ def _times(ctx: Context, steps: int, world: int) -> dict:
     samples = ctx.sql("SELECT sum(samples)::DOUBLE FROM steps").fetchall()[0][0] if ctx.has("steps") else None
     if not samples:
         samples = float(attribution.batches(ctx)["b"].sum()) if ctx.has("comms") else 0.0
-    out = {"batch": samples / steps / world if samples else None, "compute_s": None, "step_time_s": None,
+    out = {"batch": samples / steps / world if samples else None, "compute_s": None, STEP_TIME: None,
            "latency_s": network.network(ctx).alpha(network.A2A)}
     if not ctx.has("steps"):
         return out
@@ -181,7 +182,7 @@ def _times(ctx: Context, steps: int, world: int) -> dict:
     per_step = (frame.filter(pl.col("step") >= frame["step"].min() + skip).group_by("step")
                 .agg(pl.col("compute_s").max(), pl.col("step_s").max()))
     out["compute_s"] = float(per_step["compute_s"].median())
-    out["step_time_s"] = float(per_step["step_s"].median())
+    out[STEP_TIME] = float(per_step["step_s"].median())
     return out
 
 
@@ -224,7 +225,7 @@ def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | Non
     """`base` (the recorded world and batch) under a policy section's predicted exchange and sync;
     `freed`: the bytes per step, by tag and rank pair, its replicas take out of the exchange."""
     predicted = section.get("predicted") or {}
-    sync = float(predicted.get("sync_bytes_per_step") or 0.0)
+    sync = float(predicted.get(SYNC_BYTES) or 0.0)
     replicas = float(predicted.get("replica_bytes_per_rank") or 0.0)
     if freed is not None:
         exchange = {tag: np.maximum(m - freed.get(tag, 0.0), 0.0) for tag, m in base.exchange.items()}
@@ -233,9 +234,9 @@ def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | Non
     embedding = {tag: m for tag, m in base.exchange.items() if not tag.startswith(SYNC_TAGS)}
     total = sum(embedding.values(), np.zeros((base.world, base.world)))
     remote, self_bytes = total.sum() - np.trace(total), np.trace(total)
-    rem_ratio = predicted.get("a2a_remote_bytes_per_step", remote) / remote if remote else 1.0
-    self_target = predicted.get("a2a_bytes_per_step", total.sum()) - predicted.get(
-        "a2a_remote_bytes_per_step", remote)
+    rem_ratio = predicted.get(A2A_REMOTE_BYTES, remote) / remote if remote else 1.0
+    self_target = predicted.get(A2A_BYTES, total.sum()) - predicted.get(
+        A2A_REMOTE_BYTES, remote)
     self_ratio = self_target / self_bytes if self_bytes else 1.0
     exchange = dict(base.exchange)
     for tag, m in embedding.items():
@@ -252,7 +253,7 @@ def with_compression(t: Traffic, name: str, part: dict) -> Traffic:
     if name == "compression.mp":
         ratio = float(predicted.get("ratio") or 1.0)
         return replace(t, exchange={tag: m * ratio if tag in t.float_tags else m for tag, m in t.exchange.items()})
-    baseline, sent = predicted.get("baseline_dp_bytes_per_step"), predicted.get("dp_bytes_per_step")
+    baseline, sent = predicted.get("baseline_dp_bytes_per_step"), predicted.get(DP_BYTES)
     if not baseline or sent is None or not t.ring_calls:
         return t
     w = t.world
@@ -395,18 +396,18 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
         rows.append({"policy": name, "method": "replay" if same else "scaled", "topology": target.name,
                      "world": target.world, "batch_per_device": new_batch, "inter_bw": target.inter_bw,
                      "intra_bw": intra, **t.figures(), "inter_node_bytes_per_step": _inter_bytes(t, target),
-                     "collectives_per_step": t.calls, "compute_s": compute, "comm_s": comm, "step_time_s": step,
+                     "collectives_per_step": t.calls, "compute_s": compute, "comm_s": comm, STEP_TIME: step,
                      "comm_share": None if not step else comm / step,
                      "speedup": None if not step or not base_time else base_time / step})
         for rate in SWEEP_RATES:
             c = comm_time(t, replace(target, inter_bw=rate / 8), intra, latency)
             sweep.append({"policy": name, "inter_bw": rate / 8, "comm_s": c,
-                          "step_time_s": None if compute is None else compute + c})
+                          STEP_TIME: None if compute is None else compute + c})
     table = pl.DataFrame(rows)
     sweep_frame = pl.DataFrame(sweep)
-    base_sweep = sweep_frame.filter(pl.col("policy") == "baseline").select("inter_bw", base="step_time_s")
+    base_sweep = sweep_frame.filter(pl.col("policy") == "baseline").select("inter_bw", base=STEP_TIME)
     sweep_frame = sweep_frame.join(base_sweep, on="inter_bw").with_columns(
-        (pl.col("base") / pl.col("step_time_s")).alias("speedup")).drop("base")
+        (pl.col("base") / pl.col(STEP_TIME)).alias("speedup")).drop("base")
     result.tables = {"simulate": table, "simulate_sweep": sweep_frame}
     result.summary = {"target": {"topology": target.name, "world": target.world, "inter_bw": target.inter_bw,
                                  "intra_bw": intra, "batch_per_device": new_batch, "latency_s": latency,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import polars as pl
 
 from analyses.context import Context, Result
+from tracekit.figures import A2A_BYTES, ALLREDUCE_BYTES, STEP_TIME
 
 A2A_OPS = ("all_to_all_single", "all_to_all")
 SEND_OPS = ("send", "isend")
@@ -242,15 +243,15 @@ def baseline(ctx: Context) -> dict[str, float | None]:
     """policy.json's `baseline`: all-to-all and all-reduce bytes per training step (summed over
     ranks' bytes_out, training calls) and the step time (analyses.network's baseline rule). None where the run has no such table."""
     steps = training_steps(ctx)
-    out: dict[str, float | None] = {"a2a_bytes_per_step": None, "allreduce_bytes_per_step": None, "step_time_s": None}
+    out: dict[str, float | None] = {A2A_BYTES: None, ALLREDUCE_BYTES: None, STEP_TIME: None}
     if ctx.has("comms") and steps:
         a2a, ar = ctx.sql(f"""
             SELECT coalesce(sum(bytes_out) FILTER (WHERE op IN ({sql_list(A2A_OPS)})), 0)::DOUBLE,
                    coalesce(sum(bytes_out) FILTER (WHERE op = 'all_reduce'), 0)::DOUBLE
             FROM train_comms""").fetchall()[0]
-        out["a2a_bytes_per_step"], out["allreduce_bytes_per_step"] = a2a / steps, ar / steps
+        out[A2A_BYTES], out[ALLREDUCE_BYTES] = a2a / steps, ar / steps
     if ctx.has("steps"):
         from analyses.network import step_time
 
-        out["step_time_s"] = step_time(ctx).median_s
+        out[STEP_TIME] = step_time(ctx).median_s
     return out

@@ -13,6 +13,7 @@ import polars as pl
 from reports.html import Chart, Section, esc, figure, table, thin
 from reports.inputs import RunInputs
 from reports.numbers import show
+from tracekit.figures import A2A_BYTES, STEP_TIME, SYNC_BYTES
 
 TOP_TABLES = 6
 """Tables drawn where one trace per table would crowd a chart (the ones with the most lookups)."""
@@ -88,7 +89,7 @@ def _predicted_saving(run: RunInputs, section: dict) -> float | None:
     from analyses.compare import predicted_figures
 
     base = run.policy.get("baseline", {}) if run.policy else {}
-    figures = predicted_figures(section.get("predicted", {}), {"total_bytes_per_step": base.get("a2a_bytes_per_step")})
+    figures = predicted_figures(section.get("predicted", {}), {"total_bytes_per_step": base.get(A2A_BYTES)})
     return figures.get("saving")
 
 
@@ -353,7 +354,7 @@ def _sweep_chart(sweep: pl.DataFrame) -> Chart:
     for (ordering,), p in part.group_by("ordering", maintain_order=True):
         fig.add_scatter(x=p["budget_bytes"].to_list(), y=p["total_bytes_per_step"].to_list(), mode="lines+markers",
                         name=esc(f"total ({ordering})"))
-        fig.add_scatter(x=p["budget_bytes"].to_list(), y=p["sync_bytes_per_step"].to_list(), mode="lines",
+        fig.add_scatter(x=p["budget_bytes"].to_list(), y=p[SYNC_BYTES].to_list(), mode="lines",
                         line_dash="dot", name=esc(f"sync ({ordering})"))
     chosen = sweep.filter(pl.col("chosen"))
     fig.add_scatter(x=chosen["budget_bytes"].to_list(), y=chosen["total_bytes_per_step"].to_list(), mode="markers",
@@ -404,7 +405,7 @@ def compare(summary: dict) -> Section:
     runs = summary["runs"]
     names = [esc(r["run"]) for r in runs]
     fig = figure(title="Step time per run", x="run", y="step time (ms)")
-    fig.add_bar(x=names, y=[None if r["step_time_s"] is None else r["step_time_s"] * 1e3 for r in runs],
+    fig.add_bar(x=names, y=[None if r[STEP_TIME] is None else r[STEP_TIME] * 1e3 for r in runs],
                 name="mean")
     fig.add_bar(x=names, y=[None if r["step_time_p90_s"] is None else r["step_time_p90_s"] * 1e3 for r in runs],
                 name="p90")
@@ -459,7 +460,7 @@ def simulate(run: RunInputs) -> Section | None:
                    f"{esc(show('inter_bw', first['inter_bw']))} between nodes, "
                    f"{esc(show('intra_bw', first['intra_bw']))} within, "
                    f"batch {first['batch_per_device']:g} per rank.</p>")
-    columns = ("policy", "bytes_per_step", "inter_node_bytes_per_step", "compute_s", "comm_s", "step_time_s",
+    columns = ("policy", "bytes_per_step", "inter_node_bytes_per_step", "compute_s", "comm_s", STEP_TIME,
                "comm_share", "speedup")
     s.intro.append(table(["policy", "bytes / step", "between nodes / step", "compute", "communication", "step time",
                           "comm share", "speedup"], [_cells(r, columns) for r in rows.iter_rows(named=True)]))

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tracekit import figures
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, SHOWN, STEP_TIME, SYNC_BYTES
 from tracekit.units import format_bytes
 
 # 120 columns where no terminal says otherwise (a pipe, a file, the README): the tables stay whole
@@ -152,7 +152,7 @@ def _network(n: dict) -> None:
     """One line on the model every predicted time comes from (analyses.network)."""
     alphas = ", ".join(f"{op} {a * 1e3:.2f} ms" for op, a in sorted(n["alpha_s"].items())) or "none timed"
     rate = f"{format_bytes(n['bandwidth_bytes_per_s'])}/s" if n.get("bandwidth_bytes_per_s") else "bytes free (β ≈ 0)"
-    step = n.get("step_time_s")
+    step = n.get(STEP_TIME)
     terminal.print(f"network model: α {alphas}; link {rate}; fit residual {n['residual_s'] * 1e3:.2f} ms over "
                   f"{n['calls_fitted']} of {n['calls']} calls; baseline step "
                   + (f"{step * 1e3:.2f} ms ± {n['step_spread_s'] * 1e3:.2f} ms drift" if step else "unknown")
@@ -167,17 +167,17 @@ def _print_policies(summary: dict) -> None:
     table = Table("policy", "predicted per training step (all ranks)", "why", title="policies (policy.json)",
                   title_justify="left")
     if baseline:
-        table.add_row("baseline (recorded)", _figures(baseline, KEY_FIGURES), "what the run did")
+        table.add_row("baseline (recorded)", _figures(baseline, SHOWN), "what the run did")
     for name, section in summary["policies"].items():
         parts = [(f"{name}.{sub}", section[sub]) for sub in ("dp", "mp") if sub in section] if name == "compression" \
             else [(name, section)]
         for label, body in parts:
-            table.add_row(_decision(label, body), _figures(body["predicted"], KEY_FIGURES, body.get("intervals")),
+            table.add_row(_decision(label, body), _figures(body["predicted"], SHOWN, body.get("intervals")),
                           body["why"] if body.get("recommended", True) else f"{body['reason']}\n[dim]{body['why']}[/]")
     if summary.get("combined"):
         combined = summary["combined"]
         table.add_row("[bold]combined[/]\n" + ", ".join(combined["sections"]),
-                      _figures(combined["predicted"], KEY_FIGURES, combined.get("intervals")), combined["why"])
+                      _figures(combined["predicted"], SHOWN, combined.get("intervals")), combined["why"])
     for name, reason in summary["not_derived"].items():
         table.add_row(name, "[dim]not derived[/]", reason)
     for sub, reason in summary["policies"].get("compression", {}).get("evidence", {}).get("not_derived", {}).items():
@@ -185,7 +185,6 @@ def _print_policies(summary: dict) -> None:
     terminal.print(table)
 
 
-KEY_FIGURES = figures.SHOWN
 
 
 def _decision(label: str, body: dict) -> str:
@@ -244,12 +243,12 @@ def print_compare(summary: dict) -> None:
 COMPARE_FIGURES = (  # label, figure, how it is shown and compared
     ("device, backend, world, cores", "where", "text"), ("status", "status", "text"),
     ("training steps (timed)", "steps", "steps"),
-    ("step time, median", "step_time_s", "time"), ("step time, p90", "step_time_p90_s", "time"),
+    ("step time, median", STEP_TIME, "time"), ("step time, p90", "step_time_p90_s", "time"),
     ("samples/s", "samples_per_s", "rate"), ("samples per step", "samples_per_step", "count"),
     ("bytes_out per step, all ops", "bytes_per_step", "bytes"),
     ("wire bytes per step, all ops", "wire_bytes_per_step", "bytes"),
-    ("embedding all-to-all", "a2a_bytes_per_step", "bytes"), ("  of it remote", "a2a_remote_bytes_per_step", "bytes"),
-    ("replica sync (wire)", "sync_bytes_per_step", "bytes"), ("embedding total", "total_bytes_per_step", "bytes"),
+    ("embedding all-to-all", A2A_BYTES, "bytes"), ("  of it remote", A2A_REMOTE_BYTES, "bytes"),
+    ("replica sync (wire)", SYNC_BYTES, "bytes"), ("embedding total", "total_bytes_per_step", "bytes"),
     ("eval AUC", "metrics.eval_auc", "metric"), ("eval logloss", "metrics.eval_logloss", "metric"),
     ("train loss", "metrics.train_loss", "metric"), ("samples/s (trainer)", "metrics.samples_per_s", "rate"),
     ("max |Δ loss| per step vs BASE", "loss_max_abs_diff", "loss"),
@@ -378,7 +377,7 @@ def print_simulate(summary: dict) -> None:
                   title_justify="left")
     for row in summary["rows"]:
         table.add_row(row["policy"], format_bytes(row["bytes_per_step"]), format_bytes(row["inter_node_bytes_per_step"]),
-                      _seconds(row["compute_s"]), _seconds(row["comm_s"]), _seconds(row["step_time_s"]),
+                      _seconds(row["compute_s"]), _seconds(row["comm_s"]), _seconds(row[STEP_TIME]),
                       "" if row["comm_share"] is None else f"{row['comm_share']:.0%}", _ratio(row["speedup"]))
     terminal.print(table)
     for note in summary.get("notes", []):

@@ -71,6 +71,7 @@ from analyses import network, traffic
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
 from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
+from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
 
 REFRESH_EVERY = 1000
@@ -124,7 +125,7 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
         # most their bytes on the link, and no more than they held the step past its last synchronous
         # call; the hook's all-gathers and work are added
         removed = min(beta * 2 * (world - 1) / world * baseline / world, network.exposed_async(ctx, DP_ROWS))
-        added = 2 * buckets * net.alpha(network.ALL_GATHER) + beta * (world - 1) / world * predicted["dp_bytes_per_step"]
+        added = 2 * buckets * net.alpha(network.ALL_GATHER) + beta * (world - 1) / world * predicted[DP_BYTES]
         elements = baseline / world / 4  # fp32 gradient entries a rank all-reduces per step
         refresh = max(int(body.get("refresh_every") or 1), 1)  # thresholds recomputed every `refresh` steps
         work = net.work("dct_dp", elem=elements, bucket=buckets, refresh_elem=elements / refresh)
@@ -139,9 +140,9 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
         kind = "dct_mp"
     step = max(0.0, net.step.median_s - removed + added + (0.0 if work is None else float(work)))
     error = net.error(calls, added - removed, kind if work is not None else None)
-    predicted["step_time_s"] = step
+    predicted[STEP_TIME] = step
     predicted["rank_work_s"] = None if work is None else float(work)
-    body.setdefault("intervals", {})["step_time_s"] = [max(step - error, 0.0), step + error]
+    body.setdefault("intervals", {})[STEP_TIME] = [max(step - error, 0.0), step + error]
 
 
 def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -263,11 +264,11 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
     measured, predicted_out = float(output["bytes_per_step"].sum()), float(output["predicted_bytes_per_step"].sum())
     input_dist = float(calls["bytes_per_step"].sum()) - measured
     predicted = {
-        "output_a2a_bytes_per_step": predicted_out,
+        OUTPUT_A2A_BYTES: predicted_out,
         "baseline_output_a2a_bytes_per_step": measured,
         "ratio": predicted_out / measured,
-        "a2a_bytes_per_step": input_dist + predicted_out,
-        "step_time_s": None,
+        A2A_BYTES: input_dist + predicted_out,
+        STEP_TIME: None,
     }
     fp32_rows = float((output["bytes_per_step"] / (output["value_bytes"] * dim)).sum())
     result.evidence["mp"] = {

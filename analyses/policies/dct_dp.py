@@ -38,6 +38,7 @@ import math
 import polars as pl
 
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
+from tracekit.figures import DP_BYTES, STEP_TIME
 from tracekit.schema import DCT_WHOLE_BELOW
 
 DRIFT_BOUND = 2.0
@@ -82,13 +83,13 @@ def derive(ctx: Context, world: int, steps: int, baseline_dp: float | None, dp_r
     spread = SAMPLING_SDS * pl.col("sd") * per_entry
     low = (pl.min_horizontal("bytes_lower", point_bytes) - spread) * (1 - RERUN_ALLOWANCE)
     high = (pl.max_horizontal("bytes_upper", point_bytes) + spread) * (1 + RERUN_ALLOWANCE)
-    pairs = pairs.with_columns(pl.col(point_bytes).alias("dp_bytes_per_step"),
+    pairs = pairs.with_columns(pl.col(point_bytes).alias(DP_BYTES),
                                low.clip(lower_bound=0).alias("low"), high.alias("high"))
     keep, refresh, row = _choose(pairs)
     pairs = pairs.with_columns(((pl.col("keep_ratio") == keep) & (pl.col("refresh_every") == refresh)).alias("chosen"))
     result.tables["dct_dp_replay"] = pairs.select(
         "keep_ratio", "refresh_every", "replayed_steps", "drift", "drift_max", "kept", "target", "sd",
-        "dp_bytes_per_step", "low", "high", "chosen").sort("keep_ratio", "refresh_every")
+        DP_BYTES, "low", "high", "chosen").sort("keep_ratio", "refresh_every")
     result.tables["dct_dp_drift"] = _drift_curve(ctx, targets)
     if row is None:  # refreshed every step: the target exactly, per bucket
         target = float(targets.filter(pl.col("keep_ratio") == keep)["target"].item())
@@ -96,7 +97,7 @@ def derive(ctx: Context, world: int, steps: int, baseline_dp: float | None, dp_r
                           calls=0 if matched else calls)
         dp_bytes, interval, kept_per_rank, drift = exact, None, target, 1.0
     else:
-        dp_bytes, interval = float(row["dp_bytes_per_step"]), [float(row["low"]), float(row["high"])]
+        dp_bytes, interval = float(row[DP_BYTES]), [float(row["low"]), float(row["high"])]
         kept_per_rank, drift = float(row[point]), float(row["drift"])
     return _section(keep, refresh, dp_bytes, interval, kept_per_rank, drift, baseline_dp, world, matched, pairs,
                     result), None
@@ -261,7 +262,7 @@ def _section(keep: float, refresh: int, dp_bytes: float, interval: list[float] |
     section = {"keep_ratio": keep, "refresh_every": refresh, "error_feedback": True, "predicted": predicted,
                "why": why}
     if interval is not None:
-        section["intervals"] = {"dp_bytes_per_step": interval}
+        section["intervals"] = {DP_BYTES: interval}
     result.evidence["dp"] = {
         "rows": "dct_replay: sent of replayed entries per (rank, step, parameter, keep ratio, refresh period), "
                 "scaled to the parameter; comms: DDP's bucket sizes and calls",
@@ -282,8 +283,8 @@ def _section(keep: float, refresh: int, dp_bytes: float, interval: list[float] |
 def figures(world: int, dp_bytes: float, baseline_dp: float | None, kept: float) -> dict:
     """The predicted figures of a compression.dp section sending `dp_bytes` per step (Σ ranks) in
     place of DDP's `baseline_dp`; its step time is set afterwards (compression.step_time)."""
-    return {"dp_bytes_per_step": dp_bytes, "baseline_dp_bytes_per_step": baseline_dp,
+    return {DP_BYTES: dp_bytes, "baseline_dp_bytes_per_step": baseline_dp,
             "ratio": dp_bytes / baseline_dp if baseline_dp else None,
             "dp_wire_bytes_per_step": (world - 1) * dp_bytes,
             "baseline_dp_wire_bytes_per_step": 2 * (world - 1) / world * baseline_dp if baseline_dp is not None else None,
-            "kept_elements_per_rank": kept, "step_time_s": None}
+            "kept_elements_per_rank": kept, STEP_TIME: None}

@@ -50,6 +50,7 @@ import polars as pl
 from analyses.context import Context, PolicyResult
 from analyses.network import warmup_steps
 from analyses.timeline import compute as timeline
+from tracekit.figures import STEP_TIME
 
 MAX_BOUND = 8
 TOLERANCE = 0.01
@@ -108,7 +109,7 @@ def sweep(c: np.ndarray, x: np.ndarray | float = 0.0, *, overlap: bool = True) -
     makespans = [replay(c, b, x, overlap=overlap) for b in bounds]
     steps = max(c.shape[1], 1)
     return pl.DataFrame({"bound": bounds, "makespan_s": makespans}, schema={"bound": pl.Int64, "makespan_s": pl.Float64}
-                        ).with_columns((pl.col("makespan_s") / steps).alias("step_time_s"),
+                        ).with_columns((pl.col("makespan_s") / steps).alias(STEP_TIME),
                                        (1 - pl.col("makespan_s") / makespans[0]).alias("gain"))
 
 
@@ -146,8 +147,8 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     result.tables["lag_makespan"] = table
     result.section = {
         "bound": bound,
-        "predicted": {"step_time_s": row["step_time_s"], "makespan_s": row["makespan_s"], "gain": row["gain"],
-                      "sync_step_time_s": table["step_time_s"][0], "unbounded_gain": unbounded["gain"]},
+        "predicted": {STEP_TIME: row[STEP_TIME], "makespan_s": row["makespan_s"], "gain": row["gain"],
+                      "sync_step_time_s": table[STEP_TIME][0], "unbounded_gain": unbounded["gain"]},
         "why": _why(bound, row["gain"], unbounded["gain"], _overlap_gain(c, x, overlap), spread, float((c + x).mean())),
     }
     result.evidence = {

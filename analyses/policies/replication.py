@@ -60,6 +60,7 @@ import polars as pl
 from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, COMM_TIME, STEP_TIME, SYNC_BYTES
 
 P_DUP_MAX = 0.01  # HugeCTR's default
 
@@ -269,15 +270,15 @@ def sweep(s: ExchangeBaseline, c: Curve, points: dict[str, int], ordering: str) 
     rows = []
     for label, k in points.items():
         rows.append({"point": label, "ordering": ordering, "budget_bytes": float(c.replica_bytes[k]), "hot_rows": k,
-                     "a2a_bytes_per_step": float(c.a2a_out[k]), "a2a_remote_bytes_per_step": float(c.a2a_rem[k]),
+                     A2A_BYTES: float(c.a2a_out[k]), A2A_REMOTE_BYTES: float(c.a2a_rem[k]),
                      "sparse_sync_bytes_per_step": float(c.sparse[k]), "dense_sync_bytes_per_step": float(c.dense[k]),
-                     "sync_bytes_per_step": float(c.sync[k]), "sync": c.sync_kind(k),
+                     SYNC_BYTES: float(c.sync[k]), "sync": c.sync_kind(k),
                      "total_bytes_per_step": float(c.a2a_out[k] + c.sync[k]),
                      "total_remote_bytes_per_step": float(c.a2a_rem[k] + c.sync[k]),
-                     "comm_time_s": float(c.comm_time[k]),
-                     "step_time_s": None if c.step_time is None else float(c.step_time[k]),
+                     COMM_TIME: float(c.comm_time[k]),
+                     STEP_TIME: None if c.step_time is None else float(c.step_time[k]),
                      "lookup_coverage": float(c.coverage[k]), "union_hot_rows_per_step": float(c.union_rows[k])})
-    return pl.DataFrame(rows, schema_overrides={"step_time_s": pl.Float64}).sort("hot_rows", maintain_order=True)
+    return pl.DataFrame(rows, schema_overrides={STEP_TIME: pl.Float64}).sort("hot_rows", maintain_order=True)
 
 
 def derive(ctx: Context) -> PolicyResult:
@@ -308,10 +309,10 @@ def _derive(ctx: Context) -> PolicyResult:
     rows = hot.select("table_name", "row", pl.col("lookups").alias("count"),
                       pl.col("benefit_rem").alias("benefit_bytes"))
     sync = c.sync_kind(k)
-    predicted = {"a2a_bytes_per_step": float(c.a2a_out[k]), "a2a_remote_bytes_per_step": float(c.a2a_rem[k]),
-                 "sync_bytes_per_step": float(c.sync[k]),
-                 "step_time_s": None if c.step_time is None else float(c.step_time[k]),
-                 "comm_time_s": float(c.comm_time[k]), "rank_work_s": float(c.work[k]), "hot_rows": k,
+    predicted = {A2A_BYTES: float(c.a2a_out[k]), A2A_REMOTE_BYTES: float(c.a2a_rem[k]),
+                 SYNC_BYTES: float(c.sync[k]),
+                 STEP_TIME: None if c.step_time is None else float(c.step_time[k]),
+                 COMM_TIME: float(c.comm_time[k]), "rank_work_s": float(c.work[k]), "hot_rows": k,
                  "replica_bytes_per_rank": float(c.replica_bytes[k]), "lookup_coverage": float(c.coverage[k])}
     saved = s.base_remote - c.a2a_rem[k]
     why = (f"{k} rows by benefit per replica byte ({c.coverage[k]:.0%} of lookups): the all-to-all sends "
@@ -338,7 +339,7 @@ def intervals(ctx: Context, s: ExchangeBaseline, c: Curve, k: int, order: str) -
     model's error, analyses.network)."""
     out = exchange.step_interval(ctx, s, order, k)
     if c.step_time is not None:
-        out["step_time_s"] = [float(max(c.step_time[k] - c.error[k], 0.0)), float(c.step_time[k] + c.error[k])]
+        out[STEP_TIME] = [float(max(c.step_time[k] - c.error[k], 0.0)), float(c.step_time[k] + c.error[k])]
     return out
 
 
@@ -349,16 +350,16 @@ def _evidence(s: ExchangeBaseline, c: Curve, k: int, limit: int | None, h: dict,
         "trace": f"train_lookups of {s.sampled_steps} sampled steps, source ranks from the input dist "
                  f"({'exact' if s.attribution.exact else 'approximate'})",
         "ordering": "score_i = (a2a_i − sync_i)/rb_i over every step's accesses, descending",
-        "baseline": {"a2a_bytes_per_step": s.base_out, "a2a_remote_bytes_per_step": s.base_remote,
-                     "step_time_s": s.step_time_s},
+        "baseline": {A2A_BYTES: s.base_out, A2A_REMOTE_BYTES: s.base_remote,
+                     STEP_TIME: s.step_time_s},
         "a2a_remote_bytes_saved_per_step": float(s.base_remote - c.a2a_rem[k]),
         "collectives": c.collectives(s, k),
         "sparse_sync_bytes_per_step": float(c.sparse[k]), "dense_sync_bytes_per_step": float(c.dense[k]),
         "union_hot_rows_per_step": float(c.union_rows[k]),
         "budget_bytes_per_rank": limit, "network": net.summary(), "step_error_s": float(c.error[k]),
-        "hugectr": {**h, "a2a_remote_bytes_per_step": float(by_count.a2a_rem[h["rows"]]),
-                    "sync_bytes_per_step": float(by_count.sync[h["rows"]]),
-                    "comm_time_s": float(by_count.comm_time[h["rows"]]),
+        "hugectr": {**h, A2A_REMOTE_BYTES: float(by_count.a2a_rem[h["rows"]]),
+                    SYNC_BYTES: float(by_count.sync[h["rows"]]),
+                    COMM_TIME: float(by_count.comm_time[h["rows"]]),
                     "lookup_coverage": float(by_count.coverage[h["rows"]])},
         "notes": s.notes,
     }

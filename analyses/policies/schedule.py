@@ -42,6 +42,7 @@ from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, STEP_TIME, SYNC_BYTES
 
 
 def hot_set(ctx: Context, limit: float) -> pl.DataFrame:
@@ -144,8 +145,8 @@ def sweep(ctx: Context, s: ExchangeBaseline, chosen: int) -> pl.DataFrame:
     points = sorted({*exchange.log_points(n), chosen})
     return pl.DataFrame({"hot_rows": points, "budget_bytes": budget[points],
                          "hot_sample_fraction": samples[points] / max(s.samples, 1),
-                         "a2a_bytes_per_step": s.base_out - out_b[points] / steps,
-                         "a2a_remote_bytes_per_step": s.base_remote - rem_b[points] / steps,
+                         A2A_BYTES: s.base_out - out_b[points] / steps,
+                         A2A_REMOTE_BYTES: s.base_remote - rem_b[points] / steps,
                          "chosen": [p == chosen for p in points]})
 
 
@@ -185,8 +186,8 @@ def _derive(ctx: Context) -> PolicyResult:
     step_time = None if t.step_s is None else float(t.step_s)
     saved_rem = s.base_remote - a2a_rem
     switch = 2 * (s.world - 1) * hot_bytes
-    predicted = {"a2a_bytes_per_step": a2a_out, "a2a_remote_bytes_per_step": a2a_rem, "sync_bytes_per_step": sync,
-                 "step_time_s": step_time, "hot_step_fraction": fraction, "hot_sample_fraction": fraction,
+    predicted = {A2A_BYTES: a2a_out, A2A_REMOTE_BYTES: a2a_rem, SYNC_BYTES: sync,
+                 STEP_TIME: step_time, "hot_step_fraction": fraction, "hot_sample_fraction": fraction,
                  "hot_rows": rows.height, "switch_bytes": switch}
     shared = rep.section is not None and _same_rows(rows, rep.rows["hot_rows"])
     name = "hot_rows" if shared else "fae_hot_rows"
@@ -197,11 +198,11 @@ def _derive(ctx: Context) -> PolicyResult:
                "budget_bytes_per_rank": int(limit), "sync": sync_kind, "predicted": predicted, "why": why}
     if step_time is not None:
         error = float(t.error_s)
-        section["intervals"] = {"step_time_s": [max(step_time - error, 0.0), step_time + error]}
+        section["intervals"] = {STEP_TIME: [max(step_time - error, 0.0), step_time + error]}
     # from sampled steps the hot set's exchange is an estimate: replication's interval at this hot set,
     # less the hot samples' lengths as the figure itself
     for figure, (low, high) in exchange.step_interval(ctx, s, "tk_order_count", k).items():
-        shift = predicted[figure] - (float(replicated.a2a_out[k]) if figure == "a2a_bytes_per_step"
+        shift = predicted[figure] - (float(replicated.a2a_out[k]) if figure == A2A_BYTES
                                      else float(replicated.a2a_rem[k]))
         section.setdefault("intervals", {})[figure] = [low + shift, high + shift]
     evidence = {"samples": s.samples, "cold_samples": cold, "hot_batches_replayed": hot_batches,

@@ -49,6 +49,7 @@ from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, COMM_TIME, INTER_BYTES, INTRA_BYTES, STEP_TIME, SYNC_BYTES
 from tracekit.topology import Topology
 
 
@@ -143,13 +144,13 @@ def _derive(ctx: Context) -> PolicyResult:
 
     def figures(k1: int, k2: int) -> dict:
         if one is not None:  # one node: tier 1 is replication, as the trainer applies it
-            return {"tier1_rows": k1, "tier2_rows": 0, "intra_bytes_per_step": float(one.a2a_rem[k1]),
-                    "inter_bytes_per_step": 0.0, "a2a_bytes_per_step": float(one.a2a_out[k1]),
-                    "a2a_remote_bytes_per_step": float(one.a2a_rem[k1]),
+            return {"tier1_rows": k1, "tier2_rows": 0, INTRA_BYTES: float(one.a2a_rem[k1]),
+                    INTER_BYTES: 0.0, A2A_BYTES: float(one.a2a_out[k1]),
+                    A2A_REMOTE_BYTES: float(one.a2a_rem[k1]),
                     "sync_intra_bytes_per_step": float(one.sync[k1]), "sync_inter_bytes_per_step": 0.0,
-                    "comm_time_s": float(one.comm_time[k1] + one.work[k1]), "memory_bytes_per_rank": cum_rb[k1],
+                    COMM_TIME: float(one.comm_time[k1] + one.work[k1]), "memory_bytes_per_rank": cum_rb[k1],
                     "tier1_sync": one.sync_kind(k1), "error_s": float(one.error[k1]),
-                    "step_time_s": None if one.step_time is None else float(one.step_time[k1])}
+                    STEP_TIME: None if one.step_time is None else float(one.step_time[k1])}
         k12 = k1 + k2
         intra = (total[1] - a_intra[k12]) + (a_t2[k12] - a_t2[k1])
         inter = total[2] - a_inter[k12]
@@ -166,11 +167,11 @@ def _derive(ctx: Context) -> PolicyResult:
             options.append((time, kind, sync_intra, sync_inter))
         time, kind, sync_intra, sync_inter = min(options)
         calls = net.sync_calls(kind) if sync_intra + sync_inter > 0 else 0
-        return {"tier1_rows": k1, "tier2_rows": k2, "intra_bytes_per_step": intra, "inter_bytes_per_step": inter,
-                "a2a_bytes_per_step": intra + inter + own, "a2a_remote_bytes_per_step": intra + inter,
+        return {"tier1_rows": k1, "tier2_rows": k2, INTRA_BYTES: intra, INTER_BYTES: inter,
+                A2A_BYTES: intra + inter + own, A2A_REMOTE_BYTES: intra + inter,
                 "sync_intra_bytes_per_step": sync_intra, "sync_inter_bytes_per_step": sync_inter,
-                "comm_time_s": time, "memory_bytes_per_rank": cum_rb[k1] + (cum_rb[k12] - cum_rb[k1]) / g,
-                "tier1_sync": kind, "sync_calls": calls, "step_time_s": None}
+                COMM_TIME: time, "memory_bytes_per_rank": cum_rb[k1] + (cum_rb[k12] - cum_rb[k1]) / g,
+                "tier1_sync": kind, "sync_calls": calls, STEP_TIME: None}
 
     candidates = []
     chosen_k = int((rep.section or {}).get("predicted", {}).get("hot_rows", 0))
@@ -180,18 +181,18 @@ def _derive(ctx: Context) -> PolicyResult:
         room = (limit - cum_rb[k1]) * g + cum_rb[k1]  # tier-2 rows cost rb/G each
         k12 = int(np.searchsorted(cum_rb, room, side="right")) - 1
         candidates.append(figures(k1, 0 if nodes == 1 else max(k12 - k1, 0)))
-    chosen = min(candidates, key=lambda f: (f["comm_time_s"], f["tier1_rows"]))
+    chosen = min(candidates, key=lambda f: (f[COMM_TIME], f["tier1_rows"]))
     base = figures(0, 0)
-    step_time = chosen["step_time_s"]
+    step_time = chosen[STEP_TIME]
     if step_time is None and s.step_time_s is not None:
-        step_time = max(0.0, s.step_time_s + chosen["comm_time_s"] - base["comm_time_s"])
-        chosen["error_s"] = net.error(chosen["sync_calls"], chosen["comm_time_s"] - base["comm_time_s"])
+        step_time = max(0.0, s.step_time_s + chosen[COMM_TIME] - base[COMM_TIME])
+        chosen["error_s"] = net.error(chosen["sync_calls"], chosen[COMM_TIME] - base[COMM_TIME])
     predicted = {**{k: float(v) for k, v in chosen.items()
-                    if k not in ("tier1_sync", "error_s", "step_time_s", "sync_calls")},
-                 "sync_bytes_per_step": float(chosen["sync_intra_bytes_per_step"]
+                    if k not in ("tier1_sync", "error_s", STEP_TIME, "sync_calls")},
+                 SYNC_BYTES: float(chosen["sync_intra_bytes_per_step"]
                                               + chosen["sync_inter_bytes_per_step"]),
-                 "baseline_intra_bytes_per_step": float(base["intra_bytes_per_step"]),
-                 "baseline_inter_bytes_per_step": float(base["inter_bytes_per_step"]), "step_time_s": step_time}
+                 "baseline_intra_bytes_per_step": float(base[INTRA_BYTES]),
+                 "baseline_inter_bytes_per_step": float(base[INTER_BYTES]), STEP_TIME: step_time}
     k1, k2 = chosen["tier1_rows"], chosen["tier2_rows"]
     tier = pl.when(pl.col("pos") < k1).then(1).otherwise(2).cast(pl.Int8).alias("tier")
     rows = order.head(k1 + k2).with_columns(tier).select("table_name", "row", "tier")
@@ -205,16 +206,16 @@ def _derive(ctx: Context) -> PolicyResult:
                "tier1_sync": chosen["tier1_sync"],
                "budget_bytes_per_rank": int(limit), "predicted": predicted, "why": why}
     if step_time is not None:
-        section["intervals"] = {"step_time_s": [max(step_time - chosen["error_s"], 0.0), step_time + chosen["error_s"]]}
+        section["intervals"] = {STEP_TIME: [max(step_time - chosen["error_s"], 0.0), step_time + chosen["error_s"]]}
     if one is not None:  # one node: replication's figures, with their interval from sampled steps
         section.setdefault("intervals", {}).update(exchange.step_interval(ctx, s, "tk_order_replication", k1))
     else:  # across nodes: the sampled exchange's relative spread at the rows that leave it, on each byte figure
-        spread = exchange.step_interval(ctx, s, "tk_order_replication", k1 + k2).get("a2a_remote_bytes_per_step")
+        spread = exchange.step_interval(ctx, s, "tk_order_replication", k1 + k2).get(A2A_REMOTE_BYTES)
         if spread:
             rel = (spread[1] - spread[0]) / 2 / max(sum(spread) / 2, 1.0)
             section.setdefault("intervals", {}).update(
                 {f: [predicted[f] * (1 - rel), predicted[f] * (1 + rel)] for f in
-                 ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "intra_bytes_per_step", "inter_bytes_per_step")})
+                 (A2A_BYTES, A2A_REMOTE_BYTES, INTRA_BYTES, INTER_BYTES)})
     notes = list(s.notes)
     if not one_node and not ctx.options.intra_bw:
         notes.append("no --intra-bw: traffic within a node taken as free beside the fitted inter-node link")
