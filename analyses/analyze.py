@@ -23,7 +23,7 @@ from typing import Any, Callable
 from analyses.context import Context, Options, PolicyResult, Result, open_context
 from analyses.decision import decide
 from analyses.network import network
-from tracekit.policy import new_policy, write_policy
+from tracekit.policy import Policy, new_policy, write_policy
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     # name: (module, trace tables it needs)
@@ -109,7 +109,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
                 continue
             policy[name] = derived.section
             rows.update(derived.rows)
-        decide(policy, net)
+        policy = decide(Policy.from_json(policy), net).to_json()
         for name, derived in results.items():
             if derived.section is not None:
                 summary["policies"][name] = {**policy[name], "evidence": derived.evidence}

@@ -18,50 +18,44 @@ error the root of the sum of their squared errors.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from analyses.network import Network
 from tracekit.figures import A2A_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
-from tracekit.policy import LABELS, TRAINING, nothing_to_apply, recommended, section_part
+from tracekit.policy import TRAINING, Combined, Policy, Prediction, Section, nothing_to_apply
 
 EXCHANGE = ("replication", "tiers", "schedule")
 
 
-def decide(policy: dict, net: Network) -> None:
-    """Set `recommended` (and `reason` where false) on every section of `policy`, and its
+def decide(policy: Policy, net: Network) -> Policy:
+    """`policy` with `recommended` (and the `reason` where false) set on every section, and its
     `combined` prediction where more than one training section is recommended."""
     base = net.step.median_s
-    for label in LABELS:
-        body = section_part(policy, label)
-        if body is None:
-            continue
-        reason = nothing_to_apply(label, body) or no_gain(label, body, base, net)
-        body["recommended"] = reason is None
-        body.pop("reason", None)
-        if reason:
-            body["reason"] = reason
-    chosen = [label for label in EXCHANGE if _recommended(policy, label)]
+    decided: dict[str, Section] = {}
+    for label, section in policy.sections.items():
+        reason = nothing_to_apply(label, section) or no_gain(label, section, base, net)
+        decided[label] = replace(section, recommended=reason is None, reason=reason)
+    chosen = [label for label in EXCHANGE if label in decided and decided[label].recommended]
     if len(chosen) > 1:
-        best = min(chosen, key=lambda label: section_part(policy, label)["predicted"][STEP_TIME])
+        best = min(chosen, key=lambda label: decided[label].prediction.figures[STEP_TIME])
         for label in chosen:
             if label != best:
-                body = section_part(policy, label)
-                body["recommended"] = False
-                body["reason"] = (f"{best} predicts a faster step ({_ms(section_part(policy, best))} against "
-                                  f"{_ms(body)}); the trainer would apply the union of their rows")
-    policy.pop("combined", None)
-    together = [label for label in TRAINING if _recommended(policy, label)]
-    if len(together) > 1 and base is not None:
-        policy["combined"] = combined(policy, together, base, net)
+                decided[label] = replace(decided[label], recommended=False, reason=(
+                    f"{best} predicts a faster step ({_ms(decided[best])} against {_ms(decided[label])}); "
+                    "the trainer would apply the union of their rows"))
+    together = {label: decided[label] for label in TRAINING if label in decided and decided[label].recommended}
+    both = combined(policy.baseline, together, base, net) if len(together) > 1 and base is not None else None
+    return replace(policy, sections=decided, combined=both)
 
 
-def no_gain(label: str, body: dict, base: float | None, net: Network) -> str | None:
-    predicted = body.get("predicted", {})
+def no_gain(label: str, section: Section, base: float | None, net: Network) -> str | None:
+    predicted = section.prediction.figures
     step = predicted.get(STEP_TIME)
     if label == "lag" and base is not None and predicted.get("gain") is not None:
         step = base * (1 - predicted["gain"])  # the lag model's gain over its own replay of the bound-0 steps
     if base is None or step is None:
         return "no measured step time to compare with: the gain is unknown"
-    low, high = interval(body, net, step)
+    low, high = interval(section.prediction, net, step)
     if high < base:
         return None
     return (f"predicted step {step * 1e3:.2f} ms against the measured {base * 1e3:.2f} ms: a gain of "
@@ -69,49 +63,42 @@ def no_gain(label: str, body: dict, base: float | None, net: Network) -> str | N
             "the fit's residuals, the baseline's drift)")
 
 
-def interval(body: dict, net: Network, step: float | None = None) -> tuple[float, float]:
-    step = float(body["predicted"][STEP_TIME] if step is None else step)
-    given = body.get("intervals", {}).get(STEP_TIME)
+def interval(prediction: Prediction, net: Network, step: float | None = None) -> tuple[float, float]:
+    step = float(prediction.figures[STEP_TIME] if step is None else step)
+    given = prediction.intervals.get(STEP_TIME)
     if given:
         return float(given[0]), float(given[1])
     error = net.fit.residual_s + net.step.spread_s
     return step - error, step + error
 
 
-def combined(policy: dict, labels: list[str], base: float, net: Network) -> dict:
-    """The prediction for `labels` applied together (module docstring)."""
+def combined(baseline: dict, sections: dict[str, Section], base: float, net: Network) -> Combined:
+    """The prediction for `sections` applied together (module docstring)."""
     change, variance = 0.0, 0.0
-    for label in labels:
-        body = section_part(policy, label)
-        low, high = interval(body, net)
-        change += float(body["predicted"][STEP_TIME]) - base
+    for section in sections.values():
+        low, high = interval(section.prediction, net)
+        change += float(section.prediction.figures[STEP_TIME]) - base
         variance += ((high - low) / 2) ** 2
     step = max(base + change, 0.0)
     error = math.sqrt(variance)
     predicted = {STEP_TIME: step}
-    exchange = next((section_part(policy, label) for label in labels if label in EXCHANGE), None)
-    baseline = policy.get("baseline", {})
-    a2a = (exchange or {}).get("predicted", {}).get(A2A_BYTES, baseline.get(A2A_BYTES))
-    mp = section_part(policy, "compression.mp") if "compression.mp" in labels else None
+    exchange = next((section.prediction.figures for label, section in sections.items() if label in EXCHANGE), None)
+    a2a = (exchange or {}).get(A2A_BYTES, baseline.get(A2A_BYTES))
+    mp = sections.get("compression.mp")
     if a2a is not None:
         if mp is not None and baseline.get(A2A_BYTES):
-            a2a *= mp["predicted"][A2A_BYTES] / baseline[A2A_BYTES]
+            a2a *= mp.prediction.figures[A2A_BYTES] / baseline[A2A_BYTES]
         predicted[A2A_BYTES] = float(a2a)
     if exchange is not None:
-        predicted[SYNC_BYTES] = float(exchange["predicted"].get(SYNC_BYTES, 0.0))
-    if "compression.dp" in labels:
-        predicted[DP_BYTES] = float(section_part(policy, "compression.dp")["predicted"][DP_BYTES])
-    return {"sections": labels, "predicted": predicted,
-            "intervals": {STEP_TIME: [max(step - error, 0.0), step + error]},
-            "why": (f"{', '.join(labels)} together: the baseline's {base * 1e3:.2f} ms plus each section's predicted "
-                    "change (assumed additive), bytes from the exchange section"
-                    + (" scaled by compression.mp's ratio" if mp is not None else ""))}
+        predicted[SYNC_BYTES] = float(exchange.get(SYNC_BYTES, 0.0))
+    if "compression.dp" in sections:
+        predicted[DP_BYTES] = float(sections["compression.dp"].prediction.figures[DP_BYTES])
+    labels = list(sections)
+    why = (f"{', '.join(labels)} together: the baseline's {base * 1e3:.2f} ms plus each section's predicted "
+           "change (assumed additive), bytes from the exchange section"
+           + (" scaled by compression.mp's ratio" if mp is not None else ""))
+    return Combined(tuple(labels), Prediction(predicted, why, {STEP_TIME: (max(step - error, 0.0), step + error)}))
 
 
-def _recommended(policy: dict, label: str) -> bool:
-    body = section_part(policy, label)
-    return body is not None and recommended(body)
-
-
-def _ms(body: dict) -> str:
-    return f"{body['predicted']['step_time_s'] * 1e3:.2f} ms"
+def _ms(section: Section) -> str:
+    return f"{section.prediction.figures[STEP_TIME] * 1e3:.2f} ms"

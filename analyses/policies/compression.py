@@ -72,6 +72,7 @@ from analyses.context import DTYPE_BYTES, Context, PolicyResult
 from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
 from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
+from tracekit.policy import DctDp, DctMp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
 
 REFRESH_EVERY = 1000
@@ -214,8 +215,8 @@ def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
                    "gradient) and without error feedback; parameters are thresholded one by one, DDP buckets "
                    "would be thresholded whole",
     }
-    return {"keep_ratio": keep, "refresh_every": REFRESH_EVERY, "error_feedback": True,
-            "predicted": predicted, "why": why}, None
+    return DctDp(keep_ratio=keep, refresh_every=REFRESH_EVERY, error_feedback=True,
+                 prediction=Prediction(predicted, why)).to_json(), None
 
 
 def _common_dim(ctx: Context) -> int | None:
@@ -285,4 +286,4 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
     why = (f"keep the largest {MP_KEEP_RATIO:.0%} of each sample's embedding outputs (the paper's ratio; the trace "
            f"has no activation statistics): {measured:,.0f} -> {predicted_out:,.0f} output all-to-all bytes per step "
            f"(the top {k} of {dim} values a row, with their positions forward)")
-    return {"keep_ratio": MP_KEEP_RATIO, "predicted": predicted, "why": why}, None
+    return DctMp(keep_ratio=MP_KEEP_RATIO, prediction=Prediction(predicted, why)).to_json(), None

@@ -39,6 +39,7 @@ import polars as pl
 
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
 from tracekit.figures import DP_BYTES, STEP_TIME
+from tracekit.policy import DctDp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW
 
 DRIFT_BOUND = 2.0
@@ -259,10 +260,8 @@ def _section(keep: float, refresh: int, dp_bytes: float, interval: list[float] |
     why += ("; replayed on this run's gradients: a run that applies it trains on compressed ones and drifts a "
             "little differently")
     predicted = {**figures(world, dp_bytes, baseline_dp, kept), "drift": drift}
-    section = {"keep_ratio": keep, "refresh_every": refresh, "error_feedback": True, "predicted": predicted,
-               "why": why}
-    if interval is not None:
-        section["intervals"] = {DP_BYTES: interval}
+    section = DctDp(keep_ratio=keep, refresh_every=refresh, error_feedback=True,
+                    prediction=Prediction(predicted, why, {} if interval is None else {DP_BYTES: tuple(interval)})).to_json()
     result.evidence["dp"] = {
         "rows": "dct_replay: sent of replayed entries per (rank, step, parameter, keep ratio, refresh period), "
                 "scaled to the parameter; comms: DDP's bucket sizes and calls",

@@ -51,6 +51,7 @@ from analyses.context import Context, PolicyResult
 from analyses.network import warmup_steps
 from analyses.timeline import compute as timeline
 from tracekit.figures import STEP_TIME
+from tracekit.policy import Lag, Prediction
 
 MAX_BOUND = 8
 TOLERANCE = 0.01
@@ -145,12 +146,11 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
     totals = (c + x).sum(axis=1)
     spread = float((c.max(axis=0) - c.min(axis=0)).mean())
     result.tables["lag_makespan"] = table
-    result.section = {
-        "bound": bound,
-        "predicted": {STEP_TIME: row[STEP_TIME], "makespan_s": row["makespan_s"], "gain": row["gain"],
-                      "sync_step_time_s": table[STEP_TIME][0], "unbounded_gain": unbounded["gain"]},
-        "why": _why(bound, row["gain"], unbounded["gain"], _overlap_gain(c, x, overlap), spread, float((c + x).mean())),
-    }
+    result.section = Lag(bound=bound, prediction=Prediction(
+        {STEP_TIME: row[STEP_TIME], "makespan_s": row["makespan_s"], "gain": row["gain"],
+         "sync_step_time_s": table[STEP_TIME][0], "unbounded_gain": unbounded["gain"]},
+        _why(bound, row["gain"], unbounded["gain"], _overlap_gain(c, x, overlap), spread, float((c + x).mean())),
+    )).to_json()
     result.evidence = {
         "ranks": ranks, "steps": [steps[0], steps[-1]], "steps_replayed": len(steps),
         "warmup_steps_excluded": warmup_steps(frame["step"].n_unique()),

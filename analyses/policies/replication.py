@@ -61,6 +61,7 @@ from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, COMM_TIME, STEP_TIME, SYNC_BYTES
+from tracekit.policy import Prediction, Replication
 
 P_DUP_MAX = 0.01  # HugeCTR's default
 
@@ -324,12 +325,11 @@ def _derive(ctx: Context) -> PolicyResult:
         why = (f"no row frees more all-to-all {objective} than its replica's synchronisation costs "
                f"({net.alpha(network.ALL_REDUCE) * 1e3:.2f} ms per added all-reduce"
                + (", with the rank-side work calibrated" if net.calibration else "") + "): nothing to replicate")
-    section = {"kind": "hybrid", "rows": "policy/hot_rows.parquet",
-               "budget_bytes_per_rank": int(limit if limit is not None else c.replica_bytes[k]),
-               "sync": sync, "predicted": predicted, "intervals": intervals(ctx, s, c, k, "tk_order_replication"),
-               "why": why}
+    section = Replication(kind="hybrid", rows="policy/hot_rows.parquet", sync=sync,
+                          budget_bytes_per_rank=int(limit if limit is not None else c.replica_bytes[k]),
+                          prediction=Prediction(predicted, why, intervals(ctx, s, c, k, "tk_order_replication")))
     evidence = _evidence(s, c, k, limit, h, by_count, net)
-    return PolicyResult("replication", section=section, rows={"hot_rows": rows}, evidence=evidence,
+    return PolicyResult("replication", section=section.to_json(), rows={"hot_rows": rows}, evidence=evidence,
                         tables={"replication_sweep": table})
 
 

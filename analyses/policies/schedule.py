@@ -43,6 +43,7 @@ from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.policy import Prediction, Schedule
 
 
 def hot_set(ctx: Context, limit: float) -> pl.DataFrame:
@@ -194,22 +195,23 @@ def _derive(ctx: Context) -> PolicyResult:
     rows = rep.rows["hot_rows"] if shared else rows  # one file, written the same by either policy
     why = (f"{fraction:.0%} of samples hold only the {rows.height} most-read rows: batched apart, that share "
            f"of steps skips the all-to-all ({saved_rem / max(s.base_remote, 1):.0%} of its remote bytes)")
-    section = {"kind": "fae", "hot_rows": f"policy/{name}.parquet", "hot_sample_fraction": fraction,
-               "budget_bytes_per_rank": int(limit), "sync": sync_kind, "predicted": predicted, "why": why}
+    spans = {}
     if step_time is not None:
         error = float(t.error_s)
-        section["intervals"] = {STEP_TIME: [max(step_time - error, 0.0), step_time + error]}
+        spans[STEP_TIME] = (max(step_time - error, 0.0), step_time + error)
     # from sampled steps the hot set's exchange is an estimate: replication's interval at this hot set,
     # less the hot samples' lengths as the figure itself
     for figure, (low, high) in exchange.step_interval(ctx, s, "tk_order_count", k).items():
         shift = predicted[figure] - (float(replicated.a2a_out[k]) if figure == A2A_BYTES
                                      else float(replicated.a2a_rem[k]))
-        section.setdefault("intervals", {})[figure] = [low + shift, high + shift]
+        spans[figure] = (low + shift, high + shift)
+    section = Schedule(hot_rows=f"policy/{name}.parquet", hot_sample_fraction=fraction, sync=sync_kind,
+                       budget_bytes_per_rank=int(limit), prediction=Prediction(predicted, why, spans))
     evidence = {"samples": s.samples, "cold_samples": cold, "hot_batches_replayed": hot_batches,
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
                 "shared_with_replication": shared, "network": network.network(ctx).summary(),
                 "notes": list(s.notes)}
-    return PolicyResult("schedule", section=section, rows={name: rows}, evidence=evidence,
+    return PolicyResult("schedule", section=section.to_json(), rows={name: rows}, evidence=evidence,
                         tables={"schedule_sweep": sweep(ctx, s, rows.height)})
 
 

@@ -50,6 +50,7 @@ from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, COMM_TIME, INTER_BYTES, INTRA_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.policy import Prediction, Tiers
 from tracekit.topology import Topology
 
 
@@ -202,24 +203,24 @@ def _derive(ctx: Context) -> PolicyResult:
            f"{k1} rows on every rank and {k2} once per node cut inter-node bytes from "
            f"{base['inter_bytes_per_step']:.3g} to {chosen['inter_bytes_per_step']:.3g} per step within "
            f"{chosen['memory_bytes_per_rank']:.3g} replica bytes per rank")
-    section = {"topology": {"nodes": nodes, "ranks_per_node": g}, "rows": "policy/tiers.parquet",
-               "tier1_sync": chosen["tier1_sync"],
-               "budget_bytes_per_rank": int(limit), "predicted": predicted, "why": why}
+    spans = {}
     if step_time is not None:
-        section["intervals"] = {STEP_TIME: [max(step_time - chosen["error_s"], 0.0), step_time + chosen["error_s"]]}
+        spans[STEP_TIME] = (max(step_time - chosen["error_s"], 0.0), step_time + chosen["error_s"])
     if one is not None:  # one node: replication's figures, with their interval from sampled steps
-        section.setdefault("intervals", {}).update(exchange.step_interval(ctx, s, "tk_order_replication", k1))
+        spans.update(exchange.step_interval(ctx, s, "tk_order_replication", k1))
     else:  # across nodes: the sampled exchange's relative spread at the rows that leave it, on each byte figure
         spread = exchange.step_interval(ctx, s, "tk_order_replication", k1 + k2).get(A2A_REMOTE_BYTES)
         if spread:
             rel = (spread[1] - spread[0]) / 2 / max(sum(spread) / 2, 1.0)
-            section.setdefault("intervals", {}).update(
-                {f: [predicted[f] * (1 - rel), predicted[f] * (1 + rel)] for f in
-                 (A2A_BYTES, A2A_REMOTE_BYTES, INTRA_BYTES, INTER_BYTES)})
+            spans.update({f: (predicted[f] * (1 - rel), predicted[f] * (1 + rel)) for f in
+                          (A2A_BYTES, A2A_REMOTE_BYTES, INTRA_BYTES, INTER_BYTES)})
+    section = Tiers(topology={"nodes": nodes, "ranks_per_node": g}, rows="policy/tiers.parquet",
+                    tier1_sync=chosen["tier1_sync"], budget_bytes_per_rank=int(limit),
+                    prediction=Prediction(predicted, why, spans))
     notes = list(s.notes)
     if not one_node and not ctx.options.intra_bw:
         notes.append("no --intra-bw: traffic within a node taken as free beside the fitted inter-node link")
     evidence = {"ordering": "replication's benefit per replica byte", "candidates": len(candidates),
                 "budget_bytes_per_rank": limit, "network": net.summary(),
                 "reduces_to_replication": one_node, "notes": notes}
-    return PolicyResult("tiers", section=section, rows={"tiers": rows}, evidence=evidence)
+    return PolicyResult("tiers", section=section.to_json(), rows={"tiers": rows}, evidence=evidence)
