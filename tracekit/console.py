@@ -31,19 +31,25 @@ terminal = Console(width=shutil.get_terminal_size((120, 24)).columns)
 def progress_lines(enabled: bool = True, *, keep: bool = True,
                    prefix: str = "") -> Iterator[Callable[[str], None]]:
     """A `progress(what)` callback (or a no-op where not `enabled`): each call starts a line on
-    stderr with a spinner and its elapsed time, ending the one before; `keep` False: the last line
-    vanishes when the block ends (analyze's phases), True: every line stays (optimize's runs)."""
+    stderr with a spinner and its elapsed time, ending the one before, except that `HEAD: detail`
+    after a line of the same HEAD updates that line (one line for the phases of one step); `keep`
+    False: the last line vanishes when the block ends (analyze's phases), True: every line stays."""
     if not enabled:
         yield lambda what: None
         return
     with Progress(SpinnerColumn(), TextColumn(prefix + "{task.description}"), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=not keep) as bar:
         tasks: list = []
+        heads: list[str] = []
 
         def show(what: str) -> None:
+            head, detail, _ = what.partition(": ")
+            if tasks and detail and heads[-1] == head:
+                return bar.update(tasks[-1], description=what)
             if tasks:
                 bar.update(tasks[-1], completed=1, total=1, visible=keep)
             tasks.append(bar.add_task(what, total=None))
+            heads.append(head)
 
         yield show
         if tasks:
