@@ -64,6 +64,7 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
 
         progress("analysing the baseline: simulate")
         project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), base / "policy.json")
+    progress("analysing the baseline: done")
     plans, notes = reruns(base / "policy.json", checked=check_all)
     result = Optimized(base, notes=notes)
     for i, rerun in enumerate(plans, 1):
