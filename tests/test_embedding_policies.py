@@ -233,3 +233,24 @@ def test_every_section_passes_the_policy_validator(tmp_path: Path) -> None:
         for result in derived:
             for name, frame in result.rows.items():
                 assert pl.read_parquet(tmp_path / "out" / "policy" / f"{name}.parquet").equals(frame)
+
+
+def test_without_a_budget_the_schedule_sizes_its_hot_set_by_its_own_merit(tmp_path: Path) -> None:
+    schedule_run(tmp_path / "run")
+    with open_context(tmp_path / "run", Options(objective="bytes")) as ctx:
+        result = schedule.derive(ctx)
+        sweep = result.tables["schedule_sweep"]
+        curve = replication.count_curve(ctx)
+        s = exchange.baseline(ctx)
+    chosen = sweep.filter(pl.col("chosen"))
+    # the hot set is the K of fewest network bytes: remote all-to-all left (the hot samples' steps
+    # send nothing) plus the replicas' sync, over every K of the count order within FAE's share of
+    # the tables (2 × 10 rows of 16 bytes), not replication's budget
+    assert sweep["merit"].is_not_nan().all()
+    allowed = sweep.filter(pl.col("budget_bytes") <= schedule.FAE_HOT_SHARE * 20 * 16)
+    assert chosen["merit"].item() == allowed["merit"].min() and allowed.height < sweep.height
+    k = chosen["hot_rows"].item()
+    assert k == hot_rows(result).height and result.section["budget_bytes_per_rank"] == int(curve.replica_bytes[k])
+    fraction = chosen["hot_sample_fraction"].item()
+    expected = curve.a2a_rem[k] - fraction * s.base["input_lengths"][1] + curve.sync[k]
+    assert chosen["merit"].item() == pytest.approx(expected)

@@ -3,7 +3,11 @@ whose every id is hot batched together, so those steps skip the all-to-all.
 
 - Hot set: the global top-K rows across tables by count (lookups over the sampled steps), taken
   while their bytes fit the budget per rank (FAE: K = budget / row_bytes; Options.budget_bytes or
-  budget_fraction, else the replication policy's chosen replica bytes).
+  budget_fraction). Without one, K is the schedule's own (`own_budget`): the hot-sample fraction
+  grows with K, so every K along the count order is priced as the chosen one is below (its hot
+  samples' steps skip the exchange, its replicas are synchronised) and the least predicted step
+  time wins (the fewest network bytes under --objective bytes) within FAE's default share of the
+  tables (FAE_HOT_SHARE), not replication's budget.
 - A sample is hot when every id it holds, in every table, is hot (FAE's input classification).
   Samples are named across tables by the global sample id of analyses.attribution (sampled step,
   source rank, position in the source's batch). A sequence id that cannot be placed in a sample
@@ -24,8 +28,9 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   switch_bytes = 2(W−1)·Σ rb over the hot set (FAE's public code switches twice per epoch;
   not in the per-step figures).
 
-`schedule_sweep` (analysis table) gives the hot-sample fraction and a2a bytes left for hot sets
-of every size along the count order, so the budget FAE needs is visible.
+`schedule_sweep` (analysis table) gives the hot-sample fraction, the a2a bytes left and the merit
+(predicted step time, or bytes) for hot sets of every size along the count order, so the budget FAE
+needs is visible.
 
 Outputs: the `schedule` section (kind "fae", hot_rows, hot_sample_fraction, predicted
 {a2a_bytes_per_step, sync_bytes_per_step, step_time_s, hot_step_fraction, switch_bytes, ...}) and its
@@ -34,6 +39,8 @@ Its temporary tables (tk_fae_hot, tk_fae_cold_batches, tk_fae_cold, tk_fae_batch
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
@@ -110,14 +117,26 @@ def hot_batch_sync(ctx: Context, s: ExchangeBaseline, hot_bytes: float, hot_rows
     return (sparse if is_sparse else dense), ("sparse_allreduce" if is_sparse else "dense_allreduce"), hot_batches
 
 
-def sweep(ctx: Context, s: ExchangeBaseline, chosen: int) -> pl.DataFrame:
-    """Table `schedule_sweep`: per hot-set size K (rows by count) the hot-sample fraction and the
-    a2a bytes per step left, in one pass (a sample is hot for K > the last count position of its
-    ids); sequence ids not placed in samples are left out of this curve."""
+@dataclass
+class HotCurve:
+    """Per hot-set size K = 0..n along the count order (arrays of n + 1): the samples all-hot, and
+    the a2a bytes (all, remote) those samples send, summed over the sampled steps."""
+
+    samples: np.ndarray
+    out_bytes: np.ndarray
+    remote_bytes: np.ndarray
+
+
+def hot_curve(ctx: Context) -> HotCurve:
+    """The hot samples of every hot-set size, in one pass (a sample is hot for K > the last count
+    position of its ids); sequence ids not placed in samples are left out. Once per context."""
+    return ctx.memo(hot_curve, lambda: _hot_curve(ctx, exchange.baseline(ctx)))
+
+
+def _hot_curve(ctx: Context, s: ExchangeBaseline) -> HotCurve:
     attribution.attributed(ctx)  # tk_names
     exchange.baseline(ctx)  # tk_x, tk_tshards
-    order = replication.count_curve(ctx).order  # in tk_order_count
-    n = order.height
+    n = replication.count_curve(ctx).order.height  # its order in tk_order_count
     hist = ctx.frame(f"""
         WITH per_sample AS (
             SELECT l.gid, any_value(l.src) AS src, max(o.pos) AS maxpos,
@@ -135,19 +154,57 @@ def sweep(ctx: Context, s: ExchangeBaseline, chosen: int) -> pl.DataFrame:
         SELECT maxpos, count(*) AS samples, sum(p.out_b + f.out_b)::DOUBLE AS out_b,
                sum(p.rem_b + f.rem_b)::DOUBLE AS rem_b
         FROM per_sample p JOIN fixed f USING (src) GROUP BY maxpos""")
+
     def cumulative(column: str) -> np.ndarray:
         per = np.zeros(n + 1)
         np.add.at(per, hist["maxpos"].to_numpy().astype(np.int64) + 1, hist[column].to_numpy())
         return np.cumsum(per)
 
-    samples, out_b, rem_b = cumulative("samples"), cumulative("out_b"), cumulative("rem_b")
+    return HotCurve(cumulative("samples"), cumulative("out_b"), cumulative("rem_b"))
+
+
+FAE_HOT_SHARE = 0.124
+"""The most of the embedding bytes the schedule's own budget replicates: FAE's default hot memory
+(256 MiB at d = 16, `--hot-emb-gpu-mem`) is 12.4% of Criteo Kaggle's rows (papers.md §4). Past it
+the hot set is no longer hot: replicating every table is data parallelism, which a memory budget
+(--budget) may still ask for."""
+
+
+def own_budget(ctx: Context, s: ExchangeBaseline) -> tuple[float, np.ndarray, bool]:
+    """FAE's hot set sized by its own benefit where the options name no budget: the K along the
+    count order of least predicted step time (or of fewest network bytes under --objective bytes)
+    within FAE_HOT_SHARE of the embedding bytes, each K priced as `_derive` prices the chosen one
+    (its hot samples' steps skip the exchange). Returns (its replica bytes per rank, the merit per K,
+    whether the merit is a step time)."""
+    c, h = replication.count_curve(ctx), hot_curve(ctx)
+    fraction = h.samples / max(s.samples, 1)
+    lengths_rem = s.base["input_lengths"][1]
+    remote = {col: (1 - fraction) * (s.base[col][1] - c.saved[f"{col}_rem"]) for col in exchange.COLLECTIVES}
+    k = np.arange(c.order.height + 1, dtype=np.float64)
+    t = exchange.timing(ctx, s, remote, c.is_sparse, c.sync, c.coverage * s.lookups_per_rank,
+                        np.where(c.is_sparse, c.union_rows, k), skipped_calls=fraction * len(exchange.COLLECTIVES))
+    by_time = ctx.options.objective == "time" and t.step_s is not None
+    merit = np.asarray(t.step_s, dtype=np.float64) if by_time else c.a2a_rem - fraction * lengths_rem + c.sync
+    allowed = c.replica_bytes <= _hot_cap(ctx)
+    return float(c.replica_bytes[int(np.argmin(np.where(allowed, merit, np.inf)))]), merit, by_time
+
+
+def _hot_cap(ctx: Context) -> float:
+    return FAE_HOT_SHARE * sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
+
+
+def sweep(ctx: Context, s: ExchangeBaseline, chosen: int, merit: np.ndarray | None) -> pl.DataFrame:
+    """Table `schedule_sweep`: per hot-set size K (rows by count) the hot-sample fraction, the a2a
+    bytes per step left and the merit the budget was chosen by (where it was)."""
+    order, h = replication.count_curve(ctx).order, hot_curve(ctx)
     budget = np.concatenate([[0.0], np.cumsum(order["rb"].to_numpy().astype(np.float64))])
     steps = max(s.sampled_steps, 1)
-    points = sorted({*exchange.log_points(n), chosen})
+    points = sorted({*exchange.log_points(order.height), chosen})
     return pl.DataFrame({"hot_rows": points, "budget_bytes": budget[points],
-                         "hot_sample_fraction": samples[points] / max(s.samples, 1),
-                         A2A_BYTES: s.base_out - out_b[points] / steps,
-                         A2A_REMOTE_BYTES: s.base_remote - rem_b[points] / steps,
+                         "hot_sample_fraction": h.samples[points] / max(s.samples, 1),
+                         A2A_BYTES: s.base_out - h.out_bytes[points] / steps,
+                         A2A_REMOTE_BYTES: s.base_remote - h.remote_bytes[points] / steps,
+                         "merit": np.full(len(points), np.nan) if merit is None else merit[points],
                          "chosen": [p == chosen for p in points]})
 
 
@@ -162,7 +219,10 @@ def _derive(ctx: Context) -> PolicyResult:
         return PolicyResult("schedule", reason=reason)
     s = exchange.baseline(ctx)
     rep = replication.derive(ctx)
-    limit = replication.replica_budget(ctx)
+    merit, by_time = None, False
+    limit = replication.budget(ctx)
+    if limit is None:
+        limit, merit, by_time = own_budget(ctx, s)
     rows = hot_set(ctx, limit)
     attribution.attributed(ctx)  # tk_names
     hot_bytes = float(ctx.sql("SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN tk_names n USING (tid)")
@@ -195,6 +255,8 @@ def _derive(ctx: Context) -> PolicyResult:
     rows = rep.rows["hot_rows"] if shared else rows  # one file, written the same by either policy
     why = (f"{fraction:.0%} of samples hold only the {rows.height} most-read rows: batched apart, that share "
            f"of steps skips the all-to-all ({saved_rem / max(s.base_remote, 1):.0%} of its remote bytes)")
+    if merit is not None:
+        why += "; " + _own_budget_why(ctx, s, k, merit, by_time)
     spans = {}
     if step_time is not None:
         error = float(t.error_s)
@@ -212,7 +274,20 @@ def _derive(ctx: Context) -> PolicyResult:
                 "shared_with_replication": shared, "network": network.network(ctx).summary(),
                 "notes": list(s.notes)}
     return PolicyResult("schedule", section=section.to_json(), rows={name: rows}, evidence=evidence,
-                        tables={"schedule_sweep": sweep(ctx, s, rows.height)})
+                        tables={"schedule_sweep": sweep(ctx, s, rows.height, merit)})
+
+
+def _own_budget_why(ctx: Context, s: ExchangeBaseline, k: int, merit: np.ndarray, by_time: bool) -> str:
+    """How the schedule's own budget chose `k`, and what the largest hot set it allows would do."""
+    largest = int(np.searchsorted(replication.count_curve(ctx).replica_bytes, _hot_cap(ctx), side="right") - 1)
+
+    def shown(value: float) -> str:
+        return f"{value * 1e3:.2f} ms" if by_time else f"{value:,.0f} network bytes"
+
+    share = hot_curve(ctx).samples[largest] / max(s.samples, 1)
+    return (f"its hot set is the one of {'least predicted step time' if by_time else 'fewest network bytes'} "
+            f"({shown(merit[k])}) up to {FAE_HOT_SHARE:.1%} of the tables; the largest, {largest} rows, would "
+            f"make {share:.0%} of samples all-hot at {shown(merit[largest])}")
 
 
 def _same_rows(a: pl.DataFrame, b: pl.DataFrame) -> bool:
