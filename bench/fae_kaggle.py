@@ -1,7 +1,7 @@
 """FAE on the Criteo Kaggle layout (issue 27): what the schedule's own budget chooses, and what the
 largest hot set it allows does when applied.
 
-    .venv/bin/python bench/fae_kaggle.py [--steps 400] [--out /tmp/tracekit-bench-fae-kaggle]
+    .venv/bin/python bench/fae_kaggle.py [--steps 400] [--link 200mbit] [--out /tmp/tracekit-bench-fae-kaggle]
 
 `tracekit optimize --policies schedule --check-all` on the demo's layout (Criteo Kaggle ×0.01,
 dim 16, 2 gloo ranks), twice: without --budget (the schedule sizes its hot set by its own merit),
@@ -24,12 +24,14 @@ REPO = Path(__file__).resolve().parents[1]
 LAYOUT = ["--preset", "criteo-kaggle", "--scale", "0.01", "--dim", "16", "--samples", "1000000", "--log-every", "100"]
 
 
-def optimize(out: Path, steps: int, *budget: str) -> tuple[dict | None, dict]:
+def optimize(out: Path, steps: int, link: str | None, *budget: str) -> tuple[dict | None, dict]:
     """compare's summary (None where nothing was re-run) and the schedule section analyze wrote."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if link is None
+              else [sys.executable])
+    where = [] if link is None else ["--cluster", "2x1", "--link", link]
     done = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(out), "--policies", "schedule",
-                           "--check-all", *budget, "--json", "--", *torchrun, "train.py", *LAYOUT, "--steps", str(steps)],
-                          cwd=REPO, capture_output=True, text=True, check=True)
+                           "--check-all", *where, *budget, "--json", "--", *launch, "train.py", *LAYOUT,
+                           "--steps", str(steps)], cwd=REPO, capture_output=True, text=True, check=True)
     lines = done.stdout.strip().splitlines()
     summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
     return summary, json.loads((out / "base" / "policy.json").read_text())["schedule"]
@@ -39,11 +41,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-fae-kaggle"))
+    p.add_argument("--link", default=None, help="run on an emulated 2x1 cluster at this link rate (needs root)")
     args = p.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, 2 cores, gloo on CPU, 2 ranks; Criteo Kaggle "
+    print(f"machine: {platform.processor() or platform.machine()}, 2 cores, gloo on CPU, 2 ranks "
+          f"({'one host, loopback' if args.link is None else f'2 nodes at {args.link}'}); Criteo Kaggle "
           f"layout ×0.01, dim 16, batch 512 per rank, {args.steps} steps")
     for name, budget in (("own budget", ()), ("--budget 12.4%", ("--budget", "12.4%"))):
-        summary, section = optimize(args.out / name.replace(" ", "-").replace("%", ""), args.steps, *budget)
+        summary, section = optimize(args.out / name.replace(" ", "-").replace("%", ""), args.steps, args.link, *budget)
         predicted = section["predicted"]
         print(f"\n{name}: {predicted['hot_rows']:,} hot rows ({section['budget_bytes_per_rank'] / 1e6:.2f} MB per rank), "
               f"{section['hot_sample_fraction']:.1%} of samples all-hot; "
