@@ -52,7 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -65,7 +65,7 @@ from analyses.compare import compare  # noqa: E402
 from tracekit.cli import cli  # noqa: E402
 from tracekit.cluster import Cluster, check_prerequisites  # noqa: E402
 from tracekit.optimize import _why_not, _write_sections, record  # noqa: E402
-from tracekit.policy import TRAINING, load_policy, recommended, sections  # noqa: E402
+from tracekit.policy import TRAINING, load_policy, read_policy, recommended, sections  # noqa: E402
 from prediction_table import markdown_table, rich_table, summary_lines  # noqa: E402
 
 EVAL_FRACTION = 0.02  # a short held-out pass at the end of each run: time that no step pays
@@ -322,21 +322,21 @@ class Config:
 
     def plans(self, policy_path: Path) -> list[Plan]:
         """One policy file per training section (module docstring, step 2), and the combined one."""
-        policy = load_policy(policy_path)
+        policy = read_policy(policy_path)
         plans = []
-        for label, body in sections(policy):
+        for label, section in policy.sections.items():
             if label not in TRAINING:
                 continue  # lag: inference only
-            rec = recommended(body)
-            forced = body if rec else {**body, "recommended": True}
+            rec = section.recommended
+            forced = section if rec else replace(section, recommended=True, reason=None)
             reason = _why_not(label, forced)
             if reason:
-                plans.append(Plan(label, rec, None, reason, body.get("reason")))
+                plans.append(Plan(label, rec, None, reason, section.reason))
                 continue
-            source = policy if rec else with_section(policy, label, forced)
-            plans.append(Plan(label, rec, _write_sections(policy_path, source, [label]), None, body.get("reason")))
-        combined = policy.get("combined")
-        names = list(combined["sections"]) if combined else [p.label for p in plans if p.policy and p.recommended]
+            source = policy if rec else replace(policy, sections={**policy.sections, label: forced})
+            plans.append(Plan(label, rec, _write_sections(policy_path, source, [label]), None, section.reason))
+        combined = policy.combined
+        names = list(combined.sections) if combined else [p.label for p in plans if p.policy and p.recommended]
         if len(names) > 1:
             plans.append(Plan("combined", True, _write_sections(policy_path, policy, names, "combined")))
         return plans
@@ -383,12 +383,6 @@ class Config:
         return self.row("section", "section/baseline", section="baseline", recommended=None, runs=len(ok),
                         failed=len(base_runs) - len(ok), figures=figures, step_times_s=times,
                         step_time_s=median(times))
-
-
-def with_section(policy: dict, label: str, body: dict) -> dict:
-    """`policy` with the section `label` (compression's parts by `compression.dp`) replaced by `body`."""
-    section, _, part = label.partition(".")
-    return {**policy, section: {**policy[section], part: body} if part else body}
 
 
 # one run's measurement ---------------------------------------------------------------------------
