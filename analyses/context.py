@@ -75,6 +75,11 @@ class Model:
     tables: tuple[TableInfo, ...]
     world_size: int
 
+    @property
+    def embedding_bytes(self) -> int:
+        """Every table's rows, in bytes (one copy)."""
+        return sum(t.num_rows * t.row_bytes for t in self.tables)
+
     def table(self, name: str) -> TableInfo:
         for table in self.tables:
             if table.name == name:

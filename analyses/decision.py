@@ -33,7 +33,7 @@ def decide(policy: Policy, net: Network) -> Policy:
     base = net.step.median_s
     decided: dict[str, Section] = {}
     for label, section in policy.sections.items():
-        reason = nothing_to_apply(label, section) or no_gain(label, section, base, net)
+        reason = nothing_to_apply(section) or no_gain(label, section, base, net)
         decided[label] = replace(section, recommended=reason is None, reason=reason)
     chosen = [label for label in EXCHANGE if label in decided and decided[label].recommended]
     if len(chosen) > 1:

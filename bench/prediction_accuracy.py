@@ -329,7 +329,7 @@ class Config:
                 continue  # lag: inference only
             rec = section.recommended
             forced = section if rec else replace(section, recommended=True, reason=None)
-            reason = _why_not(label, forced)
+            reason = _why_not(forced)
             if reason:
                 plans.append(Plan(label, rec, None, reason, section.reason))
                 continue

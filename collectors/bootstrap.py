@@ -127,8 +127,7 @@ def write_rank_report(path: Path, parts: dict, failures: list[str]) -> None:
         else:
             report[name] = value
     report["report_errors"] = errors
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from tracekit.files import write_text
+    from tracekit.files import write_text  # it makes the folder
 
     write_text(path, json.dumps(report, sort_keys=True, indent=2, default=_json_default))
 

@@ -61,8 +61,8 @@ from collectors import phase
 from collectors.guard import Guard
 from collectors.steps import StepClock
 from tracekit.labels import current_label, label
-from tracekit.tags import DDP_BUCKET
 from tracekit.store import RunWriter
+from tracekit.tags import DDP_BUCKET
 
 OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
        "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "barrier",

@@ -105,11 +105,11 @@ def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], li
     policy = read_policy(policy_path)
     chosen, notes, rerun = [], [], dict(policy.sections)
     for label in TRAINING:
-        section = policy.section(label)
+        section = policy.sections.get(label)
         if section is None:
             continue
-        reason = _why_not(label, section)
-        if reason and checked and not section.recommended and not _why_not(label, replace(section, recommended=True)):
+        reason = _why_not(section)
+        if reason and checked and not section.recommended and not _why_not(replace(section, recommended=True)):
             notes.append(f"{label} re-run although not recommended, to check the decision ({section.reason})")
             rerun[label] = replace(section, recommended=True, reason=None,
                                    extra={**section.extra, "not_recommended_because": section.reason})
@@ -127,12 +127,12 @@ def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], li
     return plans, notes
 
 
-def _why_not(label: str, section: Section) -> str | None:
+def _why_not(section: Section) -> str | None:
     if not section.recommended:
         return f"not recommended ({section.reason})"
     if isinstance(section, Tiers) and section.topology.get("nodes", 1) == 1:
         return "one node: the tiers are the replication section"
-    return nothing_to_apply(label, section)
+    return nothing_to_apply(section)
 
 
 def _write_sections(policy_path: Path, policy: Policy, labels: list[str], name: str | None = None) -> Path:

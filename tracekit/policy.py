@@ -240,9 +240,6 @@ class Policy:
             out["combined"] = self.combined.to_json()
         return out
 
-    def section(self, label: str) -> Section | None:
-        return self.sections.get(label)
-
 
 def read_policy(path: str | os.PathLike) -> Policy:
     """The validated policy at `path`, typed (load_policy gives the JSON object itself)."""
@@ -253,11 +250,9 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def nothing_to_apply(label: str, section: dict | Section) -> str | None:
-    """Why applying section `label` would change nothing, or is beyond the reference trainer on the
+def nothing_to_apply(section: Section) -> str | None:
+    """Why applying `section` would change nothing, or is beyond the reference trainer on the
     recorded topology; None where it is not (analyze then decides on its gain, optimize re-runs it)."""
-    if isinstance(section, dict):
-        section = KINDS[label].from_json(section)
     predicted = section.prediction.figures
     if isinstance(section, Replication) and not predicted.get(figures.HOT_ROWS):
         return "no row is worth replicating at this budget"

@@ -119,8 +119,7 @@ def budget(ctx: Context) -> int | None:
     if options.budget_bytes is not None:
         return int(options.budget_bytes)
     if options.budget_fraction is not None:
-        total = sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
-        return int(options.budget_fraction * total)
+        return int(options.budget_fraction * ctx.model.embedding_bytes)
     return None
 
 

@@ -190,7 +190,7 @@ def own_budget(ctx: Context, s: ExchangeBaseline) -> tuple[float, np.ndarray, bo
 
 
 def _hot_cap(ctx: Context) -> float:
-    return FAE_HOT_SHARE * sum(t.num_rows * t.row_bytes for t in ctx.model.tables)
+    return FAE_HOT_SHARE * ctx.model.embedding_bytes
 
 
 def sweep(ctx: Context, s: ExchangeBaseline, chosen: int, merit: np.ndarray | None) -> pl.DataFrame:
