@@ -7,6 +7,7 @@ a fresh torchrun; medians and ratios are printed with the machine. On CPU: 2 ran
 core each. With `--device cuda`: 1 rank on NCCL, NVML sampled while traced. From the repo root:
 
     .venv/bin/python bench/record_overhead.py --runs 5
+    python3 bench/record_overhead.py --device cuda --python python3 --workload kaggle --quick --runs 3
     python3 bench/record_overhead.py --device cuda --python python3 --runs 3      # on a GPU machine
 """
 
@@ -18,6 +19,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,6 +113,10 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--workload", choices=["default", "kaggle"], default="default",
+                   help="kaggle: the criteo-kaggle preset at full size, batch 16384 on cuda (--scale on cpu)")
+    p.add_argument("--scale", type=float, default=1.0, help="the kaggle workload's table scale")
+    p.add_argument("--keep", type=Path, help="copy the last traced run directory here")
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter to run with")
     p.add_argument("--quick", action="store_true",
                    help="only untraced vs traced with the defaults (more runs in the same time), no size run")
@@ -123,7 +129,12 @@ def main() -> int:
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     train = ["--pooling", "1", "--zipf", "0", "--eval-fraction", "0", "--json", "--steps", str(args.steps),
              "--device", args.device]
-    if args.device == "cuda":
+    if args.workload == "kaggle":
+        batch = 16384 if args.device == "cuda" else 512
+        train = ["--preset", "criteo-kaggle", "--scale", str(args.scale), "--pooling", "1", "--eval-fraction", "0",
+                 "--json", "--steps", str(args.steps), "--device", args.device, "--batch-size", str(batch),
+                 "--samples", str(batch * ranks * (args.steps + 1))]
+    elif args.device == "cuda":
         train += ["--batch-size", "8192", "--rows", "500000", "--samples", str(8192 * (args.steps + 1))]
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +183,9 @@ def main() -> int:
             for name, v in writer_cpu.items()))
         print("times a watchdog lifted an idle writer, all runs and ranks: "
               + "; ".join(f"{name} {n}" for name, n in rescues.items()))
-        if args.quick:
+        if args.keep:
+            shutil.copytree(run_dir, args.keep, dirs_exist_ok=True)
+        if args.quick or args.workload == "kaggle":
             return 0
 
         # bytes per lookup on the criteo-kaggle preset (26 tables, one id each)

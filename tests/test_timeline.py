@@ -112,3 +112,15 @@ def test_offsets_are_zero_on_one_host() -> None:
     assert timeline.clock_offsets(manifest)[0] == {0: 0, 1: 0}
     manifest["hosts"] = ["h", "g"]
     assert timeline.clock_offsets(manifest)[0] == {0: 7, 1: 0}
+
+
+def test_one_rank_has_a_timeline_and_no_stragglers(tmp_path: Path, capsys) -> None:
+    """A world-1 run (as the GPU check records one) is analysed and printed: there is no rank to be
+    last or to wait for, and the console says so rather than failing on the missing spread."""
+    from tracekit.console import RENDERERS
+
+    with open_context(bsp_run(tmp_path / "run", WORK[:1], tails_ns=[0])) as ctx:
+        result = timeline.compute(ctx)
+    assert result.summary["ranks"] == 1 and result.summary["stragglers"]["mean_end_spread_s"] is None
+    RENDERERS["timeline"](result.summary)
+    assert "no step ended on more than one rank" in capsys.readouterr().out

@@ -131,9 +131,12 @@ def _timeline(summary: dict) -> None:
     for rank, t in summary["per_rank"].items():
         table.add_row(rank, *(f"{t[k] * 1e3:.1f} ms" for k in ("step_s", "compute_s", "comm_s", "wait_s")))
     terminal.print(table)
-    last = summary["stragglers"]["last"]
-    terminal.print(f"  last to end a step: {', '.join(f'rank {r} {n}x' for r, n in last.items())}; "
-                  f"mean spread {summary['stragglers']['mean_end_spread_s'] * 1e3:.2f} ms")
+    stragglers = summary["stragglers"]
+    if stragglers["mean_end_spread_s"] is None:  # one rank, or no step every rank ended
+        terminal.print("  last to end a step: n/a (no step ended on more than one rank)")
+        return
+    terminal.print(f"  last to end a step: {', '.join(f'rank {r} {n}x' for r, n in stragglers['last'].items())}; "
+                  f"mean spread {stragglers['mean_end_spread_s'] * 1e3:.2f} ms")
 
 
 def _cache(summary: dict) -> None:
