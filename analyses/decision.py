@@ -5,8 +5,7 @@ upper end of its step-time interval (`intervals.step_time_s`, the prediction ± 
 error) lies below the measured baseline step time (analyses.network's rule). A section without an
 interval takes ± (the fit's residual + the baseline's drift). Otherwise it is written with
 `recommended: false` and the reason, and neither `optimize` nor the trainer applies it. Also not
-recommended: a section the reference trainer cannot apply on the recorded topology (tier-2 rows
-across nodes), one that changes nothing (no hot row), one without a measured step time.
+recommended: a section that changes nothing (no hot row), one without a measured step time.
 
 The trainer unions the rows of replication, tiers and schedule when they are applied together,
 so at most one of them is recommended: the one of least predicted step time. `combined` is the

@@ -32,7 +32,7 @@ from tracekit.policy import PolicyError, new_policy, write_policy
 TABLES = [TableSpec(f"t{i}", 500, 8) for i in range(4)]  # TINY's model
 HOT = pl.DataFrame({"table_name": ["t0", "t1", "t2", "t3"], "row": [0, 1, 2, 3]})
 TIERS, SCHEDULE, MP = (f"not recommended ({why})" for why in (
-    "tier 2 across nodes is not applied by the reference trainer", "the gain is within the model's error on this run",
+    "set by the test: not recommended", "the gain is within the model's error on this run",
     "the AUC cost is not measured yet"))
 TRAINING_ONLY = "training-only (an --inference run applies only lag)"
 SKIPPED_IN_TRAINING = {"tiers": TIERS, "schedule": SCHEDULE, "compression.mp": MP,
@@ -54,7 +54,7 @@ def every_section(folder: Path) -> Path:
                              "intervals": {"a2a_bytes_per_step": [900.0, 1200.0]}}
     policy["tiers"] = {"topology": {"nodes": 2, "ranks_per_node": 1}, "rows": "policy/tiers.parquet",
                        "predicted": {"tier2_rows": 2}, "why": "set by the test", "recommended": False,
-                       "reason": "tier 2 across nodes is not applied by the reference trainer"}
+                       "reason": "set by the test: not recommended"}
     policy["schedule"] = {"kind": "fae", "hot_rows": "policy/hot_rows.parquet", "hot_sample_fraction": 0.3,
                           "predicted": {}, "why": "set by the test", "recommended": False,
                           "reason": "the gain is within the model's error on this run"}

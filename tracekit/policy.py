@@ -147,6 +147,7 @@ class Tiers(Replicating):
     rows: str
     topology: dict[str, int] = field(default_factory=lambda: {"nodes": 1})  # nodes, ranks_per_node
     tier1_sync: str = "sparse_allreduce"
+    tier2_sync: str = "sparse_allreduce"  # among the node copies (tracekit/dlrm/node_tier.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,8 +252,8 @@ def _now() -> str:
 
 
 def nothing_to_apply(section: Section) -> str | None:
-    """Why applying `section` would change nothing, or is beyond the reference trainer on the
-    recorded topology; None where it is not (analyze then decides on its gain, optimize re-runs it)."""
+    """Why applying `section` would change nothing; None where it would (analyze then decides on its
+    gain, optimize re-runs it)."""
     predicted = section.prediction.figures
     if isinstance(section, Replication) and not predicted.get(figures.HOT_ROWS):
         return "no row is worth replicating at this budget"
@@ -260,11 +261,8 @@ def nothing_to_apply(section: Section) -> str | None:
                                           or section.hot_sample_fraction < MIN_HOT_SAMPLES):
         return (f"{section.hot_sample_fraction:.2%} of samples hold only hot rows (under "
                 f"{MIN_HOT_SAMPLES:.0%}: the schedule would be the replication section)")
-    if isinstance(section, Tiers):
-        if not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
-            return "no row in tier 1 or 2"
-        if int(section.topology.get("nodes", 1)) > 1 and predicted.get("tier2_rows"):
-            return "the reference trainer does not apply tier 2 across nodes yet (tier 1 is the replication section)"
+    if isinstance(section, Tiers) and not predicted.get("tier1_rows") and not predicted.get("tier2_rows"):
+        return "no row in tier 1 or 2"
     return None
 
 

@@ -17,7 +17,11 @@ OUTPUT_BWD = "_AllToAll.backward"  # their gradients to the owners
 
 # labels the reference trainer sets
 REPLICA_SYNC = "replica_sync"  # the replicated rows' gradient sync (tracekit/dlrm/replicas.py)
-TIER2_SYNC = "tier2_sync"  # the per-node tier's sync
+TIER2_SYNC = "tier2_sync"  # the per-node tier's sync across the node copies
+# the per-node tier's exchange inside a node (tracekit/dlrm/node_tier.py)
+TIER2_INPUT = "tier2_input_dist"  # tier-2 ids and their lengths to the node's rank holding them
+TIER2_OUTPUT_FWD = "tier2_output_fwd"  # their rows back
+TIER2_OUTPUT_BWD = "tier2_output_bwd"  # the rows' gradients to the node copy
 DCT_DP = "dct_dp"  # DCT-DP's compressed all-reduce of the dense gradients (tracekit/dlrm/compression.py)
 
 # the dense data-parallel all-reduce: DDP's buckets (named by the comm collector) or the trainer's hook
@@ -26,6 +30,7 @@ DENSE_ALLREDUCE = "_sum_allreduce_hook"  # the reference trainer's DDP comm hook
 
 TORCHREC_SPLITS = "SplitsAllToAllAwaitable"  # TorchRec's all-to-all of the KJT exchange's split sizes (1.8.0)
 
+TIER2_EXCHANGE = (TIER2_INPUT, TIER2_OUTPUT_FWD, TIER2_OUTPUT_BWD)
 SYNC_TAGS = (REPLICA_SYNC, TIER2_SYNC)
 """Prefixes of the tags of a replica or tier sync."""
 DP_TAGS = (DDP_BUCKET, DENSE_ALLREDUCE, DCT_DP)

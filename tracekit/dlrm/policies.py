@@ -7,6 +7,8 @@ group starts.
     applied.lines()       # what the trainer prints once (rank 0): what applies, one line per section skipped
     applied.hot_rows      # per table: the rows every rank holds a replica of (int64, sorted)
     applied.sync          # how the replicas' gradients are summed: sparse_allreduce | dense_allreduce
+    applied.tier2_rows    # per table: tier-2 rows, one copy per node (tiers across nodes), or None
+    applied.ranks_per_node, applied.tier2_sync  # the node size and the node copies' sync
     applied.fae_hot_rows  # per table: the rows that make a sample hot (FAE), or None
     applied.dct_dp        # DCT-DP settings for DDP's comm hook (tracekit/dlrm/compression.py), or None
     applied.mp_keep_ratio # DCT-MP: the share of each embedding output row's values kept, or None
@@ -20,7 +22,7 @@ is a file for another model (PolicyMismatch). Where no section applies, the run 
 without `--policy`.
 
 The sections: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2 once per node,
-which on one node is the recorded sharding itself), `schedule` (FAE hot/cold minibatches; its hot
+tracekit/dlrm/node_tier.py, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold minibatches; its hot
 rows are replicated too, and serve cold batches as well). Sections applied together replicate the
 union of their rows, synchronised the way the section with the most rows says. `compression.dp`
 (DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied; `compression.mp` (DCT-MP)
@@ -54,6 +56,9 @@ class AppliedPolicy:
     fae_hot_rows: list[torch.Tensor] | None = None  # per table, sorted; None: no FAE schedule
     dct_dp: DctDp | None = None  # None: DDP's gradients go uncompressed
     mp_keep_ratio: float | None = None  # DCT-MP on the output all-to-all; None: rows go whole
+    tier2_rows: list[torch.Tensor] | None = None  # per table, sorted; None: no tier 2 across nodes
+    ranks_per_node: int = 1
+    tier2_sync: str = "sparse_allreduce"
     lag_bound: int | None = None  # BLS, inference runs only; None: synchronous collectives
 
     @property
@@ -99,9 +104,12 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     replicated: list[tuple[torch.Tensor, str, str]] = []  # (keys, sync, where the sync is named)
     if replication := chosen.get("replication"):
         replicated.append((_rows(path, replication.rows, tables), replication.sync, "replication.sync"))
+    tier2 = None
     if tiers := chosen.get("tiers"):
-        replicated.append((_tier_one(path, tiers, tables, world_size, local_world_size), tiers.tier1_sync,
-                           "tiers.tier1_sync"))
+        tier1, tier2 = _tier_rows(path, tiers, tables, world_size, local_world_size)
+        replicated.append((tier1, tiers.tier1_sync, "tiers.tier1_sync"))
+        if tiers.tier2_sync not in SYNCS:
+            raise PolicyError(f"{path}: tiers.tier2_sync: expected one of {', '.join(SYNCS)}, got {tiers.tier2_sync!r}")
     fae = None
     if schedule := chosen.get("schedule"):
         if schedule.kind != "fae":
@@ -111,14 +119,18 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     for _, sync, where in replicated:
         if sync not in SYNCS:
             raise PolicyError(f"{path}: {where}: expected one of {', '.join(SYNCS)}, got {sync!r}")
-    hot, sync = None, "sparse_allreduce"
+    hot, sync, union = None, "sparse_allreduce", torch.empty(0, dtype=torch.int64)
     if replicated:
-        hot = _split(torch.unique(torch.cat([keys for keys, _, _ in replicated])), tables)
+        union = torch.unique(torch.cat([keys for keys, _, _ in replicated]))
+        hot = _split(union, tables) if union.numel() else None
         sync = max(replicated, key=lambda r: r[0].numel())[1]
+    if tier2 is not None:  # a row replicated by another section is tier 1: served, and kept, by the replicas
+        tier2 = _split(tier2[~torch.isin(tier2, union)], tables)
     dct_dp = _dct_dp(path, chosen["compression.dp"]) if "compression.dp" in chosen else None
     mp = chosen.get("compression.mp")
     return AppliedPolicy(path, tuple(applied), skipped, hot, sync, None if fae is None else _split(fae, tables),
-                         dct_dp, mp_keep_ratio=None if mp is None else float(mp.keep_ratio))
+                         dct_dp, mp_keep_ratio=None if mp is None else float(mp.keep_ratio), tier2_rows=tier2,
+                         ranks_per_node=local_world_size, tier2_sync=tiers.tier2_sync if tiers else "sparse_allreduce")
 
 
 def _dct_dp(path: Path, section: DctDpSection) -> DctDp:
@@ -167,8 +179,10 @@ def _split(keys: torch.Tensor, tables: list[TableSpec]) -> list[torch.Tensor]:
     return out
 
 
-def _tier_one(path: Path, section: Tiers, tables: list[TableSpec], world_size: int, local_world_size: int):
-    """Tier-1 rows as keys. Tier 2 sits once per node; on one node that is the recorded sharding."""
+def _tier_rows(path: Path, section: Tiers, tables: list[TableSpec], world_size: int,
+               local_world_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tier-1 rows as keys, and tier-2 rows as keys across nodes (None on one node, where tier 2
+    is the recorded sharding itself)."""
     nodes, per_node = int(section.topology.get("nodes", 1)), int(section.topology.get("ranks_per_node", world_size))
     if nodes * per_node != world_size or per_node != local_world_size:
         raise PolicyError(f"{path}: tiers.topology is {nodes} node(s) × {per_node} ranks, but this run has "
@@ -182,9 +196,9 @@ def _tier_one(path: Path, section: Tiers, tables: list[TableSpec], world_size: i
     bad = sorted({t for t in frame["tier"] if t not in (1, 2)})
     if bad:
         raise PolicyError(f"{file}: tier must be 1 or 2 (unlisted rows are tier 3), got {bad[0]}")
-    if nodes > 1 and 2 in frame["tier"]:
-        raise PolicyError(f"{path}: tier-2 rows across {nodes} nodes (one copy per node) are not applied by the "
-                          f"reference trainer yet; with `recommended: false` and a `reason` (as `tracekit analyze` "
-                          f"writes it) the trainer skips the section")
-    ones = [i for i, tier in enumerate(frame["tier"]) if tier == 1]
-    return _keys(file, [frame["table_name"][i] for i in ones], [frame["row"][i] for i in ones], tables)
+
+    def keys(tier: int) -> torch.Tensor:
+        chosen = [i for i, t in enumerate(frame["tier"]) if t == tier]
+        return _keys(file, [frame["table_name"][i] for i in chosen], [frame["row"][i] for i in chosen], tables)
+
+    return keys(1), keys(2) if nodes > 1 else None

@@ -51,12 +51,15 @@ class Replicas:
     """The replica block, the map from (table, row) to its index, and the step's synchronisation."""
 
     def __init__(self, hot_rows: list[torch.Tensor], table_rows: list[int], dim: int, optimizer, *,
-                 sync: str, init_rows, device: torch.device, group: dist.ProcessGroup | None) -> None:
+                 sync: str, init_rows, device: torch.device, group: dist.ProcessGroup | None,
+                 label: str = SYNC_LABEL) -> None:
         """`hot_rows[t]`: table t's replicated rows (any order, no duplicates); `init_rows(t, rows)`
-        gives their initial values, the same the owner's shard starts from."""
+        gives their initial values, the same the owner's shard starts from. The sync runs over
+        `group` (None: the default group) under the tag `label`."""
         if sync not in SYNCS:
             raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
         self.sync_kind, self.optimizer, self.group, self.device = sync, optimizer, group, device
+        self.label = label
         self.table_base = torch.tensor([0, *itertools.accumulate(table_rows)][:-1], dtype=torch.int64, device=device)
         rows = [torch.sort(r.to(torch.int64))[0] for r in hot_rows]
         self.keys = torch.cat([r.to(device) + self.table_base[t] for t, r in enumerate(rows)])
@@ -99,7 +102,7 @@ class Replicas:
             index = torch.empty(0, dtype=torch.int64, device=self.device)
             grads = self.weight.new_empty(0, self.weight.shape[1])
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        with tracekit.label(SYNC_LABEL):
+        with tracekit.label(self.label):
             if self.sync_kind == "dense_allreduce":
                 rows, summed = None, self.weight.new_zeros(self.weight.shape).index_add_(0, index, grads)
                 if world > 1:

@@ -23,6 +23,9 @@ travels, as -1, so the owner knows not to return a row for it; a mixed bag sends
 the owner pools them and the sum with the local hot part is the bag's. Sequence lookups of hot
 rows simply leave. Lengths keep their size, so the exchange needs no extra collective.
 
+Across nodes, FlexShard's tier 2 (tracekit/dlrm/node_tier.py) takes its ids out of the batch the
+same way, after the replicas, and serves them inside the node; what is left goes to the owners.
+
 With a codec (tracekit/dlrm/output_codec.py), the output dist's rows and their gradients cross
 quantized (bf16, fp16, fp8) or as DCT-MP's per-sample top-K values and positions; the same rows,
 fewer bytes each. World size 1 has no exchange, so nothing to compress.
@@ -30,8 +33,10 @@ fewer bytes each. World size 1 has no exchange, so nothing to compress.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,9 @@ import tracekit
 from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import Replicas
+
+if TYPE_CHECKING:
+    from tracekit.dlrm.node_tier import NodeTier
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
 
@@ -157,21 +165,35 @@ class _AllToAll(torch.autograd.Function):
     """`all_to_all_single` of rows whose backward sends the gradients back the same way.
 
     Own function rather than torch.distributed.nn.functional's, which is deprecated in
-    torch 2.13 in favour of a private module.
+    torch 2.13 in favour of a private module. Without `labels` the calls carry this function's
+    names as tags (tracekit.tags.OUTPUT_FWD, OUTPUT_BWD); with them, (forward, backward) labels.
     """
 
     @staticmethod
-    def forward(ctx, send, splits_out, splits_in, group):
-        ctx.splits_out, ctx.splits_in, ctx.group = splits_out, splits_in, group
+    def forward(ctx, send, splits_out, splits_in, group, labels):
+        ctx.splits_out, ctx.splits_in, ctx.group, ctx.labels = splits_out, splits_in, group, labels
         recv = send.new_empty(sum(splits_in), *send.shape[1:])
-        dist.all_to_all_single(recv, send, splits_in, splits_out, group=group)
+        with _labelled(labels, 0):
+            dist.all_to_all_single(recv, send, splits_in, splits_out, group=group)
         return recv
 
     @staticmethod
     def backward(ctx, grad):
         grad_send = grad.new_empty(sum(ctx.splits_out), *grad.shape[1:])
-        dist.all_to_all_single(grad_send, grad.contiguous(), ctx.splits_out, ctx.splits_in, group=ctx.group)
-        return grad_send, None, None, None
+        with _labelled(ctx.labels, 1):
+            dist.all_to_all_single(grad_send, grad.contiguous(), ctx.splits_out, ctx.splits_in, group=ctx.group)
+        return grad_send, None, None, None, None
+
+
+def _labelled(labels: tuple[str, str] | None, which: int):
+    return contextlib.nullcontext() if labels is None else tracekit.label(labels[which])
+
+
+def exchange_rows(send: torch.Tensor, splits_out: list[int], splits_in: list[int],
+                  group: dist.ProcessGroup | None, labels: tuple[str, str] | None = None) -> torch.Tensor:
+    """Rows to the ranks of `group` (`splits_out` to each, `splits_in` from each), their gradients
+    back in backward; with no group (one rank) the rows stay."""
+    return send if group is None else _AllToAll.apply(send, splits_out, splits_in, group, labels)
 
 
 class ShardedEmbeddings(nn.Module):
@@ -183,10 +205,12 @@ class ShardedEmbeddings(nn.Module):
 
     def __init__(self, plan: ShardingPlan, rank: int, optimizer: SparseSGD | RowWiseAdagrad,
                  *, seed: int, device: torch.device, group: dist.ProcessGroup | None = None,
-                 replicas: Replicas | None = None, codec: OutputCodec | None = None) -> None:
+                 replicas: Replicas | None = None, node_tier: NodeTier | None = None,
+                 codec: OutputCodec | None = None) -> None:
         super().__init__()
         self.plan, self.rank, self.optimizer, self.group = plan, rank, optimizer, group
         self.replicas = replicas
+        self.node_tier = node_tier  # tier 2 across nodes (tracekit/dlrm/node_tier.py), or None
         self.codec = codec  # None: rows return as they are (fp32); else quantized or DCT-MP rows
         self.local_tables = plan.tables_on(rank)
         self.row_start = {t: plan.row_range(t, rank)[0] for t in self.local_tables}
@@ -212,28 +236,42 @@ class ShardedEmbeddings(nn.Module):
         every rank's batch holds only replicated rows (an FAE hot batch), so nothing is exchanged.
         """
         T, b = lengths.shape
-        served = hot = None
+        given, served, parts = lengths, None, []  # parts: (slots, rows) served outside the global exchange
         if self.replicas is not None:
-            lengths, values, served, hot = self._serve_hot(lengths, values)
+            lengths, values, hot = self._serve_hot(lengths, values)
+            parts.append(hot)
         if local_only:
-            if hot is None or values.numel():
+            if not parts or values.numel():
                 raise RuntimeError("a local-only batch holds rows that are not replicated")
             out = self.replicas.weight.new_zeros(b * T, self.replicas.weight.shape[1])
-            return out.index_add(0, *hot).view(b, T, -1)
+            return out.index_add(0, *parts[0]).view(b, T, -1)
+        if self.node_tier is not None:
+            lengths, values, near = self.node_tier.serve(self.anchor, lengths, values, batch_sizes)
+            parts.append(near)
+        if parts:  # a pooled bag left with no id is served where its sample is: sent as -1
+            served = (lengths > 0) | (given == 0) | ~self.pooled_mask.view(T, 1)
         routing = self._route(lengths, values, served)
         recv_lengths, recv_values = self._input_dist(routing, batch_sizes)
         pooled, rows_out = self._lookup(recv_lengths, recv_values, batch_sizes)
         returned = self._output_dist(pooled, rows_out, routing.rows_back)
         out = torch.zeros(b * T, returned.shape[1], dtype=returned.dtype, device=returned.device)
         out = out.index_add(0, routing.slots_back, returned)
-        if hot is not None:
-            out = out.index_add(0, *hot)
+        for slots, rows in parts:
+            out = out.index_add(0, slots, rows)
         return out.view(b, T, returned.shape[1])
 
+    @property
+    def serves_outside(self) -> bool:
+        """Whether some ids are served outside the global exchange (its lengths then hold -1s)."""
+        return self.replicas is not None or self.node_tier is not None
+
     def synchronise(self) -> None:
-        """After backward: bring every rank's replica rows to the same updated values."""
+        """After backward: bring every rank's replica rows (and every node's tier-2 copy) to the
+        same updated values."""
         if self.replicas is not None:
             self.replicas.synchronise()
+        if self.node_tier is not None:
+            self.node_tier.synchronise()
 
     def table_weights(self) -> dict[str, tuple[int, torch.Tensor]]:
         """Per local table, its first row and its rows' current values (replicated rows included)."""
@@ -241,11 +279,11 @@ class ShardedEmbeddings(nn.Module):
         for t in self.local_tables:
             spec = self.plan.tables[t]
             weight = self.shards[spec.name].weight
-            if self.replicas is not None:
-                rows, values = self.replicas.rows_of(t)
-                start, stop = self.plan.row_range(t, self.rank)
-                mine = (rows >= start) & (rows < stop)
-                if bool(mine.any()):
+            start, stop = self.plan.row_range(t, self.rank)
+            for copies in (self.replicas, self.node_tier):
+                rows, values = copies.rows_of(t) if copies is not None else (None, None)
+                mine = None if rows is None else (rows >= start) & (rows < stop)
+                if mine is not None and bool(mine.any()):
                     weight = weight.clone()
                     weight[rows[mine] - start] = values[mine]
             out[spec.name] = (self.row_start[t], weight)
@@ -256,8 +294,7 @@ class ShardedEmbeddings(nn.Module):
     def _serve_hot(self, lengths: torch.Tensor, values: torch.Tensor):
         """Split the batch: hot ids looked up in the replicas here, cold ids for the exchange.
 
-        Returns the cold lengths [T, b], the cold ids, `served` [T, b] (False for a pooled bag
-        that leaves the exchange: non-empty and all hot) and (slots, rows) of the hot lookups.
+        Returns the cold lengths [T, b], the cold ids and (slots, rows) of the hot lookups.
         """
         T, b = lengths.shape
         bag = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
@@ -267,10 +304,9 @@ class ShardedEmbeddings(nn.Module):
         where = hit.nonzero().flatten()
         hot_bag, hot_table = bag[where], table_of[where]
         cold_lengths = lengths - torch.bincount(hot_bag, minlength=T * b).view(T, b)
-        served = (cold_lengths > 0) | (lengths == 0) | ~self.pooled_mask.view(T, 1)
         slots = (hot_bag - hot_table * b) * T + hot_table
         rows = self.replicas.lookup(self.anchor, index[where])
-        return cold_lengths, values[~hit], served, (slots, rows)
+        return cold_lengths, values[~hit], (slots, rows)
 
     # input dist ---------------------------------------------------------------------------
 
@@ -369,7 +405,7 @@ class ShardedEmbeddings(nn.Module):
         counts = (torch.stack([self._ids_per_bag(lq).sum(dim=1) for lq in per_src]).tolist() if mine
                   else [[] for _ in range(W)])
         value_pieces = recv_values.split([n for row in counts for n in row])
-        if self.replicas is not None and mine:  # bags sent as -1 were served where their sample is
+        if self.serves_outside and mine:  # bags sent as -1 were served where their sample is
             served = torch.stack([lq.ge(0).sum(dim=1) for lq in per_src]).tolist()
         outputs, rows_out = [], []
         for j, t in enumerate(self.local_tables):
@@ -381,7 +417,7 @@ class ShardedEmbeddings(nn.Module):
             if spec.pooled:
                 bag_lengths = torch.cat([per_src[q][j] for q in range(W)]).long()
                 rows = list(batch_sizes)
-                if self.replicas is not None:
+                if self.serves_outside:
                     rows = [served[q][j] for q in range(W)]
                     bag_lengths = bag_lengths[bag_lengths >= 0]
                 offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
@@ -406,12 +442,12 @@ class ShardedEmbeddings(nn.Module):
         splits_out = [sum(rows[q] for rows in rows_out) for q in range(W)]
         if self.codec is not None:
             return self.codec.exchange(send, splits_out, rows_back, self.group)
-        return _AllToAll.apply(send, splits_out, rows_back, self.group)
+        return exchange_rows(send, splits_out, rows_back, self.group)
 
 
     def _ids_per_bag(self, lengths: torch.Tensor) -> torch.Tensor:
         """Received bag lengths as id counts: a bag sent as -1 holds none."""
-        return lengths if self.replicas is None else lengths.clamp(min=0)
+        return lengths.clamp(min=0) if self.serves_outside else lengths
 
 
 def _segment_sums(values: torch.Tensor, sizes: list[int]) -> list[int]:

@@ -39,6 +39,7 @@ from tracekit.dlrm.model import DenseArch
 from tracekit.dlrm.optim import dense_optimizer, sparse_optimizer
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.policies import AppliedPolicy
+from tracekit.dlrm.node_tier import NodeTier, node_groups
 from tracekit.dlrm.replicas import Replicas
 from tracekit.dlrm.runtime import avx512_gemm_on_amd, keep_freed_memory, pin_to_cores
 from tracekit.dlrm.schedule import make_schedule, prefetched
@@ -120,12 +121,18 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
         replicas = Replicas(policy.hot_rows, [t.rows for t in plan.tables], cfg.dim, sparse, sync=policy.sync,
                             init_rows=lambda t, rows: init_rows(plan.tables[t], t, rows, cfg.seed),
                             device=device, group=group)
+    node_tier = None
+    if policy is not None and policy.tier2_rows and sum(r.numel() for r in policy.tier2_rows):
+        node_group, column_group = node_groups(world_size, policy.ranks_per_node)
+        node_tier = NodeTier(plan, rank, policy.ranks_per_node, policy.tier2_rows, sparse, sync=policy.tier2_sync,
+                             init_rows=lambda t, rows: init_rows(plan.tables[t], t, rows, cfg.seed), device=device,
+                             node_group=node_group, column_group=column_group)
     # output all-to-all: quantized (--a2a-dtype) and/or DCT-MP (compression.mp); fp32 rows as they are by default
     codec = OutputCodec(cfg.a2a_dtype, policy.mp_keep_ratio if policy is not None else None)
     if not codec.identity and world_size > 1:
         _log(cfg, rank, f"output all-to-all: {codec.describe(cfg.dim)}")
     embeddings = ShardedEmbeddings(plan, rank, sparse, seed=cfg.seed, device=device, group=group,
-                                   replicas=replicas, codec=None if codec.identity else codec)
+                                   replicas=replicas, node_tier=node_tier, codec=None if codec.identity else codec)
     optimizer = dense_optimizer(cfg.optimizer, dense.parameters(), cfg.lr)
 
     losses = torch.zeros(schedule.steps, dtype=torch.float64)
