@@ -31,6 +31,10 @@ Per run:
       sync_bytes_per_step         Σ sync wire: a ring all-reduce of n bytes per rank is 2(W−1)·n over
                                   the ranks, an index all-gather (W−1)·ids (counted as sent)
       total_bytes_per_step        a2a + sync;   total_remote_bytes_per_step  a2a_remote + sync
+      intra_bytes_per_step, inter_bytes_per_step   on a run of several nodes (manifest `topology`,
+                                  tracekit.topology: rank r on node r // ranks_per_node), the exchange's
+                                  remote bytes between ranks of one node and between nodes (a subgroup's
+                                  split j goes to the j-th of its sorted ranks)
       dp_bytes_per_step           Σ bytes_out of the data-parallel gradient exchange: calls tagged
                                   ddp_bucket*, _sum_allreduce_hook or dct_dp* (tracekit.tags.DP_TAGS)
 - hot/cold, where steps has a `schedule` column ('hot' | 'cold'; schema 1.2): steps, bytes and
@@ -96,10 +100,12 @@ from analyses.context import Context, Result, open_context
 from analyses.network import warmup_steps
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.errors import PolicyMismatch, RunMismatch, TracekitError
-from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, INTER_BYTES, INTRA_BYTES,
+                              STEP_TIME, SYNC_BYTES)
 from tracekit.policy import PolicyError, check_model, load_policy, sections
 from tracekit.schema import STATUS_COMPLETED
 from tracekit.tags import DDP_BUCKET, DP_TAGS, SYNC_TAGS
+from tracekit.topology import Topology
 
 DDP_TAGS = (DDP_BUCKET,)
 EMBEDDING = (A2A_BYTES, A2A_REMOTE_BYTES, SYNC_BYTES, "total_bytes_per_step",
@@ -130,6 +136,17 @@ _CALLS = f"""
                     WHEN op IN ({sql_list(GATHER_OPS)}) THEN (group_size - 1) * bytes_out
                     ELSE bytes_out END)::DOUBLE AS wire_bytes
     FROM c GROUP BY ALL ORDER BY step, op, tag"""
+_NODE_BYTES = f"""
+    WITH members AS (SELECT "group", list_sort(list(DISTINCT rank)) AS ranks FROM comms GROUP BY ALL),
+    c AS (SELECT c.rank, c.group_size, m.ranks, unnest(c.splits_out) AS bytes,
+                 generate_subscripts(c.splits_out, 1) AS i
+          FROM train_comms c JOIN members m USING ("group")
+          WHERE c.op IN ({sql_list(A2A_OPS)}) AND NOT ({_starts(SYNC_TAGS)}) AND NOT ({_starts(DDP_TAGS)})),
+    pairs AS (SELECT rank AS sender, CASE WHEN group_size = {{world}} THEN i - 1 ELSE ranks[i] END AS receiver, bytes
+              FROM c)
+    SELECT coalesce(sum(bytes) FILTER (sender // {{per_node}} = receiver // {{per_node}}), 0)::DOUBLE,
+           coalesce(sum(bytes) FILTER (sender // {{per_node}} <> receiver // {{per_node}}), 0)::DOUBLE
+    FROM pairs WHERE sender <> receiver"""
 _STEPS_SCHEMA = {"step": pl.Int64, STEP_TIME: pl.Float64, "samples": pl.Int64, "loss": pl.Float64,
                  "schedule": pl.String}
 _CALLS_SCHEMA = {"step": pl.Int64, "op": pl.String, "tag": pl.String, "kind": pl.String, "calls": pl.Int64,
@@ -208,6 +225,7 @@ def measure(ctx: Context, skip_steps: int | None) -> Measured:
         "samples_per_s": kept["samples"].sum() / kept[STEP_TIME].sum() if samples_known else None,
         "samples_source": samples_source if samples_known else None,
         **bytes_figures(calls, n),
+        **node_bytes(ctx, n),
         "metrics": {k: (manifest.get("metrics") or {}).get(k) for k in METRICS},
         "by_op_tag": by_op_tag(calls, n).to_dicts(),
         "schedule": schedule_split(steps, calls).to_dicts() or None,
@@ -263,6 +281,16 @@ def bytes_figures(calls: pl.DataFrame, n: int) -> dict[str, float | None]:
     else:
         out["total_bytes_per_step"] = out["total_remote_bytes_per_step"] = None
     return out
+
+
+def node_bytes(ctx: Context, n: int) -> dict[str, float]:
+    """The exchange's remote bytes per training step within and between nodes, on a run recorded on
+    several nodes (module docstring); nothing on one node."""
+    shape = Topology.of_run(ctx.manifest, ctx.model.world_size)
+    if shape.nodes < 2 or not n or not ctx.has("comms"):
+        return {}
+    intra, inter = ctx.sql(_NODE_BYTES.format(world=ctx.model.world_size, per_node=shape.ranks_per_node)).fetchall()[0]
+    return {INTRA_BYTES: intra / n, INTER_BYTES: inter / n}
 
 
 def _embedding_bytes() -> pl.Expr:
@@ -429,7 +457,7 @@ def applied_policy(m: Measured) -> tuple[dict | None, dict | None, list[str]]:
 def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> list[dict]:
     """Predicted against measured for each section the run applied, their combination and the
     policy's baseline (module docstring)."""
-    measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, DP_BYTES, STEP_TIME)},
+    measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, DP_BYTES, STEP_TIME, INTRA_BYTES, INTER_BYTES)},
                 "makespan_s": (m.manifest.get("metrics") or {}).get("makespan_s"),  # inference runs
                 **savings(m.figures, base.figures)}
     bodies, applied = dict(sections(policy)), m.figures["policy"]["sections"]
@@ -459,8 +487,8 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
 
 def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
     """The figures a section predicts, with totals and savings derived as the module docstring says."""
-    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], DP_BYTES, STEP_TIME, "makespan_s")
-           if _number(predicted.get(k))}
+    out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], INTRA_BYTES, INTER_BYTES, DP_BYTES, STEP_TIME,
+                                            "makespan_s") if _number(predicted.get(k))}
     sync = out.get(SYNC_BYTES, 0.0)
     if A2A_BYTES in out:
         out["total_bytes_per_step"] = out[A2A_BYTES] + sync

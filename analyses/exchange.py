@@ -188,25 +188,33 @@ def item_bytes_sql(len_bytes: int, id_bytes: int) -> str:
 
 
 
-def items_sql(ctx: Context, order: str) -> str:
+def items_sql(ctx: Context, order: str, per_node: int = 1) -> str:
     """SQL: what replicating a prefix of an ordering table (tid, row, pos) frees, as items with the
     bytes each frees from every collective and its `maxpos`, the position from which on it is freed
     (null: never): per id, its id (at its row's position); per pooled bag, its returned rows (at
     the last position of its ids, null if one is outside the ordering); per sequence lookup, its id
-    and row. Lengths never leave (module docstring)."""
+    and row. Lengths never leave (module docstring). `*_rem`: bytes between ranks on different
+    nodes of `per_node` ranks (rank // per_node; 1: between different ranks)."""
     s = baseline(ctx)
+    g = per_node
+    remote = "CAST(l.owner <> l.src AS INTEGER)" if g == 1 else f"CAST(l.owner // {g} <> l.src // {g} AS INTEGER)"
+    tshards = "tk_tshards" if g == 1 else f"""(
+        SELECT t.tid, t.src, t.rb, t.n_shards,
+               t.n_shards - (SELECT count(*) FROM tk_shards h WHERE h.tid = t.tid AND h.rank // {g} = t.src // {g})
+                   AS n_remote_shards
+        FROM tk_tshards t)"""
     columns = f"""0 AS len_out, 0 AS len_rem, {s.id_bytes} * n_ids AS ids_out, {s.id_bytes} * n_remote AS ids_rem,
                   CASE WHEN seq THEN rb ELSE rb * n_shards END AS row_out,
                   CASE WHEN seq THEN rb * n_remote ELSE rb * n_remote_shards END AS row_rem"""
     return f"""
         SELECT step, src, tid, maxpos, n_ids, {columns} FROM (
-            SELECT l.step, l.src, l.tid, false AS seq, 1 AS n_ids, CAST(l.owner <> l.src AS INTEGER) AS n_remote,
+            SELECT l.step, l.src, l.tid, false AS seq, 1 AS n_ids, {remote} AS n_remote,
                    o.pos AS maxpos, t.rb, t.n_shards, t.n_remote_shards
-            FROM tk_x l JOIN tk_tshards t USING (tid, src) LEFT JOIN {order} o USING (tid, "row")
+            FROM tk_x l JOIN {tshards} t USING (tid, src) LEFT JOIN {order} o USING (tid, "row")
             WHERE l.onehot AND l.bag IS NOT NULL)
         UNION ALL
         SELECT l.step, l.src, l.tid, o.pos AS maxpos, 1 AS n_ids, 0 AS len_out, 0 AS len_rem,
-               {s.id_bytes} AS ids_out, {s.id_bytes} * CAST(l.owner <> l.src AS INTEGER) AS ids_rem,
+               {s.id_bytes} AS ids_out, {s.id_bytes} * {remote} AS ids_rem,
                0 AS row_out, 0 AS row_rem
         FROM tk_x l LEFT JOIN {order} o USING (tid, "row") WHERE NOT l.onehot AND l.bag IS NOT NULL
         UNION ALL
@@ -218,10 +226,10 @@ def items_sql(ctx: Context, order: str) -> str:
                        CASE WHEN count(o.pos) = count(*) THEN max(o.pos) END AS maxpos
                 FROM tk_x l LEFT JOIN {order} o USING (tid, "row")
                 WHERE NOT l.onehot AND l.bag IS NOT NULL GROUP BY l.bag) m
-            JOIN tk_tshards t USING (tid, src))
+            JOIN {tshards} t USING (tid, src))
         UNION ALL
         SELECT step, src, tid, maxpos, n_ids, {columns} FROM (
-            SELECT l.step, l.src, l.tid, o.pos AS maxpos, 1 AS n_ids, CAST(l.owner <> l.src AS INTEGER) AS n_remote,
+            SELECT l.step, l.src, l.tid, o.pos AS maxpos, 1 AS n_ids, {remote} AS n_remote,
                    n.rb, 1 AS n_shards, 0 AS n_remote_shards, true AS seq
             FROM tk_x l JOIN tk_names n USING (tid) LEFT JOIN {order} o USING (tid, "row")
             WHERE l.seq)"""
@@ -331,15 +339,16 @@ def count_exchange(world: int) -> float:
 
 
 
-def hot_curve(ctx: Context, order: str, n: int) -> dict[str, np.ndarray]:
+def hot_curve(ctx: Context, order: str, n: int, per_node: int = 1) -> dict[str, np.ndarray]:
     """Bytes per step freed from each collective when the first K rows of the ordering `order`
     (a table: tid, row, pos 0..n-1) are replicated, for K = 0..n, exactly (an item leaves
-    at K > maxpos). Keys: '<collective>_out' and '<collective>_rem' cumulative arrays of n + 1."""
+    at K > maxpos). Keys: '<collective>_out' and '<collective>_rem' cumulative arrays of n + 1;
+    `_rem` between nodes of `per_node` ranks (`items_sql`; 1: between ranks)."""
     s = baseline(ctx)
     hist = ctx.frame(f"""SELECT maxpos, sum(len_out)::DOUBLE AS len_out, sum(len_rem)::DOUBLE AS len_rem,
                                 sum(ids_out)::DOUBLE AS ids_out, sum(ids_rem)::DOUBLE AS ids_rem,
                                 sum(row_out)::DOUBLE AS row_out, sum(row_rem)::DOUBLE AS row_rem
-                         FROM ({items_sql(ctx, order)}) WHERE maxpos IS NOT NULL GROUP BY maxpos""")
+                         FROM ({items_sql(ctx, order, per_node)}) WHERE maxpos IS NOT NULL GROUP BY maxpos""")
     out = {}
     pos = hist["maxpos"].to_numpy().astype(np.int64) if len(hist) else np.zeros(0, np.int64)
     for col, collectives in (("len", ("input_lengths",)), ("ids", ("input_ids",)),

@@ -122,8 +122,12 @@ class Network:
         formulas): its collectives' α and its per-rank wire bytes at β; 0 for nothing to sync."""
         if total_bytes <= 0:
             return 0.0
+        return self.sync_alpha(kind) + self.fit.beta_s_per_byte * total_bytes / max(self.world, 1)
+
+    def sync_alpha(self, kind: str) -> float:
+        """The fixed cost of one replica sync's collectives (α each)."""
         ops = SPARSE_SYNC_OPS if kind == "sparse_allreduce" else (ALL_REDUCE,)
-        return sum(self.alpha(op) for op in ops) + self.fit.beta_s_per_byte * total_bytes / max(self.world, 1)
+        return sum(self.alpha(op) for op in ops)
 
     def sync_calls(self, kind: str) -> int:
         return len(SPARSE_SYNC_OPS) if kind == "sparse_allreduce" else 1

@@ -133,24 +133,36 @@ def test_policies_say_why_they_cannot_be_derived(tmp_path: Path) -> None:
 
 
 def four_rank_run(path: Path) -> None:
-    """One table on rank 0 (16-byte rows); each of 4 ranks looks up row 0 30 times and row 1 10 times."""
-    tables = [table("t", 10, owner=0, world=4)]
-    batch = [{"t": [[0]] * 30 + [[1]] * 10} for _ in range(4)]
+    """Table t on rank 0 and u on rank 1 (16-byte rows); each of 4 ranks looks up t:0 and u:0 in
+    each of its 40 samples, two steps."""
+    tables = [table("t", 10, owner=0, world=4), table("u", 10, owner=1, world=4)]
+    batch = [{"t": [[0]] * 40, "u": [[0]] * 40} for _ in range(4)]
     build_run(path, tables, 4, [batch, batch])
 
 
 def test_tiers_move_inter_node_bytes_inside_nodes(tmp_path: Path) -> None:
     four_rank_run(tmp_path / "run")
     with open_context(tmp_path / "run", Options(topology=Topology(2, 2), budget_bytes=16, intra_bw=1e9, inter_bw=1e6)) as ctx:
-        p = tiers.derive(ctx).section["predicted"]
-        item = 4 + 8 + 2 * 16  # one one-hot bag: its length, id, row forward and backward
-        assert p["baseline_intra_bytes_per_step"] == 40 * item  # rank 1, same node as rank 0
-        assert p["baseline_inter_bytes_per_step"] == 2 * 40 * item  # ranks 2 and 3
-        # the 16 bytes hold both rows once per node (rb/G each): ranks 1 and 3 fetch them from ranks 0 and 2
-        assert (p["tier1_rows"], p["tier2_rows"]) == (0, 2)
-        assert (p["intra_bytes_per_step"], p["inter_bytes_per_step"]) == (2 * 40 * item, 0)
-        assert p["a2a_bytes_per_step"] == 4 * 40 * item  # ranks 0 and 2 hand their 40 bags to themselves
-        assert p["sync_inter_bytes_per_step"] == 2 * 1 * 2 * 16 + 1 * 8 * 8  # 2 rows among 2 node copies, indices
+        section = tiers.derive(ctx).section
+        p = section["predicted"]
+        pair = 40 * (4 + 8 + 2 * 16)  # a source's 40 one-hot bags of a table: lengths, ids, rows both ways
+        assert p["baseline_intra_bytes_per_step"] == 2 * pair  # ranks 1 -> 0 (t) and 0 -> 1 (u)
+        assert p["baseline_inter_bytes_per_step"] == 4 * pair  # ranks 2 and 3 to both owners
+        # 16 bytes per rank: one tier-1 row, or both rows in tier 2, t:0's copy on local index 0 and
+        # u:0's on 1 of each node (one 16-byte block per rank)
+        assert (p["tier1_rows"], p["tier2_rows"]) == (0, 2) and p["memory_bytes_per_rank"] == 16
+        # main exchange: every bag leaves, its lengths stay (4 bytes × 40 samples per source and owner)
+        # tier-2 exchange, per node: lengths 4·40 per (source, rank of the node); ids and units to the
+        # copy's rank, half of them the source's own
+        tier2 = 2 * (4 * 160 + 4 * 40 * (8 + 2 * 16))
+        assert p["tier2_exchange_bytes_per_step"] == tier2
+        assert p["inter_bytes_per_step"] == 4 * 160
+        assert p["intra_bytes_per_step"] == 2 * 160 + tier2 / 2
+        assert p["a2a_bytes_per_step"] == 8 * 160 + tier2
+        # the node copies' sync: each block (one row) among 2 node copies, dense 2(N−1)·16 per block
+        # beats sparse (N(N−1)·8 + (N−1)·8·2 + 2(N−1)·16 per block)
+        assert p["tier2_sync_bytes_per_step"] == p["sync_inter_bytes_per_step"] == 2 * 2 * 16
+        assert section["tier2_sync"] == "dense_allreduce"
         assert p["sync_intra_bytes_per_step"] == 0
 
 

@@ -7,10 +7,16 @@ per-step losses and every table row equal the run without a policy, at 2 nodes Ã
 2 nodes Ã— 1 rank, pooled and sequence tables, table-wise and row-wise, SGD and row-wise Adagrad, each
 tier-2 sync. The tier split is not vacuous: pooled bags mix tiers 1, 2 and 3, and the tier-2 rows
 moved off their initial values. A run whose copies skip the sync (tier2_sync removed) differs.
+
+Bytes: on an emulated cluster (`tracekit optimize --cluster`, skipped without root), the exchange's
+bytes within and between nodes and the syncs' bytes are what analyze predicted, exactly.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import polars as pl
@@ -18,6 +24,8 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
+from tests.recorded import REPO
+from tests.test_cluster import TINY_TRAINER, needs_cluster
 from tests.test_replication import SCENARIOS as REPLICATION_SCENARIOS
 from tests.test_replication import _config, _dataset, assert_same_training
 from tracekit.dlrm import policies
@@ -168,3 +176,29 @@ def test_tier2_rows_moved(two_by_two: dict) -> None:
                 mine = tier2[(tier2 >= start) & (tier2 < start + shard.shape[0])]
                 moved += int((shard[mine - start] != init_rows(spec, t, mine, cfg.seed)).any(dim=1).sum())
     assert moved > 0, "training must have updated tier-2 rows"
+
+
+# bytes on an emulated cluster --------------------------------------------------------------------
+
+@needs_cluster
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["2x2", "2x1"])
+def test_the_tiers_move_the_bytes_analyze_predicted(shape: str, tmp_path: Path) -> None:
+    """`optimize --cluster` records a baseline on the cluster, analyze derives tiers (a budget that
+    holds rows of both tiers), the trainer re-runs them there: the exchange's bytes (all, within
+    nodes, between nodes) and the syncs' bytes are what the section predicted, exactly."""
+    out = tmp_path / "opt"
+    train = [sys.executable, "train.py", *TINY_TRAINER, "--sequence-tables", "1", "--pooling", "3", "--steps", "6",
+             "--eval-fraction", "0.02"]
+    r = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(out), "--cluster", shape,
+                        "--link", "200mbit", "--policies", "tiers", "--budget", "3%", "--check-all", "--json",
+                        "--", *train], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    predicted = json.loads((out / "base" / "policy.json").read_text())["tiers"]["predicted"]
+    assert predicted["tier2_rows"] > 0, predicted
+    rows = {row["figure"]: row for row in json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+            if row["section"] == "tiers"}
+    for figure in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "intra_bytes_per_step",
+                   "inter_bytes_per_step", "sync_bytes_per_step"):
+        assert rows[figure]["measured"] == pytest.approx(rows[figure]["predicted"], rel=1e-9), (figure, rows[figure])
+    assert rows["inter_bytes_per_step"]["measured"] < predicted["baseline_inter_bytes_per_step"]

@@ -106,7 +106,7 @@ class NodeTier:
 
         # what this rank sends each local index j: lengths of served2(j) x b, then ids (dest, table, sample, pos)
         counts = torch.bincount(dest * (T * b) + t2_bag, minlength=self.per_node * T * b).view(self.per_node, T, b)
-        send_lengths = torch.cat([counts[j, self.served[j]].flatten() for j in range(self.per_node)])
+        send_lengths = torch.cat([counts[j, self.served[j]].flatten() for j in range(self.per_node)]).to(torch.int32)
         key = dest * (T * b) + t2_bag
         order = torch.argsort(key, stable=True)
         send_ids, send_bag = t2_ids[order], t2_bag[order]
