@@ -46,6 +46,12 @@ assumed), all-reduces keep their size (the model's), a policy keeps its share of
 exchange, and its sync is the dense one, a ring of its replicas (method `scaled`).
 
 Policies: the sections of a policy file that predict the exchange (replication, tiers, schedule).
+Tiers across nodes (analyses.policies.tiers): the main exchange loses the tier-1 and tier-2 rows as
+replication's does; the tier-2 exchange (its predicted bytes, own and remote) is spread evenly over
+the rank pairs within each node; tier 1 syncs over every rank; the node copies' sync crosses only
+between nodes (dense: a ring of the nodes over one node's tier-2 bytes; sparse: its wire bytes
+evenly between the nodes). Scaled to another world, the tier-2 exchange keeps its bytes per sample
+within the target's nodes ((R−1)/R of them between ranks) and the node sync is the dense ring.
 Where the run has lookups and the section lists the rows it replicates (replication; tiers on one
 node, whose tier 1 is replication), the bytes each pair of ranks no longer exchanges are replayed
 from the recorded lookups as the trainer serves them (replicated_pairs: a hot id leaves the input
@@ -77,8 +83,9 @@ from analyses.context import Context, Result, open_context
 from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
+from analyses.policies.tiers import TIER1_BYTES, TIER2_BYTES, TIER2_EXCHANGE_BYTES, TIER2_EXCHANGE_REMOTE, TIER2_SYNC_BYTES
 from tracekit.policy import check_model, load_policy, row_path, section_part
-from tracekit.tags import SYNC_TAGS
+from tracekit.tags import SYNC_TAGS, TIER2_INPUT
 from tracekit.topology import Topology
 
 SIMULATED = ("replication", "tiers", "schedule")
@@ -88,6 +95,7 @@ COMPRESSED = ("compression.dp", "compression.mp")
 SWEEP_RATES = (10e6, 25e6, 50e6, 100e6, 200e6, 500e6, 1e9, 2.5e9, 10e9, 25e9, 100e9)
 """Inter-node link rates of the sweep, bits per second."""
 SPARSE_SYNC_CALLS = 3
+TIER2_TAG = TIER2_INPUT  # the tier-2 exchange's bytes, its three tags as one
 
 
 @dataclass(frozen=True)
@@ -118,19 +126,24 @@ class Traffic:
     sync_ring: float = 0.0  # ... when it is one dense all-reduce: its bytes per rank
     replica_bytes: float = 0.0  # a policy's replicas per rank (Σ rb), the dense sync's size
     float_tags: frozenset[str] = frozenset()  # all-to-all tags carrying floating-point rows (outputs, grads)
+    node_wire: float = 0.0  # tiers across nodes: the node copies' sync, wire bytes per step between nodes
+    node_calls: float = 0.0
+    node_ring: float = 0.0  # ... when it is dense: one node's tier-2 bytes, in a ring of the nodes
+    node_bytes: float = 0.0  # one node's tier-2 rows (Σ rb), the dense node sync's size
 
     @property
     def calls(self) -> float:
-        return self.exchange_calls + self.ring_calls + self.gather_calls + self.other_calls + self.sync_calls
+        return (self.exchange_calls + self.ring_calls + self.gather_calls + self.other_calls + self.sync_calls
+                + self.node_calls)
 
     def figures(self) -> dict[str, float]:
         """Bytes per step in `comms`' convention (Σ ranks' bytes_out), and the sync's wire bytes."""
         w, total = self.world, self.total_exchange
         return {A2A_BYTES: float(total.sum()),
                 A2A_REMOTE_BYTES: float(total.sum() - np.trace(total)),
-                ALLREDUCE_BYTES: self.ring * w, SYNC_BYTES: self.sync_wire,
+                ALLREDUCE_BYTES: self.ring * w, SYNC_BYTES: self.sync_wire + self.node_wire,
                 "bytes_per_step": float(total.sum()) + self.ring * w + self.gather * w
-                                  + (self.sync_ring * w if self.sync_ring else self.sync_wire)}
+                                  + (self.sync_ring * w if self.sync_ring else self.sync_wire) + self.node_wire}
 
     @property
     def total_exchange(self) -> np.ndarray:
@@ -225,25 +238,73 @@ def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | Non
     """`base` (the recorded world and batch) under a policy section's predicted exchange and sync;
     `freed`: the bytes per step, by tag and rank pair, its replicas take out of the exchange."""
     predicted = section.get("predicted") or {}
+    nodes = int((section.get("topology") or {}).get("nodes", 1))
+    if nodes > 1:  # tiers across nodes: the main exchange as replication's, plus tier 2's
+        return _with_tiers(base, section, nodes, freed)
     sync = float(predicted.get(SYNC_BYTES) or 0.0)
-    replicas = float(predicted.get("replica_bytes_per_rank") or 0.0)
-    if freed is not None:
-        exchange = {tag: np.maximum(m - freed.get(tag, 0.0), 0.0) for tag, m in base.exchange.items()}
-        return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync,
-                          section.get("sync", "sparse_allreduce"))
+    replicas = float(predicted.get("replica_bytes_per_rank") or predicted.get(TIER1_BYTES) or 0.0)
+    kind = section.get("sync") or section.get("tier1_sync") or "sparse_allreduce"
+    exchange = (_scaled_exchange(base, predicted.get(A2A_BYTES), predicted.get(A2A_REMOTE_BYTES)) if freed is None
+                else {tag: np.maximum(m - freed.get(tag, 0.0), 0.0) for tag, m in base.exchange.items()})
+    return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync, kind)
+
+
+def _scaled_exchange(base: Traffic, total_bytes: float | None, remote_bytes: float | None) -> dict[str, np.ndarray]:
+    """The embedding exchange's matrices scaled to `remote_bytes` off the diagonal and the rest of
+    `total_bytes` on it (None: as recorded), every tag alike; sync tags as they are."""
     embedding = {tag: m for tag, m in base.exchange.items() if not tag.startswith(SYNC_TAGS)}
     total = sum(embedding.values(), np.zeros((base.world, base.world)))
     remote, self_bytes = total.sum() - np.trace(total), np.trace(total)
-    rem_ratio = predicted.get(A2A_REMOTE_BYTES, remote) / remote if remote else 1.0
-    self_target = predicted.get(A2A_BYTES, total.sum()) - predicted.get(
-        A2A_REMOTE_BYTES, remote)
-    self_ratio = self_target / self_bytes if self_bytes else 1.0
+    remote_bytes = remote if remote_bytes is None else remote_bytes
+    total_bytes = total.sum() if total_bytes is None else total_bytes
+    rem_ratio = remote_bytes / remote if remote else 1.0
+    self_ratio = (total_bytes - remote_bytes) / self_bytes if self_bytes else 1.0
     exchange = dict(base.exchange)
     for tag, m in embedding.items():
         diagonal = np.diag(np.diag(m))
         exchange[tag] = (m - diagonal) * rem_ratio + diagonal * self_ratio
-    return _with_sync(replace(base, exchange=exchange, replica_bytes=replicas), sync,
-                      section.get("sync", "sparse_allreduce"))
+    return exchange
+
+
+def _with_tiers(base: Traffic, section: dict, nodes: int, freed: dict[str, np.ndarray] | None) -> Traffic:
+    """FlexShard's tiers on `nodes` nodes (analyses.policies.tiers): the main exchange without the
+    tier-1 and tier-2 rows (replayed per pair where `freed` is given, else scaled to its predicted
+    bytes), the tier-2 exchange spread evenly over each node's rank pairs, tier 1's sync over every
+    rank and the node copies' sync between the nodes."""
+    predicted = section.get("predicted") or {}
+    t2_out = float(predicted.get(TIER2_EXCHANGE_BYTES) or 0.0)
+    t2_remote = float(predicted.get(TIER2_EXCHANGE_REMOTE) or 0.0)
+    if freed is not None:
+        exchange = {tag: np.maximum(m - freed.get(tag, 0.0), 0.0) for tag, m in base.exchange.items()}
+    else:
+        exchange = _scaled_exchange(base, predicted.get(A2A_BYTES, 0.0) - t2_out,
+                                    predicted.get(A2A_REMOTE_BYTES, 0.0) - t2_remote)
+    exchange[TIER2_TAG] = _within_nodes(base.world, nodes, t2_out, t2_remote)
+    tier2_sync = float(predicted.get(TIER2_SYNC_BYTES) or 0.0)
+    tier1 = _with_sync(replace(base, exchange=exchange, replica_bytes=float(predicted.get(TIER1_BYTES) or 0.0),
+                               node_bytes=float(predicted.get(TIER2_BYTES) or 0.0)),
+                       float(predicted.get(SYNC_BYTES) or 0.0) - tier2_sync, section.get("tier1_sync", "sparse_allreduce"))
+    return _with_node_sync(tier1, nodes, tier2_sync, section.get("tier2_sync", "sparse_allreduce"))
+
+
+def _within_nodes(world: int, nodes: int, total: float, remote: float) -> np.ndarray:
+    """`total` bytes a step within the nodes: `remote` evenly over the pairs of ranks of one node,
+    the rest on the diagonal."""
+    per_node = world // nodes
+    node = np.arange(world) // per_node
+    pairs = (node[:, None] == node[None, :]) & ~np.eye(world, dtype=bool)
+    m = np.where(pairs, remote / max(int(pairs.sum()), 1), 0.0)
+    return m + np.diag(np.full(world, (total - remote) / world))
+
+
+def _with_node_sync(t: Traffic, nodes: int, wire: float, kind: str) -> Traffic:
+    """`t` with the node copies' sync: `wire` bytes a step between the nodes (all of it), one dense
+    ring of the nodes per block or replicas.py's three sparse calls."""
+    if not wire or nodes < 2:
+        return replace(t, node_wire=0.0, node_calls=0.0, node_ring=0.0)
+    if kind == "dense_allreduce":  # 2(N−1)·S over the nodes for S per node
+        return replace(t, node_wire=wire, node_calls=1.0, node_ring=wire / (2 * (nodes - 1)))
+    return replace(t, node_wire=wire, node_calls=float(SPARSE_SYNC_CALLS), node_ring=0.0)
 
 
 def with_compression(t: Traffic, name: str, part: dict) -> Traffic:
@@ -293,14 +354,17 @@ def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
 
 
 def _section_rows(section: dict, name: str, policy_path) -> pl.DataFrame | None:
-    """The rows a section replicates on every rank (replication's list; tiers' tier 1 on one node)."""
+    """The rows a section takes out of the recorded exchange (replication's list; tiers' tier 1 on one
+    node, tiers 1 and 2 across nodes)."""
     if policy_path is None:
         return None
     if name == "replication":
         return pl.read_parquet(row_path(policy_path, section["rows"]), columns=["table_name", "row"])
-    if name == "tiers" and int((section.get("topology") or {}).get("nodes", 1)) == 1:
+    if name == "tiers":  # on one node tier 1 leaves the exchange; across nodes tiers 1 and 2 leave the main one
         frame = pl.read_parquet(row_path(policy_path, section["rows"]))
-        return frame.filter(pl.col("tier") == 1).select("table_name", "row")
+        if int((section.get("topology") or {}).get("nodes", 1)) == 1:
+            frame = frame.filter(pl.col("tier") == 1)
+        return frame.select("table_name", "row")
     return None
 
 
@@ -319,10 +383,17 @@ def scaled(t: Traffic, batch: float, target: Target, new_batch: float) -> Traffi
     w2 = target.world
     exchange = {tag: np.full((w2, w2), m.sum() / max(batch * t.world, 1e-12) * new_batch / w2)
                 for tag, m in t.exchange.items()}
+    if TIER2_TAG in t.exchange:  # the tier-2 exchange stays within the target's nodes
+        moved = t.exchange[TIER2_TAG].sum() / max(batch * t.world, 1e-12) * new_batch * w2
+        remote = 0.0 if target.ranks_per_node == 1 else moved * (target.ranks_per_node - 1) / target.ranks_per_node
+        exchange[TIER2_TAG] = _within_nodes(w2, target.nodes, moved if target.ranks_per_node > 1 else 0.0, remote)
     sync_ring = (t.sync_ring or t.replica_bytes) if t.sync_wire else 0.0
     out = Traffic(w2, exchange, t.exchange_calls, t.ring, t.ring_calls, t.gather, t.gather_calls, t.other_calls,
                   replica_bytes=t.replica_bytes)
-    return _with_sync(out, 2 * (w2 - 1) * sync_ring, "dense_allreduce")
+    out = _with_sync(out, 2 * (w2 - 1) * sync_ring, "dense_allreduce")
+    out = replace(out, node_bytes=t.node_bytes)  # the node copies' sync: dense, a ring of the target's nodes
+    return _with_node_sync(out, target.nodes, 2 * (target.nodes - 1) * t.node_bytes if t.node_wire else 0.0,
+                           "dense_allreduce")
 
 
 # time on the target ----------------------------------------------------------------------------
@@ -340,6 +411,11 @@ def comm_time(t: Traffic, target: Target, intra: float, latency: float) -> float
         per_pair = t.sync_wire / (t.world * (t.world - 1))
         sync = np.full((t.world, t.world), per_pair) - np.diag(np.full(t.world, per_pair))
         seconds += exchange_time(sync, n, r, inter, intra, full)
+    if t.node_ring:  # the node copies' dense sync: each node's blocks in a ring of the nodes
+        seconds += ring_time(t.node_ring, n, 1, inter, intra, full)
+    elif t.node_wire and n > 1:  # sparse: evenly from every node to every other
+        per_pair = t.node_wire / (n * (n - 1))
+        seconds += exchange_time(np.full((n, n), per_pair) - np.diag(np.full(n, per_pair)), n, 1, inter, intra, full)
     return seconds + latency * t.calls
 
 
@@ -441,7 +517,7 @@ def _inter_bytes(t: Traffic, target: Target) -> float:
     ring_wire = 2 * (w - 1) / w * (t.ring + t.sync_ring)
     gather = t.gather * float(cross.sum())
     sparse = t.sync_wire / (w * (w - 1)) * float(cross.sum()) if t.sync_wire and not t.sync_ring else 0.0
-    return float((t.total_exchange * cross).sum()) + ring_wire * target.nodes + gather + sparse
+    return float((t.total_exchange * cross).sum()) + ring_wire * target.nodes + gather + sparse + t.node_wire
 
 
 def project(path, target: Target, policy_path=None) -> dict:

@@ -1,10 +1,10 @@
 """FlexShard's tiers against replication alone on an emulated cluster (issue 27's targets).
 
-    .venv/bin/python bench/tiers_cluster.py [--shape 2x2] [--link 200mbit] [--steps 40] [--out DIR]
-        [--analyse-only]
+    .venv/bin/python bench/tiers_cluster.py [--shape 2x2] [--link 200mbit] [--steps 40] [--budget 10%]
+        [--out DIR] [--analyse-only]
 
 The workload is FlexShard's setting: sequence features with many ids per sample (the Criteo Kaggle
-layout × 0.01, its first 4 tables sequence features, 8 ids per bag, dim 64). One
+layout × 0.01, its first 4 tables sequence features, 8 ids per bag, dim 64, lr 0.01). One
 `tracekit optimize --cluster SHAPE --link LINK --policies replication,tiers --check-all`: the
 baseline recorded on the cluster, analysed, and both sections re-run there at the same replica
 memory per rank (the budget analyze chose), whichever it recommended. Prints, per run, the step
@@ -33,7 +33,8 @@ from tracekit.topology import Topology  # noqa: E402
 from tracekit.units import parse_rate  # noqa: E402
 
 WORKLOAD = ["--preset", "criteo-kaggle", "--scale", "0.01", "--sequence-tables", "4", "--pooling", "8",
-            "--batch-size", "256", "--samples", "400000", "--eval-fraction", "0.02", "--log-every", "1000"]
+            "--batch-size", "256", "--samples", "400000", "--eval-fraction", "0.02", "--log-every", "1000",
+            "--lr", "0.01"]
 FIGURES = ("step_time_s", "intra_bytes_per_step", "inter_bytes_per_step", "a2a_bytes_per_step", "sync_bytes_per_step")
 
 
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--shape", default="2x2")
     p.add_argument("--link", default="200mbit")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--budget", help="replica memory per rank for both sections (default: analyze's choice)")
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-bench-tiers"))
     p.add_argument("--analyse-only", action="store_true", help="re-read the runs an earlier invocation left in --out")
     args = p.parse_args()
@@ -50,7 +52,8 @@ def main() -> None:
     if not args.analyse_only:
         run = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(args.out), "--cluster",
                               shape.name, "--link", args.link, "--policies", "replication,tiers", "--check-all",
-                              "--json", "--", *train], cwd=REPO, capture_output=True, text=True)
+                              *(["--budget", args.budget] if args.budget else []), "--json", "--", *train],
+                             cwd=REPO, capture_output=True, text=True)
         if run.returncode != 0:
             sys.exit(f"optimize failed ({run.returncode}): {run.stderr[-3000:]}")
     runs = sorted(d for d in args.out.iterdir() if d.is_dir() and d.name != "base")

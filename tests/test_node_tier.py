@@ -184,14 +184,15 @@ def test_tier2_rows_moved(two_by_two: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["2x2", "2x1"])
 def test_the_tiers_move_the_bytes_analyze_predicted(shape: str, tmp_path: Path) -> None:
-    """`optimize --cluster` records a baseline on the cluster, analyze derives tiers (a budget that
-    holds rows of both tiers), the trainer re-runs them there: the exchange's bytes (all, within
+    """`optimize --cluster` records a baseline on the cluster, analyze derives tiers (least bytes
+    between nodes within a budget), the trainer re-runs them there: the exchange's bytes (all, within
     nodes, between nodes) and the syncs' bytes are what the section predicted, exactly."""
     out = tmp_path / "opt"
     train = [sys.executable, "train.py", *TINY_TRAINER, "--sequence-tables", "1", "--pooling", "3", "--steps", "6",
              "--eval-fraction", "0.02"]
     r = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(out), "--cluster", shape,
-                        "--link", "200mbit", "--policies", "tiers", "--budget", "3%", "--check-all", "--json",
+                        "--link", "200mbit", "--policies", "tiers", "--budget", "3%", "--objective", "bytes",
+                        "--check-all", "--json",
                         "--", *train], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     predicted = json.loads((out / "base" / "policy.json").read_text())["tiers"]["predicted"]

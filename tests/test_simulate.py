@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from analyses.analyze import analyze
 from analyses.context import Options, open_context
-from analyses.simulate import (WIRE_EFFICIENCY, Target, Traffic, comm_time, exchange_time, ring_time, simulate,
-                               with_compression)
+from analyses.simulate import (TIER2_TAG, WIRE_EFFICIENCY, Target, Traffic, comm_time, exchange_time, ring_time,
+                               scaled, simulate, with_compression, with_policy)
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
 from tracekit.policy import load_policy
@@ -66,6 +66,38 @@ def test_compression_shrinks_the_float_exchange_and_moves_gradients_to_all_gathe
     assert (dp.ring, dp.ring_calls, dp.gather, dp.gather_calls) == (0.0, 0.0, 50.0, 4.0)
     link = Target(2, 1, inter_bw=10 / WIRE_EFFICIENCY)
     assert comm_time(dp, link, intra=1e9, latency=0.0) == pytest.approx((40 + 800 + 50) / 10)
+
+
+
+def test_tiers_across_nodes_keep_tier_2_inside_nodes_and_sync_the_copies_between_them() -> None:
+    """2 nodes × 2 ranks: the main exchange scaled to its predicted bytes, the tier-2 exchange only
+    between ranks of a node, tier 1's sync a ring of every rank, the node copies' a ring of the nodes;
+    projected onto 8 × 8, the tier-2 exchange stays inside the nodes with its bytes per sample."""
+    world = 4
+    exchange = np.full((world, world), 100.0)  # 400 on the diagonal, 1200 remote
+    base = Traffic(world, {"a2a": exchange}, 4, 0.0, 0, 0.0, 0, 0)
+    section = {"topology": {"nodes": 2, "ranks_per_node": 2}, "tier1_sync": "dense_allreduce",
+               "tier2_sync": "dense_allreduce",
+               "predicted": {"a2a_bytes_per_step": 1000.0 + 160.0, "a2a_remote_bytes_per_step": 300.0 + 80.0,
+                             "tier2_exchange_bytes_per_step": 160.0, "tier2_exchange_remote_bytes_per_step": 80.0,
+                             "sync_bytes_per_step": 6 * 10.0 + 2 * 50.0, "tier2_sync_bytes_per_step": 2 * 50.0,
+                             "tier1_bytes_per_rank": 10.0, "tier2_bytes_per_node": 50.0}}
+    t = with_policy(base, section)
+    main, near = t.exchange["a2a"], t.exchange[TIER2_TAG]
+    assert np.trace(main) == pytest.approx(700.0) and main.sum() - np.trace(main) == pytest.approx(300.0)
+    assert near.sum() == pytest.approx(160.0) and np.trace(near) == pytest.approx(80.0)
+    assert near[0, 2] == near[1, 3] == 0 and near[0, 1] == pytest.approx(20.0)  # within nodes only
+    assert (t.sync_ring, t.node_ring, t.node_wire) == (10.0, 50.0, 100.0)
+    figures = t.figures()
+    assert figures["sync_bytes_per_step"] == pytest.approx(160.0) and figures["a2a_bytes_per_step"] == pytest.approx(1160.0)
+    link = Target(2, 2, inter_bw=1.0 / WIRE_EFFICIENCY)
+    # the main exchange: each node sends 4 × 25 across; tier 2 is intra (free here); rings: 1.5 × 10, 1 × 50
+    assert comm_time(t, link, intra=1e12, latency=0.0) == pytest.approx(100.0 + 15.0 + 50.0)
+    big = scaled(t, 1.0, Target(8, 8, inter_bw=1.0), 1.0)
+    node = np.arange(64) // 8
+    assert big.exchange[TIER2_TAG][node[:, None] != node[None, :]].sum() == 0
+    assert big.exchange[TIER2_TAG].sum() == pytest.approx(160.0 / 4 * 64)
+    assert big.node_wire == pytest.approx(2 * 7 * 50.0) and big.node_ring == pytest.approx(50.0)
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_tiers_across_nodes_match_a_brute_force_replay(tmp_path: Path, world: in
         k1, k2 = int(p["tier1_rows"]), int(p["tier2_rows"])
         f = m.figures(k1, k2)
         chosen = {key: value for key, value in f.items() if key in p and key != "step_time_s"}
-        assert chosen == {key: p[key] for key in chosen} and len(chosen) == 12
+        assert chosen == {key: p[key] for key in chosen} and len(chosen) == 15
         assert (result.section["tier1_sync"], result.section["tier2_sync"]) == (f["tier1_sync"], f["tier2_sync"])
         assert p["memory_bytes_per_rank"] <= 96
     # not vacuous: pooled bags mixing tiers 1, 2 and 3, sequence ids in tier 2; across ranks of a

@@ -31,13 +31,19 @@ the tier-2 exchange's part. Synchronisation per step (bytes summed over ranks):
 
 Memory per rank: rb per tier-1 row plus the largest tier-2 block (a rank holds the copies of one
 local index). Within the budget (Options, else the replication policy's chosen replica bytes), K1
-runs over log-spaced points (and replication's choice) and K2 takes the rest of the budget (none
-on one node, where tier 2 changes nothing); the pair with least time is chosen (analyses.network):
-the collectives' α (the main exchange's 4 calls, the tier-2 exchange's 4 where G > 1 and K2 > 0,
-each sync's), plus (β_intra · intra + β · inter) / W over the exchanges' remote bytes and the
-syncs', β the run's fitted link (across nodes on a cluster run), β_intra 1 / --intra-bw, else 0
-(ranks of a node share memory). Each sync (tier1_sync, tier2_sync) is the one of least time. On
-one node every figure is replication's (its exact replay, its timing).
+runs over log-spaced points (and replication's choice) with K2 the rest of the budget (none on one
+node, where tier 2 changes nothing), then at the best K1, K2 over log-spaced points below that
+(a large tier 2's sync can cost more than it saves); the pair with least time is chosen (with
+`--objective bytes`, across nodes, the pair with least bytes between nodes, exchange and syncs). Its time is
+replication's (analyses.exchange.timing: each collective of the main exchange costs α plus its
+busiest link's transfer and what it held the ranks, scaled here by the bytes it still sends between
+nodes, the link a cluster run's calls wait on), plus α for each of the tier-2 exchange's 4 calls
+(G > 1, K2 > 0) and each sync's, plus β_intra · intra / W (β_intra 1 / --intra-bw, else 0: ranks of
+a node share memory). The syncs' bytes between nodes cross the nodes' links, each carrying 1/N of
+them at the link's rate (--inter-bw, else the cluster's the run was recorded on, times
+analyses.network.WIRE_EFFICIENCY); without a known rate they go on the fitted link as replication's. Each sync (tier1_sync,
+tier2_sync) is the one of least time. On one node every figure is replication's (its exact replay,
+its timing).
 
 Outputs: the `tiers` section (topology, predicted intra- and inter-node bytes separately) and
 policy/tiers.parquet (table_name, row, tier) listing tier 1 and 2 rows (unlisted rows: tier 3).
@@ -56,6 +62,7 @@ import polars as pl
 from analyses import exchange, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
+from analyses.network import WIRE_EFFICIENCY
 from analyses.policies import replication, tier2
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, COMM_TIME, INTER_BYTES, INTRA_BYTES, STEP_TIME, SYNC_BYTES
 from tracekit.policy import Prediction, Tiers
@@ -64,6 +71,9 @@ from tracekit.topology import Topology
 SYNCS = ("dense_allreduce", "sparse_allreduce")  # ties go to the dense sync
 TIER2_EXCHANGE_BYTES = "tier2_exchange_bytes_per_step"
 TIER2_SYNC_BYTES = "tier2_sync_bytes_per_step"
+TIER2_EXCHANGE_REMOTE = "tier2_exchange_remote_bytes_per_step"  # what crosses a node's own links
+TIER1_BYTES = "tier1_bytes_per_rank"  # Σ rb of tier 1: the size of its dense sync
+TIER2_BYTES = "tier2_bytes_per_node"  # Σ rb of tier 2: one node's copy, over its ranks' blocks
 INTERNAL = ("tier1_sync", "tier2_sync", "error_s", STEP_TIME, "changed_calls", "tier2_collectives")
 
 
@@ -76,6 +86,7 @@ def topology(ctx: Context) -> Topology:
 class TierModel:
     """Every (K1, K2) of replication's order on nodes × per_node ranks (module docstring)."""
 
+    ctx: Context
     nodes: int
     per_node: int
     s: ExchangeBaseline
@@ -83,11 +94,12 @@ class TierModel:
     curve: replication.Curve  # every prefix of replication's order, replayed
     cum_rb: np.ndarray  # Σ rb of the first K rows
     union: np.ndarray  # Σ rb · steps touching / sampled steps, first K rows: the sparse sync's all-reduce
-    inter_base: float  # the recorded exchange's bytes between nodes, per step
-    inter_freed: np.ndarray  # of them, freed with the first K rows in H
+    inter_base: dict[str, float]  # per collective: the recorded exchange's bytes between nodes, per step
+    inter_freed: dict[str, np.ndarray]  # per collective: of them, freed with the first K rows in H
     t2: tier2.Tier2Replay | None  # None on one node
     beta: float
     beta_intra: float
+    node_link: float | None  # bytes/s of a node's link each way (--inter-bw, else a cluster run's), or None
 
     def k2_within(self, k1: int, limit: float) -> int:
         """Tier-2 rows that fit beside k1 tier-1 rows in `limit` bytes per rank (0 on one node)."""
@@ -103,7 +115,8 @@ class TierModel:
         one = self.curve  # tier 1 is replication, as the trainer applies it
         return {"tier1_rows": k1, "tier2_rows": 0, INTRA_BYTES: float(one.a2a_rem[k1]), INTER_BYTES: 0.0,
                 A2A_BYTES: float(one.a2a_out[k1]), A2A_REMOTE_BYTES: float(one.a2a_rem[k1]),
-                TIER2_EXCHANGE_BYTES: 0.0, "sync_intra_bytes_per_step": float(one.sync[k1]),
+                TIER2_EXCHANGE_BYTES: 0.0, TIER2_EXCHANGE_REMOTE: 0.0, TIER1_BYTES: float(self.cum_rb[k1]),
+                TIER2_BYTES: 0.0, "sync_intra_bytes_per_step": float(one.sync[k1]),
                 "sync_inter_bytes_per_step": 0.0, TIER2_SYNC_BYTES: 0.0,
                 COMM_TIME: float(one.comm_time[k1] + one.work[k1]), "memory_bytes_per_rank": float(self.cum_rb[k1]),
                 "tier1_sync": one.sync_kind(k1), "tier2_sync": "sparse_allreduce", "error_s": float(one.error[k1]),
@@ -111,16 +124,14 @@ class TierModel:
                 "tier2_collectives": {}}
 
     def _across(self, k1: int, k2: int) -> dict:
-        c, w, g, net = self.curve, self.s.world, self.per_node, self.net
+        c, w, g, net, s = self.curve, self.s.world, self.per_node, self.net, self.s
         k12 = k1 + k2
-        inter = self.inter_base - float(self.inter_freed[k12])
+        left = {col: self.inter_base[col] - float(self.inter_freed[col][k12]) for col in exchange.COLLECTIVES}
+        inter = sum(left.values())
         collectives = self.t2.exchange(k1, k12)
         t2_out = sum(out for out, _ in collectives.values())
-        intra = float(c.a2a_rem[k12]) - inter + sum(rem for _, rem in collectives.values())
-
-        def cost(kind: str, sync_intra: float, sync_inter: float) -> float:
-            alpha = net.sync_alpha(kind) if sync_intra + sync_inter > 0 else 0.0
-            return alpha + (self.beta_intra * sync_intra + self.beta * sync_inter) / w
+        t2_remote = sum(rem for _, rem in collectives.values())
+        intra = float(c.a2a_rem[k12]) - inter + t2_remote
 
         def tier1(kind: str) -> tuple[float, float]:  # (intra, inter): the module docstring's shares
             total = float(c.dense[k1] if kind == "dense_allreduce" else c.sparse[k1])
@@ -128,23 +139,44 @@ class TierModel:
             cross = ring / g + (total - ring) * (w - g) / (w - 1)
             return total - cross, cross
 
+        def time(kind1: str, kind2: str) -> tuple[float, float, float | None, float]:
+            """(comm, work, step, error): the main exchange as replication's timing prices it, its
+            collectives' busiest links scaled by the bytes left between nodes; the syncs' bytes
+            between nodes over the nodes' links where their rate is known (module docstring), else
+            on the fitted link; each added call its α."""
+            t1_intra, t1_inter = tier1(kind1)
+            between = t1_inter + sync2[kind2]
+            on_link = 0.0 if self.node_link else t1_intra + between  # the sync bytes timing prices
+            remote = {col: s.base[col][1] * (left[col] / self.inter_base[col] if self.inter_base[col] else 1.0)
+                      for col in exchange.COLLECTIVES}
+            hot_ids = float(c.coverage[k1]) * s.lookups_per_rank
+            t = exchange.timing(self.ctx, s, remote, kind1 == "sparse_allreduce", on_link, hot_ids,
+                                float(c.union_rows[k1]))
+            alphas = ((net.sync_alpha(kind1) if t1_intra + t1_inter else 0.0)
+                      + (net.sync_alpha(kind2) if sync2[kind2] else 0.0)
+                      - (net.sync_alpha(kind1) if on_link else 0.0))  # timing priced one sync's calls
+            extra = (tier2_calls * net.alpha(network.A2A) + alphas + self.beta_intra * intra / w
+                     + (between / self.nodes / self.node_link + self.beta_intra * t1_intra / w if self.node_link
+                        else 0.0))
+            step = None if t.step_s is None else max(0.0, float(t.step_s) + extra)
+            return float(t.comm_s) + extra, float(t.work_s), step, float(t.error_s)
+
         sync2 = self.t2.sync(k1, k12)
-        kind1 = min(SYNCS, key=lambda kind: (cost(kind, *tier1(kind)), kind))
-        kind2 = min(SYNCS, key=lambda kind: (cost(kind, 0.0, sync2[kind]), kind))
-        sync_intra, sync1_inter = tier1(kind1)
         tier2_calls = len(tier2.COLLECTIVES) if g > 1 and k2 > 0 else 0  # with G = 1 rows are served in place
-        exchange_calls = len(exchange.COLLECTIVES) + tier2_calls
+        kind1, kind2 = min(((a, b) for a in SYNCS for b in SYNCS), key=lambda kinds: (sum(time(*kinds)[:2]), kinds))
+        comm, work, step, error = time(kind1, kind2)
+        sync_intra, sync1_inter = tier1(kind1)
         syncs = ((kind1, sync_intra + sync1_inter), (kind2, sync2[kind2]))
         changed = tier2_calls + sum(net.sync_calls(kind) for kind, b in syncs if b > 0)
-        time = (exchange_calls * net.alpha(network.A2A) + cost(kind1, sync_intra, sync1_inter)
-                + cost(kind2, 0.0, sync2[kind2]) + (self.beta_intra * intra + self.beta * inter) / w)
         return {"tier1_rows": k1, "tier2_rows": k2, INTRA_BYTES: intra, INTER_BYTES: inter,
                 A2A_BYTES: float(c.a2a_out[k12]) + t2_out, A2A_REMOTE_BYTES: intra + inter,
-                TIER2_EXCHANGE_BYTES: t2_out, "sync_intra_bytes_per_step": sync_intra,
+                TIER2_EXCHANGE_BYTES: t2_out, TIER2_EXCHANGE_REMOTE: t2_remote,
+                TIER1_BYTES: float(self.cum_rb[k1]), TIER2_BYTES: float(self.cum_rb[k12] - self.cum_rb[k1]),
+                "sync_intra_bytes_per_step": sync_intra,
                 "sync_inter_bytes_per_step": sync1_inter + sync2[kind2], TIER2_SYNC_BYTES: sync2[kind2],
-                COMM_TIME: time, "memory_bytes_per_rank": float(self.cum_rb[k1]) + self.t2.memory(k1, k12),
-                "tier1_sync": kind1, "tier2_sync": kind2, "changed_calls": changed, STEP_TIME: None,
-                "tier2_collectives": collectives}
+                COMM_TIME: comm + work, "memory_bytes_per_rank": float(self.cum_rb[k1]) + self.t2.memory(k1, k12),
+                "tier1_sync": kind1, "tier2_sync": kind2, "changed_calls": changed, STEP_TIME: step,
+                "error_s": error, "tier2_collectives": collectives}
 
 
 def model(ctx: Context) -> TierModel:
@@ -162,19 +194,23 @@ def _model(ctx: Context) -> TierModel:
     rb, steps = (curve.order[c].to_numpy().astype(np.float64) for c in ("rb", "steps"))
     cum_rb = np.concatenate([[0.0], np.cumsum(rb)])
     union = np.concatenate([[0.0], np.cumsum(rb * steps)]) / max(s.sampled_steps, 1)
-    inter_base, inter_freed, t2 = 0.0, np.zeros(n + 1), None
+    inter_base = dict.fromkeys(exchange.COLLECTIVES, 0.0)
+    inter_freed = {c: np.zeros(n + 1) for c in exchange.COLLECTIVES}
+    t2 = None
     if nodes > 1:
-        inter_base = ctx.sql(f"""SELECT coalesce(sum(bytes), 0)::DOUBLE / {max(s.sampled_steps, 1)} FROM tk_pairs
-                                 WHERE sender // {g} <> receiver // {g}""").fetchall()[0][0]
+        inter_base.update(ctx.sql(f"""SELECT collective, coalesce(sum(bytes), 0)::DOUBLE / {max(s.sampled_steps, 1)}
+                                      FROM tk_pairs WHERE sender // {g} <> receiver // {g} GROUP BY ALL""").fetchall())
         saved = exchange.hot_curve(ctx, "tk_order_replication", n, per_node=g)
-        inter_freed = sum(saved[f"{c}_rem"] for c in exchange.COLLECTIVES)
+        inter_freed = {c: saved[f"{c}_rem"] for c in exchange.COLLECTIVES}
         t2 = tier2.replay(ctx, "tk_order_replication", nodes, g)
     net = network.network(ctx)
     # across nodes the fitted link is the nodes' (a cluster run's calls cross it); within a node
     # the ranks share memory: free beside it unless --intra-bw says otherwise
     beta_intra = 1 / ctx.options.intra_bw if ctx.options.intra_bw else 0.0
-    return TierModel(nodes, g, s, net, curve, cum_rb, union, inter_base, inter_freed, t2,
-                     net.fit.beta_s_per_byte, beta_intra)
+    recorded = (ctx.manifest.get("topology") or {}).get("link_bytes_per_s")
+    node_link = ctx.options.inter_bw or (recorded * WIRE_EFFICIENCY if recorded else None)
+    return TierModel(ctx, nodes, g, s, net, curve, cum_rb, union, inter_base, inter_freed, t2,
+                     net.fit.beta_s_per_byte, beta_intra, node_link)
 
 
 def derive(ctx: Context) -> PolicyResult:
@@ -203,7 +239,10 @@ def _derive(ctx: Context) -> PolicyResult:
         if m.cum_rb[k1] > limit:
             break
         candidates.append(m.figures(k1, m.k2_within(k1, limit)))
-    chosen = min(candidates, key=lambda f: (f[COMM_TIME], f["tier1_rows"]))
+    merit = _merit(ctx.options.objective, nodes)
+    k1 = min(candidates, key=merit)["tier1_rows"]  # then fewer tier-2 rows: its sync may cost more than it saves
+    candidates += [m.figures(k1, k2) for k2 in exchange.log_points(m.k2_within(k1, limit), 20)[:-1]]
+    chosen = min(candidates, key=merit)
     base = m.figures(0, 0)
     step_time = chosen[STEP_TIME]
     if step_time is None and s.step_time_s is not None:
@@ -234,6 +273,14 @@ def _derive(ctx: Context) -> PolicyResult:
                                    for c, (out, rem) in chosen["tier2_collectives"].items()},
                 "reduces_to_replication": one_node, "notes": notes}
     return PolicyResult("tiers", section=section.to_json(), rows={"tiers": rows}, evidence=evidence)
+
+
+def _merit(objective: str, nodes: int):
+    """The candidates' order: least communication time, or (objective "bytes", across nodes) least
+    bytes between nodes, exchange and syncs; then fewer rows."""
+    if objective == "bytes" and nodes > 1:
+        return lambda f: (f[INTER_BYTES] + f["sync_inter_bytes_per_step"], f["tier1_rows"], f["tier2_rows"])
+    return lambda f: (f[COMM_TIME], f["tier1_rows"], f["tier2_rows"])
 
 
 def _spans(ctx: Context, s: ExchangeBaseline, chosen: dict, predicted: dict, step_time: float | None,
