@@ -82,6 +82,24 @@ def test_sections_not_worth_a_run_are_left_out_with_the_reason(tmp_path: Path) -
                      "lag not re-run: it applies to inference (train.py --inference --policy FILE), optimize re-runs training"]
 
 
+def test_tiers_across_nodes_are_re_run_beside_replication_alone(tmp_path: Path) -> None:
+    policy = new_policy(source_run="x", model={"tables": [{"name": "t0", "num_rows": 10, "dim": 4}], "world_size": 4})
+    policy["replication"] = {"kind": "hybrid", "rows": "policy/hot_rows.parquet", "budget_bytes_per_rank": 16,
+                             "sync": "dense_allreduce", "predicted": {"hot_rows": 1}, "why": "one row",
+                             "recommended": False, "reason": "tiers predicts a faster step"}
+    policy["tiers"] = {"topology": {"nodes": 2, "ranks_per_node": 2}, "rows": "policy/tiers.parquet",
+                       "predicted": {"tier1_rows": 0, "tier2_rows": 1}, "why": "two nodes"}
+    rows = pl.DataFrame({"table_name": ["t0"], "row": [1]})
+    path = write_policy(tmp_path / "policy.json", policy,
+                        rows={"hot_rows": rows, "tiers": rows.with_columns(pl.lit(2).alias("tier"))})
+    plans, notes = reruns(path)
+    assert [p.name for p in plans] == ["tiers", "replication"]  # no combined: the trainer would union their rows
+    assert notes == ["replication re-run beside tiers, to compare with them (not recommended: tiers predicts a "
+                     "faster step)"]
+    written = json.loads(plans[1].policy.read_text())
+    assert written["replication"]["recommended"] is True and "tiers" not in written
+
+
 def test_a_failing_baseline_stops_with_its_log(tmp_path: Path) -> None:
     r = CliRunner().invoke(cli, ["optimize", "-o", str(tmp_path / "opt"), "--", sys.executable, "-c",
                                  "import sys; print('boom'); sys.exit(3)"])

@@ -5,6 +5,8 @@
     DIR/<section>       the command re-run with `--policy DIR/base/policy.<section>.json`
     DIR/combined        ... with every one re-run together, where there are several (policy.combined.json,
                         which keeps policy.json's `combined` prediction for `compare` to check)
+    DIR/replication     where tiers across nodes are re-run, replication alone beside them (what
+                        FlexShard's tiers are measured against), recommended or not
 
 then the comparison of DIR/base with DIR/<section> ... DIR/combined and its report, DIR/report.html.
 The command must take `--policy PATH` as its last option (the reference trainer's train.py does).
@@ -120,11 +122,28 @@ def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], li
         chosen.append(label)
     if "lag" in policy.sections:
         notes.append("lag not re-run: it applies to inference (train.py --inference --policy FILE), optimize re-runs training")
+    beside = _replication_beside_tiers(policy, chosen)
+    if beside is not None:  # FlexShard's claim is against replication alone: measure both
+        notes = [n for n in notes if not n.startswith("replication not re-run")]
+        notes.append(f"replication re-run beside tiers, to compare with them (not recommended: {beside.reason})")
+        rerun["replication"] = replace(beside, recommended=True, reason=None,
+                                       extra={**beside.extra, "not_recommended_because": beside.reason})
     policy = replace(policy, sections=rerun)
-    plans = [Rerun(label, _write_sections(policy_path, policy, [label])) for label in chosen]
+    plans = [Rerun(label, _write_sections(policy_path, policy, [label]))
+             for label in chosen + (["replication"] if beside is not None else [])]
     if len(chosen) > 1:  # with `checked`, the decision's check of the combination as well
         plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
     return plans, notes
+
+
+def _replication_beside_tiers(policy: Policy, chosen: list[str]) -> Section | None:
+    """The replication section, where tiers across nodes are re-run and it is not: what the tiers
+    are measured against."""
+    tiers, replication = policy.sections.get("tiers"), policy.sections.get("replication")
+    if ("tiers" not in chosen or "replication" in chosen or replication is None
+            or not isinstance(tiers, Tiers) or int(tiers.topology.get("nodes", 1)) < 2):
+        return None
+    return replication if nothing_to_apply(replication) is None else None
 
 
 def _why_not(section: Section) -> str | None:
