@@ -84,6 +84,10 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         if ctx.manifest.get("status") != "completed":
             summary["warnings"].append(f"the run is {ctx.manifest.get('status')} (exit code "
                                        f"{ctx.manifest.get('exit_code')}): figures cover what was recorded")
+        if ctx.truncated_at is not None:
+            summary["warnings"].append(f"the trace is incomplete (manifest `truncated_at`: a write failed, e.g. a full "
+                                       f"disk): only steps up to {ctx.truncated_at}, which every rank wrote whole, "
+                                       "are analysed")
         for name, (module, needs) in ANALYSES.items():
             _analysis(ctx, summary, name, module, needs, progress)
         net = network(ctx)

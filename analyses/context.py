@@ -139,6 +139,9 @@ class Context:
         self.manifest = run.manifest
         self.present = run.tables()
         self.model = model_of(self.manifest)
+        # a trace cut short (a full disk): the steps every rank wrote whole, the only ones analysed
+        cut = self.manifest.get("truncated_at") or {}
+        self.truncated_at: int | None = min(int(step) for step in cut.values()) if cut else None
         self._memo: dict[Hashable, Any] = {}
         self._closed = False
         self._spill = tempfile.mkdtemp(prefix="tracekit-duckdb-")  # DuckDB spills here past memory_limit
@@ -151,8 +154,11 @@ class Context:
         try:
             self.con.sql("SET enable_progress_bar = false")  # our own progress line says where analysis is
             for table in self.present:
-                self.con.register(f"{table}_rel", run.relation(table, self.con))
-                self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel")
+                relation = run.relation(table, self.con)
+                self.con.register(f"{table}_rel", relation)
+                whole = f" WHERE step <= {self.truncated_at}" if self.truncated_at is not None and \
+                    "step" in relation.columns else ""
+                self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel{whole}")
                 if table in PHASED:
                     self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
         except BaseException:

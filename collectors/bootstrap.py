@@ -28,6 +28,9 @@ from pathlib import Path
 
 from collectors.imports import ImportWatcher
 
+RANK_REPORT_RESERVE = 128 * 1024
+"""Bytes of disk a rank holds back from its start for its report (ranks/rank=R.json, a few kB)."""
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -146,6 +149,7 @@ def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
     from collectors import comm, declared, embedding, gpu, grads, phase, steps, torchrec_tables
     from collectors.dct_replay import REFRESH_LADDER
+    from tracekit.files import Reserve
     from tracekit.store import RunWriter
 
     if getattr(activate, "done", False):
@@ -154,6 +158,10 @@ def activate(settings: Settings) -> None:
     global _clock, _declared
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s,
                        nice=settings.writer_nice, idle=settings.writer_idle)
+    # room for the rank's report, should the trace fill the disk
+    reserve = Reserve(settings.run_dir / "ranks" / f".reserve-rank={settings.rank}", RANK_REPORT_RESERVE)
+    (settings.run_dir / "ranks").mkdir(parents=True, exist_ok=True)
+    reserve.hold()
     anchor = {"monotonic_ns": time.monotonic_ns(), "wall_ns": time.time_ns()}  # read together: aligns ranks' times
     clock = _clock = steps.StepClock()
     facts = _declared = declared.Declared()
@@ -176,11 +184,17 @@ def activate(settings: Settings) -> None:
         parts = {"rank": lambda: settings.rank, "pid": os.getpid, "host": socket.gethostname,
                  "clock_anchor": lambda: anchor, "backend": lambda: comms.backend, "steps": lambda: clock.step,
                  "written_rows": lambda: dict(writer.written), "dropped_rows": lambda: dict(writer.dropped),
-                 "errors": lambda: writer.errors, "writer_cpu_s": lambda: writer.cpu_s,
+                 "errors": lambda: writer.errors, "first_error": lambda: writer.first_error,
+                 "first_lost_step": lambda: writer.first_lost_step, "writer_cpu_s": lambda: writer.cpu_s,
                  "writer_scheduling": lambda: {"policy": writer.scheduling, "rescues": writer.rescues},
                  "settings": lambda: {**asdict(settings), "run_dir": str(settings.run_dir)},
                  "tables": lambda: tables.tables, "gpu": sampler.status,
                  "policy": lambda: facts.policy, "metrics": lambda: facts.metrics}
-        write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts, failures + facts.errors)
+        reserve.release()
+        try:
+            write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts,
+                              failures + facts.errors)
+        except OSError as err:  # the disk is full even so: `record` names the rank's report as missing
+            print(f"tracekit: rank {settings.rank} could not write its report ({err.strerror or err})", file=sys.stderr)
 
     atexit.register(finish)

@@ -425,6 +425,10 @@ def describe_record(s: dict) -> str:
         if s["writer_cpu_s"]:
             cpu = ", ".join(f"{rank}: {seconds:.2f} s" for rank, seconds in sorted(s["writer_cpu_s"].items()))
             lines.append(f"  trace writer CPU per rank (counting, encoding, writing): {cpu}{_scheduling(s)}")
+    for rank, last in sorted(s["truncated_at"].items(), key=lambda kv: int(kv[0])):
+        why = s["writer_first_errors"].get(rank, "a write failed")
+        lines.append(f"  the trace is incomplete: rank {rank} lost rows from step {last + 1} on ({why}); its steps "
+                     f"up to {last} are whole (manifest `truncated_at`), the rows lost are counted in `dropped_rows`")
     lines += [f"  manifest incomplete: {error}" for error in s["finalise_errors"]]
     return "\n".join(lines)
 

@@ -4,6 +4,9 @@ recorders' own Parquet parts (policy files, analysis tables, the manifest, repor
     with replacing(run / "analysis" / "skew.parquet") as tmp:   # written under a temporary name
         frame.write_parquet(tmp)                                  # renamed onto the target on success
     write_text(run / "policy.json", text)
+
+A `Reserve` holds disk space back for what must be written at the end when the disk has filled
+(the manifest, the ranks' reports): a file of real blocks, released just before those writes.
 """
 
 from __future__ import annotations
@@ -34,3 +37,28 @@ def write_text(target: str | os.PathLike, text: str) -> Path:
     with replacing(target) as tmp:
         tmp.write_text(text)
     return Path(target)
+
+
+class Reserve:
+    """`size` bytes of disk held at `path` from `hold()` until `release()`. Never raises: where the
+    space cannot be had, less (or nothing) is held."""
+
+    CHUNK = 64 * 1024
+
+    def __init__(self, path: str | os.PathLike, size: int) -> None:
+        self.path, self.size = Path(path), size
+
+    def hold(self) -> Reserve:
+        try:
+            with open(self.path, "wb") as f:  # zeros written, not a hole: the blocks are allocated
+                for _ in range(0, self.size, self.CHUNK):
+                    f.write(bytes(self.CHUNK))
+        except OSError:
+            pass
+        return self
+
+    def release(self) -> None:
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass

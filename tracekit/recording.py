@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -31,10 +32,13 @@ from typing import IO, Callable
 import collectors
 from tracekit import __version__
 from tracekit.errors import TracekitError
+from tracekit.files import Reserve
 from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 from tracekit.store import read_manifest, write_manifest
 
 SITE_DIR = Path(collectors.__file__).resolve().parent / "site"
+MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES = ".reserve-manifest", 256 * 1024
+"""Disk `record` holds back in the run directory for the final manifest, should the trace fill the disk."""
 ENV_ALLOW = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
              "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME")
 
@@ -133,6 +137,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
         "environment": {k: v for k, v in os.environ.items() if k in ENV_ALLOW or k.startswith("TRACEKIT_")},
     }
     write_manifest(run_dir, {**manifest, **(manifest_extra or {})})
+    Reserve(run_dir / MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES).hold()  # for the final manifest on a full disk
     env = {**os.environ, "TRACEKIT_RUN_DIR": str(run_dir.resolve()), "TRACEKIT_LOOKUP_EVERY": str(lookup_every),
            "TRACEKIT_GRAD_EVERY": str(grad_every), "TRACEKIT_DCT_REPLAY": "1" if dct_replay else "0",
            "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
@@ -207,6 +212,8 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
         "steps": lambda: each("steps"), "clock_anchors": lambda: each("clock_anchor"),
         "written_rows": lambda: dict(sum((Counter(rows) for rows in each("written_rows").values()), Counter())),
         "dropped_rows": lambda: {rank: rows for rank, rows in each("dropped_rows").items() if rows},
+        "truncated_at": lambda: {rank: step - 1 for rank, step in each("first_lost_step").items() if step is not None},
+        "writer_first_errors": lambda: {rank: error for rank, error in each("first_error").items() if error},
         "writer_errors": lambda: sum(each("errors").values()),
         "writer_cpu_s": lambda: each("writer_cpu_s"),
         "writer_scheduling": lambda: each("writer_scheduling"),
@@ -225,7 +232,13 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
     manifest["traced"] = bool(ranks)
     manifest["untraced_reason"] = None if ranks else not_started or _why_untraced(code)
     manifest["finalise_errors"] = errors
-    write_manifest(run_dir, manifest)
+    for held in [run_dir / MANIFEST_RESERVE, *(run_dir / "ranks").glob(".reserve-rank=*")]:  # a killed rank's too
+        Reserve(held, 0).release()
+    try:
+        write_manifest(run_dir, manifest)
+    except OSError as err:  # even the reserve did not hold: say so, and keep the command's exit code
+        print(f"tracekit: could not write {run_dir / 'manifest.json'} ({err.strerror or err}); it still says "
+              f"`{STATUS_RUNNING}`", file=sys.stderr)
     return manifest
 
 
@@ -279,6 +292,8 @@ def summary(run_dir: Path, manifest: dict) -> dict:
             "gpu": gpu.get("reason") or ("sampled" if gpu.get("samples") else "unknown"),
             "writer_cpu_s": manifest.get("writer_cpu_s") or {},
             "writer_scheduling": manifest.get("writer_scheduling") or {},
+            "truncated_at": manifest.get("truncated_at") or {},
+            "writer_first_errors": manifest.get("writer_first_errors") or {},
             "finalise_errors": manifest.get("finalise_errors", [])}
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tracekit.errors import RunNotFound, TracekitError
@@ -158,6 +159,7 @@ class RunWriter:
         self.errors = 0
         self.cpu_s = 0.0
         self.first_error: str | None = None
+        self.first_lost_step: int | None = None  # the earliest step whose rows a failed write lost
         self._cond = threading.Condition()
         self._pending: dict[str, list[pa.RecordBatch]] = {}
         self._pending_rows = 0  # buffered, not yet taken by the thread
@@ -331,15 +333,17 @@ class RunWriter:
             data = pa.Table.from_batches(batches).replace_schema_metadata(file_metadata(table))
             write_part(data, directory, index, **PARQUET_OPTIONS.get(table, {}))
         except Exception as e:  # a trace write must never take the training process down
-            self._count_failure(table, rows, e)
+            self._count_failure(table, rows, e, _first_step(batches))
         else:
             with self._cond:
                 self.written[table] += rows
 
-    def _count_failure(self, table: str, rows: int, error: Exception) -> None:
+    def _count_failure(self, table: str, rows: int, error: Exception, step: int | None = None) -> None:
         with self._cond:
             self.errors += 1
             self.dropped[table] += rows
+            if step is not None and (self.first_lost_step is None or step < self.first_lost_step):
+                self.first_lost_step = step
             first = self.first_error is None
             if first:
                 self.first_error = f"{table}: {type(error).__name__}: {error}"
@@ -404,6 +408,12 @@ def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> P
     finally:
         tmp.unlink(missing_ok=True)
     return final
+
+
+def _first_step(batches: list[pa.RecordBatch]) -> int | None:
+    """The least `step` among the rows of `batches`, or None where they have no steps."""
+    steps = [pc.min(b.column("step")).as_py() for b in batches if "step" in b.schema.names and b.num_rows]
+    return min((s for s in steps if s is not None), default=None)
 
 
 def write_manifest(run_dir: str | os.PathLike, data: dict) -> Path:
