@@ -147,7 +147,7 @@ def _json_default(obj: object) -> object:
 
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
-    from collectors import comm, declared, embedding, gpu, grads, phase, steps, torchrec_tables
+    from collectors import comm, declared, embedding, gpu, grads, heartbeat, phase, steps, torchrec_tables
     from collectors.dct_replay import REFRESH_LADDER
     from tracekit.files import Reserve
     from tracekit.store import RunWriter
@@ -169,13 +169,15 @@ def activate(settings: Settings) -> None:
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
     comms = comm.install(writer, clock)
+    beat = heartbeat.Heartbeat(settings.run_dir, settings.rank, clock, comms)  # for tracekit/hang.py
     handles = [phase.install(), steps.install(writer, clock), tables, torchrec_tables.install(tables), comms,
                grads.install(writer, clock, grad_every=settings.grad_every,
                              refresh_ladder=REFRESH_LADDER if settings.dct_replay else ()), sampler]
 
     def finish() -> None:
         failures = []
-        closers = [(type(h).__name__, h.uninstall) for h in reversed(handles)] + [("writer", writer.close)]
+        closers = [("heartbeat", beat.stop), *((type(h).__name__, h.uninstall) for h in reversed(handles)),
+                   ("writer", writer.close)]
         for name, close in closers:
             try:
                 close()

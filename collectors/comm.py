@@ -139,6 +139,8 @@ class CommHandle:
         self.seq = 0  # calls drained so far: the next row's seq
         self.backend: str | None = None  # of the first group a call used
         self._groups: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+        self.open: tuple | None = None  # the call the training thread is in now (collectors/heartbeat.py)
+        self.group_calls: collections.Counter[str] = collections.Counter()  # calls completed, per group
         self.calls: collections.deque[list] = collections.deque()  # appended here, popped by the writer
         self.originals: dict[tuple[Any, str], Callable] = {}
         for module in (dist, c10d):
@@ -160,11 +162,14 @@ class CommHandle:
                 return fn(*args, **kwargs)
             t_start = time.monotonic_ns()
             _inside.call = True
+            caller = sys._getframe(1)
+            self.open = (op, names, args, kwargs, current_label.get(), caller, time.time())  # for the heartbeat
             try:
                 result = fn(*args, **kwargs)
             finally:
                 _inside.call = False
-            self.guard.run(self._record, op, names, args, kwargs, result, t_start, sys._getframe(1))
+                self.open = None
+            self.guard.run(self._record, op, names, args, kwargs, result, t_start, caller)
             return result
 
         traced.__wrapped_by_tracekit__ = True
@@ -177,6 +182,7 @@ class CommHandle:
         group = arguments.get("group")
         pg = group if group is not None else c10d._get_default_group()
         size, group_name = self._groups.get(pg) or self._new_group(pg)
+        self.group_calls[group_name] += 1
         is_work = result is not None and hasattr(result, "get_future")
         call = [self.clock.step, op, group_name, size, *describe(op, arguments, size), t_start, 0,
                 current_label.get() or caller.f_code.co_qualname, is_work, phase.of_call()]
@@ -190,6 +196,19 @@ class CommHandle:
         else:
             call[T_END] = time.monotonic_ns()
         self.calls.append(call)
+
+    def now(self) -> dict:
+        """What the heartbeat reports (collectors/heartbeat.py): the call open now, and the calls
+        completed per group. Called on the heartbeat's thread."""
+        calls = dict(self.group_calls)
+        call = self.open
+        if call is None:
+            return {"open": None, "calls": calls}
+        op, names, args, kwargs, tag, caller, since = call
+        pg = ({**dict(zip(names, args)), **kwargs}.get("group")) or c10d._get_default_group()
+        size, group = self._groups.get(pg) or (dist.get_world_size(pg), getattr(pg, "group_name", "") or "default")
+        return {"open": {"op": op, "tag": tag or caller.f_code.co_qualname, "group": group, "group_size": size,
+                         "call": calls.get(group, 0) + 1, "since": since}, "calls": calls}
 
     def _new_group(self, pg: Any) -> tuple[int, str]:
         """The size and name of a process group first seen now, kept for its later calls."""

@@ -51,6 +51,10 @@ TRACING = _options_of(  # what record and cluster --record trace
                  help="Write gradient statistics (grads table) of every optimized parameter every N steps (0: never)."),
     click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
                  help="Seconds between flushes of each rank's trace rows to Parquet."))
+HANG_AFTER = click.option("--hang-after", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+                          help="Diagnose a hang when a rank is silent or in one collective this long (hang.json, one "
+                               "paragraph on stderr; the job is left running). Default: 100x the slowest rank's step "
+                               "time, at least 60 s.")
 DCT_REPLAY = click.option("--dct-replay", is_flag=True, envvar="TRACEKIT_DCT_REPLAY",
                           help="Replay DCT-DP with error feedback on every step's gradients (dct_replay table), from "
                                "which analyze derives compression.dp; costs the step ~15% on the reference trainer, "

@@ -33,11 +33,13 @@ import collectors
 from tracekit import __version__
 from tracekit.errors import TracekitError
 from tracekit.files import Reserve
+from tracekit.hang import HangWatch
 from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 from tracekit.store import read_manifest, write_manifest
 
 SITE_DIR = Path(collectors.__file__).resolve().parent / "site"
 MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES = ".reserve-manifest", 256 * 1024
+HANG_POLL_S = 1.0  # how often `record` looks at the ranks' heartbeats
 """Disk `record` holds back in the run directory for the final manifest, should the trace fill the disk."""
 ENV_ALLOW = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
              "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME")
@@ -47,9 +49,9 @@ class RecordError(TracekitError):
     """Raised when `record` cannot start: bad output directory or a command that does not exist."""
 
 
-def default_run_dir(command: list[str], now: datetime.datetime) -> Path:
+def default_run_dir(command: list[str], now: datetime.datetime | None = None) -> Path:
     script = next((Path(a).stem for a in command if a.endswith(".py")), Path(command[0]).name)
-    return Path("runs") / f"{now:%Y%m%d-%H%M%S}-{script}"
+    return Path("runs") / f"{now or datetime.datetime.now():%Y%m%d-%H%M%S}-{script}"
 
 
 def prepare_run_dir(run_dir: Path, *, force: bool) -> None:
@@ -116,7 +118,7 @@ def _interpreter(script: Path) -> str:
 def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_every: int = 100,
            flush_interval_s: float = 1.0, gpu_interval_s: float = 0.1, dct_replay: bool = False,
            manifest_extra: dict | None = None, run: Callable[[dict[str, str]], tuple[int, bool]] | None = None,
-           output: IO | None = None) -> int:
+           output: IO | None = None, hang_after: float | None = None) -> int:
     """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
     130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start.
     The defaults are `tracekit record`'s.
@@ -124,7 +126,8 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     `manifest_extra` adds fields to the manifest (a cluster's `topology`). `run`, where given, runs
     the command itself in the tracing environment it is passed and returns (exit code, interrupted):
     `tracekit cluster` runs it on every node. `output`: a file the command's stdout and stderr go to
-    (default: this process's)."""
+    (default: this process's). While the command runs, a hang is diagnosed from the ranks' heartbeats
+    (tracekit/hang.py; `hang_after` seconds, None: from the run's step times)."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
                 "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay}
@@ -154,14 +157,24 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
         return finalise(run_dir, 126, False, not_started=reason)["record_exit_code"]
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
     interrupted = False
+    hangs = HangWatch(run_dir, hang_after, out=output)
     while True:
         try:
-            code = child.wait()
+            code = child.wait(timeout=HANG_POLL_S)
             break
+        except subprocess.TimeoutExpired:
+            _look(hangs)
         except KeyboardInterrupt:  # the child got the same Ctrl-C; wait for it to finish
             interrupted = True
     signal.signal(signal.SIGTERM, previous)
     return finalise(run_dir, code, interrupted)["record_exit_code"]
+
+
+def _look(hangs: HangWatch) -> None:
+    try:
+        hangs.check()
+    except Exception as err:  # the diagnosis must never cost the run or its record
+        print(f"tracekit: hang check failed ({type(err).__name__}: {err})", file=sys.stderr)
 
 
 def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | None = None) -> dict:
