@@ -80,6 +80,8 @@ def test_a_stopped_rank_is_named_and_the_run_completes_after_sigcont(tmp_path: P
             assert wait_for(run / "hang.json", 3 + 5 + 1), "no hang.json within --hang-after + 5 s"
             time.sleep(0.5)
             hang = json.loads((run / "hang.json").read_text())
+            live = subprocess.run([sys.executable, "-m", "tracekit", "watch", str(run), "--once"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=60)
         finally:
             os.kill(pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=300)
@@ -92,6 +94,9 @@ def test_a_stopped_rank_is_named_and_the_run_completes_after_sigcont(tmp_path: P
     assert str(stopped) in group["not_there"]
     assert f"rank {stopped} has sent no heartbeat" in err and "waiting in all_reduce (exchange)" in err
     assert "the hang cleared" in err and "Traceback" not in err
+    # watch shows it live: each rank's collective now, and the diagnosis
+    assert "ranks now" in live.stdout and "all_reduce (exchange), call #" in live.stdout, live.stdout
+    assert f"rank {stopped} has sent no heartbeat" in " ".join(live.stdout.split()), live.stdout
     assert proc.returncode == 0, err[-3000:]
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "completed" and not manifest["dropped_rows"]

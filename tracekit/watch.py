@@ -19,7 +19,10 @@ The figures (`RunReader.figures`), over training rows (`phase` = train):
   the manifest, else the largest row seen + 1 (analyses/skew.py's definition);
 - dropped rows per table, from the manifest or, before it is finalised, the rank reports
   (ranks/rank=R.json, written when a rank exits); omitted where neither exists yet;
-- the manifest's status and the time since the run started (or its length, once ended).
+- the manifest's status and the time since the run started (or its length, once ended);
+- while ranks run, what each is doing now from its heartbeat (collectors/heartbeat.py): its step, how
+  old the heartbeat is, the collective it is in (op, tag, call number in its group) and for how
+  long; and the hang `record` diagnosed (hang.json, tracekit/hang.py) until it clears.
 
     reader = RunReader("runs/base")
     reader.poll()                      # reads the part files that landed since the last poll
@@ -39,6 +42,7 @@ import os
 import shutil
 import statistics
 import threading
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterator
@@ -53,6 +57,8 @@ from rich.table import Table
 from rich.text import Text
 
 from tracekit.errors import SchemaVersionError
+from tracekit.hang import describe as describe_hang
+from tracekit.hang import read_heartbeats
 from tracekit.phases import TRAIN
 from tracekit.schema import MANIFEST, SCHEMA_VERSION, STATUS_RUNNING, VERSION_KEY, major
 from tracekit.store import read_manifest
@@ -214,8 +220,26 @@ class RunReader:
                            "comm_share": comm_ns / step_ns if step_ns > 0 and self.files["comms"] else None}
         return {"run_dir": str(self.run_dir), "status": self.manifest.get("status"),
                 "elapsed_s": _elapsed(self.manifest), "window": self.window, "ranks": ranks, "bytes_per_step": self._bytes_per_step(),
-                "tables": self._hot_tables(), "dropped_rows": self._dropped(),
-                "files": dict(self.files), "rows": dict(self.rows)}
+                "tables": self._hot_tables(), "dropped_rows": self._dropped(), "now": self._now(),
+                "hang": self._hang(), "files": dict(self.files), "rows": dict(self.rows)}
+
+    def _now(self) -> dict[int, dict]:
+        """What each rank is doing now, from its heartbeat (collectors/heartbeat.py), while it runs."""
+        now = time.time()
+        out = {}
+        for rank, beat in sorted(read_heartbeats(self.run_dir).items()):
+            call = beat.get("open")
+            out[rank] = {"step": beat["step"], "beat_age_s": now - beat["wall_time"],
+                         "in": None if call is None else {**call, "for_s": now - call["since"]}}
+        return out
+
+    def _hang(self) -> dict | None:
+        """hang.json while the hang it describes has not cleared."""
+        try:
+            hang = json.loads((self.run_dir / "hang.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return None if "cleared_after_s" in hang else hang
 
     def _bytes_per_step(self) -> dict[str, float]:
         """op -> bytes_out per step, over the last `window` steps that every rank has finished."""
@@ -302,6 +326,16 @@ def render(figures: dict) -> Group:
         parts.append(ranks)
     else:
         parts.append(Text("no steps yet"))
+    if figures.get("now"):
+        now = Table("rank", "step", "heartbeat", "in a collective", title="ranks now", title_justify="left")
+        for rank, r in figures["now"].items():
+            call = r["in"]
+            where = "-" if call is None else (f"{call['op']} ({call['tag']}), call #{call['call']} of group "
+                                              f"{call['group']}, for {call['for_s']:.1f} s")
+            now.add_row(str(rank), str(r["step"]), f"{r['beat_age_s']:.1f} s ago", where)
+        parts.append(now)
+    if figures.get("hang"):
+        parts.append(Text(describe_hang(figures["hang"]), style="bold red"))
     if figures["bytes_per_step"]:
         ops = Table("op", "bytes per step", title="bytes per step by op",
                     title_justify="left")
