@@ -45,6 +45,7 @@ class Settings:
     cuda_visible_devices: str | None
     writer_nice: int  # TRACEKIT_WRITER_NICE, default 10: the writer thread's niceness above the rank's (store.WRITER_NICE)
     writer_idle: bool  # TRACEKIT_WRITER_IDLE, default 1: the writer under SCHED_IDLE where it can be lifted back
+    max_bytes: int | None  # TRACEKIT_MAX_SIZE (record --max-size) over WORLD_SIZE: this rank's share
 
     @staticmethod
     def from_env(env: dict) -> "Settings":
@@ -56,7 +57,9 @@ class Settings:
                         gpu_interval_s=float(env.get("TRACEKIT_GPU_INTERVAL_S", 0.1)),
                         local_rank=int(env.get("LOCAL_RANK", 0)), cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
                         writer_nice=int(env.get("TRACEKIT_WRITER_NICE", 10)),
-                        writer_idle=env.get("TRACEKIT_WRITER_IDLE", "1") != "0")
+                        writer_idle=env.get("TRACEKIT_WRITER_IDLE", "1") != "0",
+                        max_bytes=int(env["TRACEKIT_MAX_SIZE"]) // max(int(env.get("WORLD_SIZE", 1)), 1)
+                        if env.get("TRACEKIT_MAX_SIZE") else None)
 
 
 def is_launcher(orig_argv: list[str]) -> bool:
@@ -157,7 +160,7 @@ def activate(settings: Settings) -> None:
     activate.done = True
     global _clock, _declared
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s,
-                       nice=settings.writer_nice, idle=settings.writer_idle)
+                       nice=settings.writer_nice, idle=settings.writer_idle, max_bytes=settings.max_bytes)
     # room for the rank's report, should the trace fill the disk
     reserve = Reserve(settings.run_dir / "ranks" / f".reserve-rank={settings.rank}", RANK_REPORT_RESERVE)
     (settings.run_dir / "ranks").mkdir(parents=True, exist_ok=True)

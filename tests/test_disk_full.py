@@ -2,7 +2,8 @@
 comes back, the manifest ends final (not `running`) with `truncated_at` naming each rank's last
 whole step, every Parquet part on disk reads, nothing prints a traceback, `record` says in one line
 per rank that the trace is incomplete and why, and `analyze` keeps to the whole steps. The disk is a
-2 MB tmpfs (needs root to mount; skipped otherwise)."""
+2 MB tmpfs (needs root to mount; skipped otherwise). `--max-size` stops each rank at its share the
+same way, before a disk fills."""
 
 from __future__ import annotations
 
@@ -63,3 +64,21 @@ def test_a_full_disk_leaves_a_final_manifest_and_the_commands_exit_code(small_di
         assert ctx.truncated_at == min(truncated.values())
         assert ctx.sql("SELECT max(step) FROM accesses").fetchall()[0][0] <= ctx.truncated_at
         assert ctx.sql("SELECT max(step) FROM steps").fetchall()[0][0] == ctx.truncated_at
+
+
+def test_max_size_stops_writing_at_each_ranks_share(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cap = 300_000
+    r = subprocess.run([sys.executable, "-m", "tracekit", "record", "--max-size", "300kB", "-o", str(run), "--",
+                        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "train.py", "--steps", "200", "--log-every", "1000"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and manifest["collector_settings"]["max_size"] == cap
+    assert set(manifest["truncated_at"]) == {"0", "1"}
+    assert all("--max-size" in error for error in manifest["writer_first_errors"].values())
+    parts = {rank: [p.stat().st_size for p in run.glob(f"*/rank={rank}/*.parquet")] for rank in (0, 1)}
+    for sizes in parts.values():  # a rank stops once its share is written: at most one part past it
+        assert sum(sizes) - max(sizes) < cap // 2 <= sum(sizes), sizes
+    assert "the trace is incomplete: rank 0" in r.stderr

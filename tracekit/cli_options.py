@@ -55,6 +55,9 @@ HANG_AFTER = click.option("--hang-after", type=click.FloatRange(min=1), default=
                           help="Diagnose a hang when a rank is silent or in one collective this long (hang.json, one "
                                "paragraph on stderr; the job is left running). Default: 100x the slowest rank's step "
                                "time, at least 60 s.")
+MAX_SIZE = click.option("--max-size", default=None, metavar="BYTES",
+                        help="Write at most this much trace (e.g. 20GB), each rank its share; the manifest's "
+                             "truncated_at then says where each rank stopped. Default: no limit.")
 DCT_REPLAY = click.option("--dct-replay", is_flag=True, envvar="TRACEKIT_DCT_REPLAY",
                           help="Replay DCT-DP with error feedback on every step's gradients (dct_replay table), from "
                                "which analyze derives compression.dp; costs the step ~15% on the reference trainer, "

@@ -118,7 +118,7 @@ def _interpreter(script: Path) -> str:
 def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_every: int = 100,
            flush_interval_s: float = 1.0, gpu_interval_s: float = 0.1, dct_replay: bool = False,
            manifest_extra: dict | None = None, run: Callable[[dict[str, str]], tuple[int, bool]] | None = None,
-           output: IO | None = None, hang_after: float | None = None) -> int:
+           output: IO | None = None, hang_after: float | None = None, max_size: int | None = None) -> int:
     """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
     130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start.
     The defaults are `tracekit record`'s.
@@ -127,10 +127,12 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     the command itself in the tracing environment it is passed and returns (exit code, interrupted):
     `tracekit cluster` runs it on every node. `output`: a file the command's stdout and stderr go to
     (default: this process's). While the command runs, a hang is diagnosed from the ranks' heartbeats
-    (tracekit/hang.py; `hang_after` seconds, None: from the run's step times)."""
+    (tracekit/hang.py; `hang_after` seconds, None: from the run's step times). `max_size`: bytes of
+    Parquet the ranks write at most, each its 1/WORLD_SIZE share (the manifest's `truncated_at` then
+    says where each stopped)."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
-                "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay}
+                "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay, "max_size": max_size}
     manifest = {
         "schema_version": SCHEMA_VERSION, "tracekit_version": __version__, "run_id": uuid.uuid4().hex,
         "command": command, "cwd": os.getcwd(), "started_at": started.isoformat(), "ended_at": None,
@@ -144,7 +146,8 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     env = {**os.environ, "TRACEKIT_RUN_DIR": str(run_dir.resolve()), "TRACEKIT_LOOKUP_EVERY": str(lookup_every),
            "TRACEKIT_GRAD_EVERY": str(grad_every), "TRACEKIT_DCT_REPLAY": "1" if dct_replay else "0",
            "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
-           "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           **({"TRACEKIT_MAX_SIZE": str(max_size)} if max_size else {})}
     if run is not None:
         code, interrupted = run(env)
         return finalise(run_dir, code, interrupted)["record_exit_code"]

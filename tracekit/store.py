@@ -128,8 +128,9 @@ class RunWriter:
     closed, or a failed write); `cpu_s` is the CPU time the writer thread has used (draining its
     sources, counting, encoding and writing), what recording costs the rank beyond its hooks;
     `scheduling` says how the thread runs (`idle`, `nice +N`, `as the process`). `errors` counts
-    failed writes and `first_error` keeps the first one's message: the thread never raises into the
-    caller.
+    failed writes and `first_error` keeps the first one's message, `first_lost_step` the earliest
+    step whose rows one lost: the thread never raises into the caller. With `max_bytes`, it writes no
+    part once it has written that many bytes of Parquet (the rows after are lost, as in a failed write).
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class RunWriter:
         max_queued_rows: int = 4_000_000,
         nice: int = 0,
         idle: bool = False,
+        max_bytes: int | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -160,6 +162,8 @@ class RunWriter:
         self.cpu_s = 0.0
         self.first_error: str | None = None
         self.first_lost_step: int | None = None  # the earliest step whose rows a failed write lost
+        self.max_bytes = max_bytes  # None: no cap on the Parquet this writer writes
+        self.bytes_written = 0
         self._cond = threading.Condition()
         self._pending: dict[str, list[pa.RecordBatch]] = {}
         self._pending_rows = 0  # buffered, not yet taken by the thread
@@ -328,10 +332,13 @@ class RunWriter:
     def _write(self, table: str, batches: list[pa.RecordBatch]) -> None:
         rows = sum(b.num_rows for b in batches)
         try:
+            if self.max_bytes is not None and self.bytes_written >= self.max_bytes:
+                raise SizeCapReached(f"the run's --max-size share of this rank ({self.max_bytes:,} bytes) is written")
             directory = self.run_dir / table / f"rank={self.rank}"
             index = self._part_index(table, directory)
             data = pa.Table.from_batches(batches).replace_schema_metadata(file_metadata(table))
-            write_part(data, directory, index, **PARQUET_OPTIONS.get(table, {}))
+            part = write_part(data, directory, index, **PARQUET_OPTIONS.get(table, {}))
+            self.bytes_written += part.stat().st_size
         except Exception as e:  # a trace write must never take the training process down
             self._count_failure(table, rows, e, _first_step(batches))
         else:
@@ -408,6 +415,10 @@ def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> P
     finally:
         tmp.unlink(missing_ok=True)
     return final
+
+
+class SizeCapReached(Exception):
+    """A writer stops writing once it has written its share of `record --max-size`."""
 
 
 def _first_step(batches: list[pa.RecordBatch]) -> int | None:
