@@ -88,6 +88,9 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             summary["warnings"].append(f"the trace is incomplete (manifest `truncated_at`: a write failed, e.g. a full "
                                        f"disk): only steps up to {ctx.truncated_at}, which every rank wrote whole, "
                                        "are analysed")
+        if not ctx.window.everything:
+            summary["warnings"].append(f"accesses, lookups and comms were recorded on {ctx.window.describe()} "
+                                       "(record --steps/--every): every figure is over those steps")
         for name, (module, needs) in ANALYSES.items():
             _analysis(ctx, summary, name, module, needs, progress)
         net = network(ctx)

@@ -39,6 +39,7 @@ from tracekit.files import replacing, write_text
 from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
 from tracekit.topology import Topology
+from tracekit.window import Window
 
 T = TypeVar("T")
 
@@ -142,6 +143,8 @@ class Context:
         # a trace cut short (a full disk): the steps every rank wrote whole, the only ones analysed
         cut = self.manifest.get("truncated_at") or {}
         self.truncated_at: int | None = min(int(step) for step in cut.values()) if cut else None
+        # `record --steps/--every`: the steps recorded, the only ones analysed (per-step figures average over them)
+        self.window = Window.of_settings(self.manifest.get("collector_settings"))
         self._memo: dict[Hashable, Any] = {}
         self._closed = False
         self._spill = tempfile.mkdtemp(prefix="tracekit-duckdb-")  # DuckDB spills here past memory_limit
@@ -156,9 +159,10 @@ class Context:
             for table in self.present:
                 relation = run.relation(table, self.con)
                 self.con.register(f"{table}_rel", relation)
-                whole = f" WHERE step <= {self.truncated_at}" if self.truncated_at is not None and \
-                    "step" in relation.columns else ""
-                self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel{whole}")
+                kept = ([self.window.sql("step")] if not self.window.everything else []) + \
+                    ([f"step <= {self.truncated_at}"] if self.truncated_at is not None else [])
+                where = f" WHERE {' AND '.join(kept)}" if kept and "step" in relation.columns else ""
+                self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel{where}")
                 if table in PHASED:
                     self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
         except BaseException:

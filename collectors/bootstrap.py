@@ -46,6 +46,7 @@ class Settings:
     writer_nice: int  # TRACEKIT_WRITER_NICE, default 10: the writer thread's niceness above the rank's (store.WRITER_NICE)
     writer_idle: bool  # TRACEKIT_WRITER_IDLE, default 1: the writer under SCHED_IDLE where it can be lifted back
     max_bytes: int | None  # TRACEKIT_MAX_SIZE (record --max-size) over WORLD_SIZE: this rank's share
+    window: dict | None  # TRACEKIT_WINDOW (record --steps, --every): tracekit/window.py's fields; None: every step
 
     @staticmethod
     def from_env(env: dict) -> "Settings":
@@ -59,7 +60,8 @@ class Settings:
                         writer_nice=int(env.get("TRACEKIT_WRITER_NICE", 10)),
                         writer_idle=env.get("TRACEKIT_WRITER_IDLE", "1") != "0",
                         max_bytes=int(env["TRACEKIT_MAX_SIZE"]) // max(int(env.get("WORLD_SIZE", 1)), 1)
-                        if env.get("TRACEKIT_MAX_SIZE") else None)
+                        if env.get("TRACEKIT_MAX_SIZE") else None,
+                        window=json.loads(env["TRACEKIT_WINDOW"]) if env.get("TRACEKIT_WINDOW") else None)
 
 
 def is_launcher(orig_argv: list[str]) -> bool:
@@ -154,6 +156,7 @@ def activate(settings: Settings) -> None:
     from collectors.dct_replay import REFRESH_LADDER
     from tracekit.files import Reserve
     from tracekit.store import RunWriter
+    from tracekit.window import Window
 
     if getattr(activate, "done", False):
         return
@@ -168,10 +171,11 @@ def activate(settings: Settings) -> None:
     anchor = {"monotonic_ns": time.monotonic_ns(), "wall_ns": time.time_ns()}  # read together: aligns ranks' times
     clock = _clock = steps.StepClock()
     facts = _declared = declared.Declared()
-    tables = embedding.install(writer, clock, lookup_every=settings.lookup_every)
+    window = Window.of_settings({"window": settings.window})
+    tables = embedding.install(writer, clock, lookup_every=settings.lookup_every, window=window)
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
-    comms = comm.install(writer, clock)
+    comms = comm.install(writer, clock, window=window)
     beat = heartbeat.Heartbeat(settings.run_dir, settings.rank, clock, comms)  # for tracekit/hang.py
     handles = [phase.install(), steps.install(writer, clock), tables, torchrec_tables.install(tables), comms,
                grads.install(writer, clock, grad_every=settings.grad_every,

@@ -63,6 +63,7 @@ from collectors.steps import StepClock
 from tracekit.labels import current_label, label
 from tracekit.store import RunWriter
 from tracekit.tags import DDP_BUCKET
+from tracekit.window import Window
 
 OPS = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
        "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "barrier",
@@ -133,8 +134,8 @@ def describe(op: str, a: dict[str, Any], group_size: int) -> tuple[str, int, int
 
 
 class CommHandle:
-    def __init__(self, writer: RunWriter, clock: StepClock) -> None:
-        self.writer, self.clock = writer, clock
+    def __init__(self, writer: RunWriter, clock: StepClock, window: Window = Window()) -> None:
+        self.writer, self.clock, self.window = writer, clock, window
         self.guard = Guard("comm")
         self.seq = 0  # calls drained so far: the next row's seq
         self.backend: str | None = None  # of the first group a call used
@@ -169,11 +170,19 @@ class CommHandle:
             finally:
                 _inside.call = False
                 self.open = None
-            self.guard.run(self._record, op, names, args, kwargs, result, t_start, caller)
+            if self.window.on(self.clock.step):
+                self.guard.run(self._record, op, names, args, kwargs, result, t_start, caller)
+            else:  # outside the recorded steps only the call's number in its group is kept (for hangs)
+                self.guard.run(self._count, names, args, kwargs)
             return result
 
         traced.__wrapped_by_tracekit__ = True
         return traced
+
+    def _count(self, names, args, kwargs) -> None:
+        group = kwargs.get("group", dict(zip(names, args)).get("group"))
+        pg = group if group is not None else c10d._get_default_group()
+        self.group_calls[(self._groups.get(pg) or self._new_group(pg))[1]] += 1
 
     def _record(self, op, names, args, kwargs, result, t_start, caller) -> None:
         arguments = dict(zip(names, args))
@@ -303,9 +312,10 @@ def _hooking_forward(forward: Callable) -> Callable:
 _installed: CommHandle | None = None  # the wrapped functions are process-wide, so is their record
 
 
-def install(writer: RunWriter, clock: StepClock) -> CommHandle:
-    """Record every collective of this process; a second call returns the installed handle."""
+def install(writer: RunWriter, clock: StepClock, *, window: Window = Window()) -> CommHandle:
+    """Record every collective of this process (on the steps of `window`); a second call returns the
+    installed handle."""
     global _installed
     if _installed is None:
-        _installed = CommHandle(writer, clock)
+        _installed = CommHandle(writer, clock, window)
     return _installed

@@ -76,6 +76,7 @@ from collectors.names import ModuleNames
 from collectors.steps import StepClock
 from tracekit.shards import Shard, shard_of
 from tracekit.store import RunWriter
+from tracekit.window import Window
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 MAX_PENDING_IDS = 64_000_000  # ids held for the writer (512 MB of int64) before calls are dropped
@@ -252,10 +253,11 @@ class EmbeddingHandle:
     """The installed embedding collector; `uninstall()` removes every hook it registered. The writer
     keeps draining it until closed, so calls made before uninstall are still written."""
 
-    def __init__(self, writer: RunWriter, clock: StepClock, lookup_every: int) -> None:
+    def __init__(self, writer: RunWriter, clock: StepClock, lookup_every: int, window: Window = Window()) -> None:
         self.writer = writer
         self.clock = clock
         self.lookup_every = lookup_every
+        self.window = window  # the steps recorded (tracekit/window.py); the others cost one check per call
         self.guard = Guard("embedding")
         self.names = ModuleNames()
         self.tables: list[dict] = []  # one entry per module seen, in first-call order (module docstring)
@@ -313,7 +315,7 @@ class EmbeddingHandle:
         """Keep one lookup call of `table` made now: `ids` are module rows (below `table.num_rows`),
         `offsets` (bags of a 1-D `ids`, or None) are read on sampled steps only. Copies both, so the
         caller may reuse them."""
-        if self._held_full(ids):
+        if not self.window.on(self.clock.step) or self._held_full(ids):
             return
         step, sampled = self.clock.step, self.sampled()
         keep_offsets = offsets - offsets[:1] if sampled and offsets is not None else None  # a copy from 0
@@ -323,7 +325,7 @@ class EmbeddingHandle:
                       bounds: list[int], call_phase: str) -> None:
         """Keep one call looking up several tables made now (a `TablesCall`; `ids` already a copy of the
         collector's own): the per-table work is left to the writer."""
-        if self._held_full(ids):
+        if not self.window.on(self.clock.step) or self._held_full(ids):
             return
         self._keep(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
                               offsets.clone() if self.sampled() else None, bounds))
@@ -411,13 +413,14 @@ class EmbeddingHandle:
 _installed: EmbeddingHandle | None = None
 
 
-def install(writer: RunWriter, clock: StepClock, *, lookup_every: int = 10) -> EmbeddingHandle:
+def install(writer: RunWriter, clock: StepClock, *, lookup_every: int = 10,
+            window: Window = Window()) -> EmbeddingHandle:
     """Count every embedding lookup per (step, table, row) into `accesses`, and write the raw
-    lookups of every `lookup_every`-th step (0: never) into `lookups`. A second call while
-    installed returns the installed handle unchanged."""
+    lookups of every `lookup_every`-th step (0: never) into `lookups`, on the steps of `window`. A
+    second call while installed returns the installed handle unchanged."""
     global _installed
     if lookup_every < 0:
         raise ValueError(f"lookup_every must be >= 0 (0 writes no lookups), got {lookup_every}")
     if _installed is None:
-        _installed = EmbeddingHandle(writer, clock, lookup_every)
+        _installed = EmbeddingHandle(writer, clock, lookup_every, window)
     return _installed

@@ -14,6 +14,7 @@ from reports.html import Chart, Section, esc, figure, table, thin
 from reports.inputs import RunInputs
 from reports.numbers import show
 from tracekit.figures import A2A_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.window import Window
 
 TOP_TABLES = 6
 """Tables drawn where one trace per table would crowd a chart (the ones with the most lookups)."""
@@ -131,6 +132,13 @@ def warnings(run: RunInputs) -> list[str]:
     dropped = {f"rank {r}: {t}": n for r, per in (m.get("dropped_rows") or {}).items() for t, n in per.items() if n}
     if dropped:
         out.append("dropped rows: " + ", ".join(f"{k} {n:,}" for k, n in dropped.items()))
+    window = Window.of_settings(m.get("collector_settings"))
+    if not window.everything:
+        out.append(f"accesses, lookups and comms were recorded on {window.describe()} (record --steps/--every): "
+                   "every figure is over those steps")
+    if m.get("truncated_at"):
+        out.append("the trace is incomplete (truncated_at): " + ", ".join(
+            f"rank {r} whole up to step {s}" for r, s in sorted(m["truncated_at"].items())) + "; figures cover those")
     gpu = m.get("gpu") or {}
     if not gpu.get("samples"):
         out.append(f"no GPU samples: {gpu.get('reason') or 'NVML recorded nothing'}")

@@ -16,8 +16,8 @@ from pathlib import Path
 import click
 
 from tracekit import __version__
-from tracekit.cli_options import (ANALYSIS, DCT_REPLAY, HANG_AFTER, JSON, MAX_SIZE, RUN_DIR, TRACING, Commands,
-                                  InputError, RecordCommand, analysis_options, cluster_topology, parsed)
+from tracekit.cli_options import (ANALYSIS, DCT_REPLAY, JSON, LONG_JOBS, RUN_DIR, TRACING, Commands, InputError,
+                                  RecordCommand, analysis_options, cluster_topology, parsed, record_limits)
 from tracekit.cluster import MAX_NODES as CLUSTER_MAX_NODES
 from tracekit.console import show
 
@@ -34,8 +34,7 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Replace a non-empty run directory.")
 @TRACING
 @DCT_REPLAY
-@HANG_AFTER
-@MAX_SIZE
+@LONG_JOBS
 @click.option("--gpu-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
               envvar="TRACEKIT_GPU_INTERVAL_S", help="Seconds between NVML samples of each rank's GPU.")
 @click.option("--json", "as_json", is_flag=True, help="At the end, print the run's summary as one JSON line on stdout.")
@@ -43,8 +42,8 @@ def cli() -> None:
               help="Show `tracekit watch`'s live view of the run (on stderr) while COMMAND runs.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int, flush_interval: float,
-           dct_replay: bool, hang_after: float | None, max_size: str | None, gpu_interval: float, as_json: bool,
-           live: bool, command: tuple[str, ...]) -> None:
+           dct_replay: bool, hang_after: float | None, max_size: str | None, window_steps: str | None,
+           window_every: str | None, gpu_interval: float, as_json: bool, live: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND with the collectors injected; keep a trace of it (docs/recording.md).
 
     Exits with COMMAND's exit code (130 after Ctrl-C, 128+N if it was killed by signal N, 126 if it
@@ -56,17 +55,17 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
     """
     from tracekit import recording
     from tracekit.console import describe_record
-    from tracekit.units import parse_bytes
     from tracekit.watch import watching
 
     command = list(command)
+    cap, window = record_limits(max_size, window_steps, window_every)
     run_dir = run_dir or recording.default_run_dir(command)
     recording.prepare(command, run_dir, force=force)
     click.echo(f"tracekit: recording into {run_dir}", err=True)
     with watching(run_dir, enabled=live):  # a thread that only reads the run's files, on stderr
         code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
                                 flush_interval_s=flush_interval, gpu_interval_s=gpu_interval, dct_replay=dct_replay,
-                                hang_after=hang_after, max_size=parsed(parse_bytes, max_size, "--max-size"))
+                                hang_after=hang_after, max_size=cap, window=window)
     summary = recording.summary(run_dir, recording.read_manifest(run_dir))
     click.echo(json.dumps(summary) if as_json else describe_record(summary), err=not as_json)
     sys.exit(code)

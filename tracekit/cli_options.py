@@ -51,13 +51,19 @@ TRACING = _options_of(  # what record and cluster --record trace
                  help="Write gradient statistics (grads table) of every optimized parameter every N steps (0: never)."),
     click.option("--flush-interval", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
                  help="Seconds between flushes of each rank's trace rows to Parquet."))
-HANG_AFTER = click.option("--hang-after", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+_HANG_AFTER = click.option("--hang-after", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
                           help="Diagnose a hang when a rank is silent or in one collective this long (hang.json, one "
                                "paragraph on stderr; the job is left running). Default: 100x the slowest rank's step "
                                "time, at least 60 s.")
-MAX_SIZE = click.option("--max-size", default=None, metavar="BYTES",
+_WINDOW = _options_of(  # which steps record keeps
+    click.option("--steps", "window_steps", default=None, metavar="FIRST:STOP",
+                 help="Record accesses, lookups and comms of steps FIRST to STOP-1 only (either may be empty)."),
+    click.option("--every", "window_every", default=None, metavar="N:M",
+                 help="Record accesses, lookups and comms of the first M steps of every N only, e.g. 100:10."))
+_MAX_SIZE = click.option("--max-size", default=None, metavar="BYTES",
                         help="Write at most this much trace (e.g. 20GB), each rank its share; the manifest's "
                              "truncated_at then says where each rank stopped. Default: no limit.")
+LONG_JOBS = _options_of(_HANG_AFTER, _MAX_SIZE, _WINDOW)  # record's options for jobs of days and hangs
 DCT_REPLAY = click.option("--dct-replay", is_flag=True, envvar="TRACEKIT_DCT_REPLAY",
                           help="Replay DCT-DP with error feedback on every step's gradients (dct_replay table), from "
                                "which analyze derives compression.dp; costs the step ~15% on the reference trainer, "
@@ -80,6 +86,16 @@ def parsed(parse: Callable[[str], Any], text: str | None, hint: str) -> Any:
         return None if text is None else parse(text)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint=hint) from None
+
+
+def record_limits(max_size: str | None, steps: str | None, every: str | None):
+    """record's --max-size (bytes or None) and --steps/--every (a tracekit.window.Window), parsed;
+    click.BadParameter naming the option that fails."""
+    from tracekit.units import parse_bytes
+    from tracekit.window import Window
+
+    window = parsed(lambda _: Window.parse(steps=steps, every=every), "", "--steps/--every")
+    return parsed(parse_bytes, max_size, "--max-size"), window
 
 
 def analysis_options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,

@@ -36,6 +36,7 @@ from tracekit.files import Reserve
 from tracekit.hang import HangWatch
 from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 from tracekit.store import read_manifest, write_manifest
+from tracekit.window import Window
 
 SITE_DIR = Path(collectors.__file__).resolve().parent / "site"
 MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES = ".reserve-manifest", 256 * 1024
@@ -118,7 +119,8 @@ def _interpreter(script: Path) -> str:
 def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_every: int = 100,
            flush_interval_s: float = 1.0, gpu_interval_s: float = 0.1, dct_replay: bool = False,
            manifest_extra: dict | None = None, run: Callable[[dict[str, str]], tuple[int, bool]] | None = None,
-           output: IO | None = None, hang_after: float | None = None, max_size: int | None = None) -> int:
+           output: IO | None = None, hang_after: float | None = None, max_size: int | None = None,
+           window: Window = Window()) -> int:
     """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
     130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start.
     The defaults are `tracekit record`'s.
@@ -129,10 +131,12 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     (default: this process's). While the command runs, a hang is diagnosed from the ranks' heartbeats
     (tracekit/hang.py; `hang_after` seconds, None: from the run's step times). `max_size`: bytes of
     Parquet the ranks write at most, each its 1/WORLD_SIZE share (the manifest's `truncated_at` then
-    says where each stopped)."""
+    says where each stopped). `window`: the steps whose accesses, lookups and comms are recorded
+    (tracekit/window.py)."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
-                "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay, "max_size": max_size}
+                "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay, "max_size": max_size,
+                "window": window.to_json()}
     manifest = {
         "schema_version": SCHEMA_VERSION, "tracekit_version": __version__, "run_id": uuid.uuid4().hex,
         "command": command, "cwd": os.getcwd(), "started_at": started.isoformat(), "ended_at": None,
@@ -147,7 +151,8 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
            "TRACEKIT_GRAD_EVERY": str(grad_every), "TRACEKIT_DCT_REPLAY": "1" if dct_replay else "0",
            "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
            "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           **({"TRACEKIT_MAX_SIZE": str(max_size)} if max_size else {})}
+           **({"TRACEKIT_MAX_SIZE": str(max_size)} if max_size else {}),
+           **({"TRACEKIT_WINDOW": json.dumps(window.to_json())} if not window.everything else {})}
     if run is not None:
         code, interrupted = run(env)
         return finalise(run_dir, code, interrupted)["record_exit_code"]
