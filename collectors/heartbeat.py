@@ -5,6 +5,7 @@ second, and the rank's Python stacks on request.
 
     {"rank", "pid", "host", "wall_time": when written (time.time()), "step": the step now running,
      "step_started": its wall time, "step_s": recent seconds per step (null before two steps ended),
+     "rss_bytes": the process's resident memory,
      "open": the collective the training thread is in (null: none) — {"op", "tag", "group",
              "group_size", "call": its number among this rank's calls in that group (1 = the first),
              "since": wall time it was entered},
@@ -75,7 +76,8 @@ class Heartbeat:
             self._seen_step, self._seen_at = step, now
         started = now - (time.monotonic_ns() - self.clock._t_start_ns) / 1e9
         state = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "wall_time": now,
-                 "step": step, "step_started": started, "step_s": self.step_s, **self.comms.now()}
+                 "step": step, "step_started": started, "step_s": self.step_s, "rss_bytes": _rss_bytes(),
+                 **self.comms.now()}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.path)
@@ -93,3 +95,12 @@ class Heartbeat:
             except (OSError, ValueError):
                 pass
         self.path.unlink(missing_ok=True)
+
+
+def _rss_bytes() -> int | None:
+    """The process's resident memory now (Linux), for bench/soak.py's flat-memory check."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -18,7 +18,8 @@ the traced program pays for neither the conversion nor the Parquet encoding on i
 Test hook: with TRACEKIT_FAULT_KILL_BEFORE_RENAME=<table>:<n> in its environment, a process about
 to rename part n of `table` into place (`part-<n, 5 digits>.parquet`, of any rank) kills itself
 with SIGKILL instead, its bytes written to the temporary file: a real kill in the middle of writing
-a part, whose aftermath tests/test_crash_safety.py checks.
+a part, whose aftermath tests/test_crash_safety.py checks. With TRACEKIT_FAULT_SLOW_WRITE_S=S, every
+part takes S seconds more to write: a slow disk, for bench/soak.py's writer that falls behind.
 """
 
 from __future__ import annotations
@@ -399,6 +400,7 @@ PARQUET_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 FAULT_KILL_BEFORE_RENAME = "TRACEKIT_FAULT_KILL_BEFORE_RENAME"  # the test hook of the module docstring
+FAULT_SLOW_WRITE_S = "TRACEKIT_FAULT_SLOW_WRITE_S"  # ... and a slow disk: each part takes this long more
 
 
 def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> Path:
@@ -408,6 +410,8 @@ def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> P
     tmp = directory / f".{final.name}.tmp"
     directory.mkdir(parents=True, exist_ok=True)
     try:
+        if os.environ.get(FAULT_SLOW_WRITE_S):
+            time.sleep(float(os.environ[FAULT_SLOW_WRITE_S]))
         pq.write_table(data, tmp, compression="zstd", **options)
         if os.environ.get(FAULT_KILL_BEFORE_RENAME) == f"{directory.parent.name}:{index}":
             os.kill(os.getpid(), signal.SIGKILL)
