@@ -13,6 +13,7 @@ import json
 import shutil
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -418,10 +419,13 @@ def describe_record(s: dict) -> str:
     else:
         steps = ", ".join(f"{rank}: {s['steps'].get(str(rank), 'unknown')}" for rank in s["ranks"])
         rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s["rows"].items())) or "none"
-        dropped = sum(n for per_rank in s["dropped_rows"].values() for n in per_rank.values())
+        shed: Counter[str] = Counter()
+        for per_rank in s["dropped_rows"].values():
+            shed.update(per_rank)
+        by_table = f" ({', '.join(f'{t} {n:,}' for t, n in sorted(shed.items()) if n)})" if shed.total() else ""
         lines = [f"tracekit: {s['status']} after {elapsed} s: {len(s['ranks'])} rank(s), "
-                 f"{s['bytes'] / 1e6:.1f} MB in {s['run_dir']}", exits,
-                 f"  steps per rank: {steps}", f"  rows: {rows}", f"  dropped rows: {dropped:,}; gpu: {s['gpu']}"]
+                 f"{s['bytes'] / 1e6:.1f} MB in {s['run_dir']}", exits, f"  steps per rank: {steps}",
+                 f"  rows: {rows}", f"  dropped rows: {shed.total():,}{by_table}; gpu: {s['gpu']}"]
         if s["writer_cpu_s"]:
             cpu = ", ".join(f"{rank}: {seconds:.2f} s" for rank, seconds in sorted(s["writer_cpu_s"].items()))
             lines.append(f"  trace writer CPU per rank (counting, encoding, writing): {cpu}{_scheduling(s)}")
