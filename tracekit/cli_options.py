@@ -125,15 +125,20 @@ class RecordCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         from tracekit.recording import command_start
 
+        takes_value = {opt: not (p.is_flag or p.count) for p in self.get_params(ctx)
+                       if isinstance(p, click.Option) for opt in (*p.opts, *p.secondary_opts)}
+        start = None if "--" in args else command_start(args, takes_value)
+        fixed = None if start is None else shlex.join([*args[:start], "--", *args[start:]])
+        # an option of record's own after the command (a trainer's --steps) would silently be record's
+        mine = next((a for a in args[start:] if a.split("=", 1)[0] in takes_value), None) if fixed else None
+        if mine is not None:
+            raise click.UsageError(f"'{mine.split('=', 1)[0]}' after the command is read as record's own option; "
+                                   f"put `--` before the command: tracekit record {fixed}", ctx)
         try:
             return super().parse_args(ctx, list(args))
         except click.NoSuchOption as err:
-            takes_value = {opt: not (p.is_flag or p.count) for p in self.get_params(ctx)
-                           if isinstance(p, click.Option) for opt in (*p.opts, *p.secondary_opts)}
-            start = None if "--" in args else command_start(args, takes_value)
-            if start is None:
+            if fixed is None:
                 raise
-            fixed = shlex.join([*args[:start], "--", *args[start:]])
             raise click.UsageError(f"No such option '{err.option_name}': without `--`, the command's options are "
                                    f"read as record's; put `--` before the command: tracekit record {fixed}",
                                    ctx) from None
