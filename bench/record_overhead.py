@@ -117,6 +117,8 @@ def main() -> int:
                    help="kaggle: the criteo-kaggle preset at full size, batch 16384 on cuda (--scale on cpu)")
     p.add_argument("--scale", type=float, default=1.0, help="the kaggle workload's table scale")
     p.add_argument("--keep", type=Path, help="copy the last traced run directory here")
+    p.add_argument("--outside-window", action="store_true",
+                   help="also trace with every step but the first outside the window (record --steps 0:1)")
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="interpreter to run with")
     p.add_argument("--quick", action="store_true",
                    help="only untraced vs traced with the defaults (more runs in the same time), no size run")
@@ -153,6 +155,8 @@ def main() -> int:
         if args.quick:
             variants = {name: variants[name] for name in ("untraced", "tracekit record")}
         envs = {}
+        if args.outside_window:
+            variants["tracekit record --steps 0:1 (outside the window)"] = traced(train, "--steps", "0:1")
         if args.writer_nice_0:
             variants["tracekit record, writer at nice 0"] = traced(train)
             envs["tracekit record, writer at nice 0"] = {"TRACEKIT_WRITER_NICE": "0"}

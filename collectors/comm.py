@@ -156,6 +156,7 @@ class CommHandle:
 
     def _wrap(self, op: str, fn: Callable) -> Callable:
         names = list(inspect.signature(fn).parameters)
+        group_at = names.index("group") if "group" in names else len(names)
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
@@ -173,16 +174,18 @@ class CommHandle:
             if self.window.on(self.clock.step):
                 self.guard.run(self._record, op, names, args, kwargs, result, t_start, caller)
             else:  # outside the recorded steps only the call's number in its group is kept (for hangs)
-                self.guard.run(self._count, names, args, kwargs)
+                self._count(kwargs["group"] if "group" in kwargs else args[group_at] if len(args) > group_at else None)
             return result
 
         traced.__wrapped_by_tracekit__ = True
         return traced
 
-    def _count(self, names, args, kwargs) -> None:
-        group = kwargs.get("group", dict(zip(names, args)).get("group"))
-        pg = group if group is not None else c10d._get_default_group()
-        self.group_calls[(self._groups.get(pg) or self._new_group(pg))[1]] += 1
+    def _count(self, group) -> None:
+        try:
+            pg = group if group is not None else c10d._get_default_group()
+            self.group_calls[(self._groups.get(pg) or self._new_group(pg))[1]] += 1
+        except Exception:  # a count must never take the program down
+            pass
 
     def _record(self, op, names, args, kwargs, result, t_start, caller) -> None:
         arguments = dict(zip(names, args))

@@ -297,7 +297,8 @@ class EmbeddingHandle:
         self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
+        if self.window.on(self.clock.step):
+            self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         table = self._tables.get(module) or self._first_call(module)
