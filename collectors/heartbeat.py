@@ -49,6 +49,7 @@ class Heartbeat:
 
     def __init__(self, run_dir: Path, rank: int, clock: StepClock, comms: Any) -> None:
         self.path, self.rank, self.clock, self.comms = path_of(run_dir, rank), rank, clock, comms
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         self._stop = threading.Event()
         self._seen_step, self._seen_at, self.step_s = clock.step, time.time(), None
         self._stacks = None
@@ -78,9 +79,11 @@ class Heartbeat:
         state = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "wall_time": now,
                  "step": step, "step_started": started, "step_s": self.step_s, "rss_bytes": _rss_bytes(),
                  **self.comms.now()}
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.path)
+        try:
+            self._tmp.write_text(json.dumps(state))
+            os.replace(self._tmp, self.path)
+        finally:  # a full disk leaves no half-written temporary behind
+            self._tmp.unlink(missing_ok=True)
         return state
 
     def stop(self) -> None:
@@ -95,6 +98,7 @@ class Heartbeat:
             except (OSError, ValueError):
                 pass
         self.path.unlink(missing_ok=True)
+        self._tmp.unlink(missing_ok=True)
 
 
 def _rss_bytes() -> int | None:
