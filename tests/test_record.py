@@ -165,6 +165,8 @@ def test_a_killed_process_leaves_readable_files_and_a_failed_manifest(tmp_path: 
     assert steps == list(range(len(steps))) and len(steps) >= 40, steps  # no gap, all flushed before the kill
     accesses = open_run(run_dir).scan("accesses").collect()
     assert accesses.filter(pl.col("step") < 40)["count"].sum() == 2 * 40  # (mid-write kills: test_crash_safety.py)
+    # what only the running rank needed is gone: its disk reserve, its heartbeat, an unwritten stacks file
+    assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == [], list((run_dir / "ranks").iterdir())
 
 
 @pytest.mark.slow

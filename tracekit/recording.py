@@ -253,7 +253,11 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
     manifest["traced"] = bool(ranks)
     manifest["untraced_reason"] = None if ranks else not_started or _why_untraced(code)
     manifest["finalise_errors"] = errors
-    for held in [run_dir / MANIFEST_RESERVE, *(run_dir / "ranks").glob(".reserve-rank=*")]:  # a killed rank's too
+    ranks_dir = run_dir / "ranks"
+    # what only a running rank needs, a killed rank's too: its reserve, its heartbeat, a stacks file never written
+    left = [*ranks_dir.glob(".reserve-rank=*"), *ranks_dir.glob("heartbeat-rank=*.json"), *ranks_dir.glob(".heartbeat-*"),
+            *(p for p in ranks_dir.glob("stacks-rank=*.txt") if p.stat().st_size == 0)]
+    for held in [run_dir / MANIFEST_RESERVE, *left]:
         Reserve(held, 0).release()
     try:
         write_manifest(run_dir, manifest)

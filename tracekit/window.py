@@ -68,8 +68,11 @@ class Window:
     def describe(self) -> str:
         if self.everything:
             return "every step"
+        every = "" if self.keep == self.every else f"the first {self.keep} of every {self.every} steps"
+        if self.first == 0 and self.stop is None:
+            return every
         span = f"steps {self.first} to {'the end' if self.stop is None else self.stop - 1}"
-        return span + ("" if self.keep == self.every else f", the first {self.keep} of every {self.every}")
+        return span + (f", {every}" if every else "")
 
     def to_json(self) -> dict | None:
         return None if self.everything else {"first": self.first, "stop": self.stop, "every": self.every,
