@@ -2,7 +2,7 @@
 # The GPU checks of `tracekit record`, as one run on a lent GPU machine, from the repo root: the
 # gpu-marked tests (NVML sampler, CUDA gradients, the trainer on CUDA, NCCL collectives), then the
 # tracing-overhead benchmark on CUDA: the 8-table workload, then the Criteo Kaggle layout at full size,
-# batch 16384 (issue 31), whose last traced run comes back as kaggle-run.tar.gz for `analyze` and
+# batch 16384 (issue 31), 40 steps so that its last traced run (small enough to return) comes back as kaggle-run.tar.gz for `analyze` and
 # `report` on the CPU machine (the NVML section drawn from real samples). That machine's python3 has torch, pyarrow, numpy, click, rich,
 # nvidia-ml-py and pytest, but no polars or duckdb, so only these test files are collected.
 # Logs go to $OUT (or /tmp/gpu-check).
@@ -17,5 +17,5 @@ timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu -v -p no:cacheprovide
 timeout "${BENCH_TIMEOUT_S:-200}" python3 bench/record_overhead.py --device cuda --python python3 --runs "${RUNS:-3}" \
     --quick 2>&1 | tee "$out/overhead-cuda.txt"
 timeout "${KAGGLE_TIMEOUT_S:-240}" python3 bench/record_overhead.py --device cuda --python python3 --runs "${RUNS:-3}" \
-    --quick --workload kaggle --steps 100 --keep /tmp/kaggle-run 2>&1 | tee "$out/overhead-cuda-kaggle.txt"
+    --quick --workload kaggle --steps "${KAGGLE_STEPS:-40}" --keep /tmp/kaggle-run 2>&1 | tee "$out/overhead-cuda-kaggle.txt"
 tar -C /tmp -czf "$out/kaggle-run.tar.gz" kaggle-run 2>/dev/null || true
