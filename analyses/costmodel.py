@@ -62,6 +62,9 @@ def compute(ctx: Context, policies: dict[str, Any] | None = None) -> Result:
         result.notes.append("no lookups in this run: the cost model needs the sampled per-sample lookups "
                             "(record with --lookup-every N > 0)")
         return result
+    if ctx.model.world_size < 2:
+        result.notes.append("one rank: every table is local, no embedding exchange to model")
+        return result
     if not any(t.placement in (None, "sharded") and t.shards for t in ctx.model.tables):
         result.notes.append("no sharded table (every table data-parallel or rank-local, e.g. TorchRec's "
                             "data_parallel plan): no embedding exchange to model")

@@ -127,3 +127,16 @@ def test_sql_csv_writes_list_columns_as_lists(trainer_run: Path) -> None:
     for line in lines[1:]:
         splits, total = line.rsplit(",", 1)
         assert sum(int(x) for x in splits.strip('"[]').split(", ")) == int(total)
+
+
+def test_a_one_rank_run_is_analysed_and_printed(tmp_path: Path) -> None:
+    """A world-1 run with a process group (as bench/gpu_check.sh records the Kaggle layout on one GPU) has
+    lookups and comms but no embedding exchange: the cost model says so instead of the console failing on figures it lacks."""
+    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "1", str(REPO / "train.py"), *TINY, options=("--lookup-every", "1"))
+    assert code == 0
+    r = analyze(str(run_dir))
+    assert r.exit_code == 0, r.output
+    assert "Traceback" not in r.output and "skew:" in r.output
+    summary = json.loads((run_dir / "analysis" / "summary.json").read_text())
+    assert any("one rank: every table is local, no embedding exchange to model" in note for note in summary["notes"])

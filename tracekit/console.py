@@ -152,10 +152,13 @@ def _cache(summary: dict) -> None:
 
 
 def _costmodel(summary: dict) -> None:
+    if "baseline_a2a_bytes_per_step" not in summary:
+        return
     matches = "equal to" if summary.get("baseline_matches_comms") else "[red]different from[/]"
     terminal.print(f"cost model: the replayed embedding exchange, {format_bytes(summary['baseline_a2a_bytes_per_step'])} "
                   f"per step ({format_bytes(summary['baseline_a2a_remote_bytes_per_step'])} crossing ranks), is "
-                  f"{matches} the bytes in comms; E[U] within {summary['distinct_rows_max_rel_diff']:.1%} of the replay")
+                  f"{matches} the bytes in comms" + ("" if summary.get("distinct_rows_max_rel_diff") is None else
+                                                     f"; E[U] within {summary['distinct_rows_max_rel_diff']:.1%} of the replay"))
 
 
 def _network(n: dict) -> None:
