@@ -1,5 +1,5 @@
 """Hang diagnosis (tracekit/hang.py, collectors/heartbeat.py): a rank stopped with SIGSTOP (1 of 2,
-1 of 4) is named as silent within `--hang-after` + 5 s, with the collective (op, tag, call number)
+1 of 4, and 1 of 2 on an emulated cluster of 2 nodes) is named as silent within `--hang-after` + 5 s, with the collective (op, tag, call number)
 the others wait in; after SIGCONT the run completes and its trace is whole. A rank that skips a
 collective is named with the call on which the two disagree. And the diagnosis itself, from made-up
 heartbeats."""
@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.recorded import REPO
+from tests.test_cluster import needs_cluster
 from tracekit.hang import HANG_FLOOR_S, describe, diagnose, threshold
 
 STEPS = 500
@@ -48,13 +49,19 @@ SKIP = textwrap.dedent("""
 """)
 
 
-def start(tmp_path: Path, text: str, ranks: int, hang_after: int = 3) -> tuple[subprocess.Popen, Path]:
+def start(tmp_path: Path, text: str, ranks: int, hang_after: int = 3, nodes: int = 0) -> tuple[subprocess.Popen, Path]:
+    """`text` as a job of `ranks` ranks under `tracekit record`, or on an emulated cluster of `nodes`
+    nodes (`tracekit cluster --record`)."""
     script, run = tmp_path / "job.py", tmp_path / "run"
     script.write_text(text)
-    proc = subprocess.Popen([sys.executable, "-m", "tracekit", "record", "--hang-after", str(hang_after), "-o", str(run),
-                             "--", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(ranks), str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    if nodes:
+        how = ["cluster", "--nodes", str(nodes), "--ranks-per-node", str(ranks // nodes), "--link", "1gbit",
+               "--record", str(run), "--hang-after", str(hang_after), "--", "python", str(script)]
+    else:
+        how = ["record", "--hang-after", str(hang_after), "-o", str(run), "--", sys.executable, "-m",
+               "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script)]
+    proc = subprocess.Popen([sys.executable, "-m", "tracekit", *how], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     return proc, run
 
 
@@ -67,9 +74,11 @@ def wait_for(path: Path, seconds: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("ranks, stopped", [(2, 1), (4, 2)])
-def test_a_stopped_rank_is_named_and_the_run_completes_after_sigcont(tmp_path: Path, ranks: int, stopped: int) -> None:
-    proc, run = start(tmp_path, LOOP, ranks)
+@pytest.mark.parametrize("ranks, stopped, nodes", [(2, 1, 0), (4, 2, 0), pytest.param(
+    2, 1, 2, marks=needs_cluster, id="cluster-2x1")])
+def test_a_stopped_rank_is_named_and_the_run_completes_after_sigcont(tmp_path: Path, ranks: int, stopped: int,
+                                                                      nodes: int) -> None:
+    proc, run = start(tmp_path, LOOP, ranks, nodes=nodes)
     try:
         beat = run / "ranks" / f"heartbeat-rank={stopped}.json"
         assert wait_for(beat, 120), "no heartbeat"

@@ -295,12 +295,14 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
 @click.option("--latency", type=click.FloatRange(min=0), default=None,
               help="One-way latency of each link in ms (needs the netem qdisc).")
 @click.option("--record", "run_dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
-              help="Record the run into DIR, as `tracekit record -o DIR` does (the TRACING options as record's).")
+              help="Record the run into DIR, as `tracekit record -o DIR` does (with record's options below).")
 @click.option("--force", is_flag=True, help="With --record: replace a non-empty run directory.")
 @TRACING
+@LONG_JOBS
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, run_dir: Path | None, force: bool,
-            lookup_every: int, grad_every: int, flush_interval: float, command: tuple[str, ...]) -> None:
+            lookup_every: int, grad_every: int, flush_interval: float, hang_after: float | None,
+            max_size: str | None, window_steps: str | None, window_every: str | None, command: tuple[str, ...]) -> None:
     """Run COMMAND on an emulated cluster: NODES network namespaces whose links run at LINK.
 
     One torchrun per node runs COMMAND (`python train.py ...`, no torchrun); needs root and iproute2
@@ -316,21 +318,20 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
     from tracekit.units import parse_rate
 
     parsed(parse_rate, link, "--link")
+    cap, window = record_limits(max_size, window_steps, window_every)
     on, command = emulated.Cluster(nodes, ranks_per_node, link, latency), list(command)
     emulated.check_prerequisites(on)
-    if run_dir is None:
-        recording.check_command(command)
-    else:
-        recording.prepare(command, run_dir, force=force)
 
     def say(line: str) -> None:
         click.echo(f"tracekit cluster: {line}", err=True)
 
     if run_dir is None:
+        recording.check_command(command)
         sys.exit(emulated.run_or_report(command, on, say=say)[0])
+    recording.prepare(command, run_dir, force=force)
     say(f"recording into {run_dir}")
     code = emulated.record(command, on, run_dir, say=say, lookup_every=lookup_every, grad_every=grad_every,
-                           flush_interval_s=flush_interval)
+                           flush_interval_s=flush_interval, hang_after=hang_after, max_size=cap, window=window)
     click.echo(describe_record(recording.summary(run_dir, recording.read_manifest(run_dir))), err=True)
     sys.exit(code)
 

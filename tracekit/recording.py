@@ -12,6 +12,7 @@ SIGTERM to `record` is forwarded to it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import importlib.metadata
@@ -24,10 +25,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterator
 
 import collectors
 from tracekit import __version__
@@ -154,7 +156,8 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
            **({"TRACEKIT_MAX_SIZE": str(max_size)} if max_size else {}),
            **({"TRACEKIT_WINDOW": json.dumps(window.to_json())} if not window.everything else {})}
     if run is not None:
-        code, interrupted = run(env)
+        with _watching_for_hangs(HangWatch(run_dir, hang_after, out=output)):
+            code, interrupted = run(env)
         return finalise(run_dir, code, interrupted)["record_exit_code"]
     try:
         child = subprocess.Popen(command, env=env, stdout=output, stderr=None if output is None else subprocess.STDOUT)
@@ -165,24 +168,37 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
         return finalise(run_dir, 126, False, not_started=reason)["record_exit_code"]
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
     interrupted = False
-    hangs = HangWatch(run_dir, hang_after, out=output)
-    while True:
-        try:
-            code = child.wait(timeout=HANG_POLL_S)
-            break
-        except subprocess.TimeoutExpired:
-            _look(hangs)
-        except KeyboardInterrupt:  # the child got the same Ctrl-C; wait for it to finish
-            interrupted = True
+    with _watching_for_hangs(HangWatch(run_dir, hang_after, out=output)):
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:  # the child got the same Ctrl-C; wait for it to finish
+                interrupted = True
     signal.signal(signal.SIGTERM, previous)
     return finalise(run_dir, code, interrupted)["record_exit_code"]
 
 
-def _look(hangs: HangWatch) -> None:
+@contextlib.contextmanager
+def _watching_for_hangs(hangs: HangWatch) -> Iterator[None]:
+    """Check the ranks' heartbeats every HANG_POLL_S on a thread while the command runs, on this
+    machine or on an emulated cluster's nodes."""
+    stop = threading.Event()
+
+    def look() -> None:
+        while not stop.wait(HANG_POLL_S):
+            try:
+                hangs.check()
+            except Exception as err:  # the diagnosis must never cost the run or its record
+                print(f"tracekit: hang check failed ({type(err).__name__}: {err})", file=sys.stderr)
+
+    thread = threading.Thread(target=look, name="tracekit-hang-watch", daemon=True)
+    thread.start()
     try:
-        hangs.check()
-    except Exception as err:  # the diagnosis must never cost the run or its record
-        print(f"tracekit: hang check failed ({type(err).__name__}: {err})", file=sys.stderr)
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | None = None) -> dict:
