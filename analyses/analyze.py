@@ -74,6 +74,15 @@ def planner(path: str | os.PathLike) -> dict[str, Any]:
             "snippet": inputs.snippet(result.summary["constraints"]) if result.summary else None}
 
 
+def _dropped_rows(manifest: dict) -> dict[str, int]:
+    """Rows dropped per trace table, all ranks together (accesses: ids)."""
+    total: dict[str, int] = {}
+    for per_table in (manifest.get("dropped_rows") or {}).values():
+        for table, n in per_table.items():
+            total[table] = total.get(table, 0) + n
+    return {table: n for table, n in total.items() if n}
+
+
 def analyze(path: str | os.PathLike, options: Options | None = None,
             progress: Callable[[str], None] = lambda step: None) -> dict[str, Any]:
     """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
@@ -88,6 +97,11 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             summary["warnings"].append(f"the trace is incomplete (manifest `truncated_at`: a write failed, e.g. a full "
                                        f"disk): only steps up to {ctx.truncated_at}, which every rank wrote whole, "
                                        "are analysed")
+        shed = _dropped_rows(ctx.manifest)
+        if shed and ctx.truncated_at is None:
+            summary["warnings"].append("rows were shed while a trace writer fell behind (manifest `dropped_rows`: "
+                                       + ", ".join(f"{table} {n:,}" for table, n in sorted(shed.items()))
+                                       + "): figures from those tables undercount")
         if not ctx.window.everything:
             summary["warnings"].append(f"accesses, lookups and comms were recorded on {ctx.window.describe()} "
                                        "(record --steps/--every): every figure is over those steps")

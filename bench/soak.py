@@ -1,13 +1,14 @@
 """Recording a wide, long run (issue 28's soak): 8 ranks × 1,000 steps on this machine, lookups
 every step; then the same with the disk slowed (every Parquet part 0.5 s late,
-TRACEKIT_FAULT_SLOW_WRITE_S), where the writer falls behind.
+TRACEKIT_FAULT_SLOW_WRITE_S), where the writer falls behind; and slowed with the bound on the ids a
+rank holds for its writer lowered (TRACEKIT_MAX_PENDING_IDS) so that it sheds.
 
 For each: the accesses written equal those fed (recounted from the very samples the trainer
 consumed), rows dropped, the ranks' resident memory over the run (sampled from their heartbeats
 each second: max − min after the first fifth of the run, against its median), and samples/s beside
 an untraced run of the same command. From the repo root:
 
-    .venv/bin/python bench/soak.py [--ranks 8] [--steps 1000] [--slow-write 0.5] [--out DIR]
+    .venv/bin/python bench/soak.py [--ranks 8] [--steps 1000] [--slow-write 0.5] [--shed-bound 16384] [--out DIR]
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--slow-write", type=float, default=0.5)
+    p.add_argument("--shed-bound", type=int, default=16384,
+                   help="TRACEKIT_MAX_PENDING_IDS of the third run, low enough that the slowed writer sheds")
     p.add_argument("--out", type=Path, default=Path("/tmp/tracekit-soak"))
     args = p.parse_args()
     python = str(ROOT / ".venv" / "bin" / "python")
@@ -92,9 +95,11 @@ def main() -> None:
           f"{args.steps} steps, train.py {' '.join(TRAINER)}; lookups every step")
     untraced = run(job, {}, None)
     print(f"untraced: {untraced['samples_per_s']:,.0f} samples/s")
+    slow = {"TRACEKIT_FAULT_SLOW_WRITE_S": str(args.slow_write)}
     for name, folder, env in (("traced", "traced", {}),
-                              (f"traced, every part {args.slow_write} s late", "slow",
-                               {"TRACEKIT_FAULT_SLOW_WRITE_S": str(args.slow_write)})):
+                              (f"traced, every part {args.slow_write} s late", "slow", slow),
+                              (f"traced, every part {args.slow_write} s late, at most {args.shed_bound:,} ids held",
+                               "shed", {**slow, "TRACEKIT_MAX_PENDING_IDS": str(args.shed_bound)})):
         run_dir = args.out / folder
         command = [python, "-m", "tracekit", "record", "--force", "--lookup-every", "1", "-o", str(run_dir), "--", *job]
         t0 = time.monotonic()
@@ -107,8 +112,9 @@ def main() -> None:
             dropped.update(per)
         print(f"\n{name}: {got['samples_per_s']:,.0f} samples/s ({got['samples_per_s'] / untraced['samples_per_s'] - 1:+.1%}"
               f" against untraced), {time.monotonic() - t0:.0f} s")
-        print(f"  accesses: {written:,} lookups written of {fed:,} fed ({'equal' if written == fed else 'NOT equal'});"
-              f" dropped rows: {dict(dropped) or 'none'}")
+        shed = dropped.get("accesses", 0)
+        print(f"  accesses: {written:,} lookups written of {fed:,} fed ({'equal' if written == fed else 'NOT equal'}); "
+              f"written + shed {'=' if written + shed == fed else '!='} fed; dropped rows: {dict(dropped) or 'none'}")
         print(f"  resident memory per rank: {memory(got['rss'])}")
         print(f"  trace: {sum(p.stat().st_size for p in run_dir.rglob('*.parquet')) / 1e6:.1f} MB; "
               f"status {manifest['status']}")

@@ -47,6 +47,7 @@ class Settings:
     writer_idle: bool  # TRACEKIT_WRITER_IDLE, default 1: the writer under SCHED_IDLE where it can be lifted back
     max_bytes: int | None  # TRACEKIT_MAX_SIZE (record --max-size) over WORLD_SIZE: this rank's share
     window: dict | None  # TRACEKIT_WINDOW (record --steps, --every): tracekit/window.py's fields; None: every step
+    max_pending_ids: int | None  # TRACEKIT_MAX_PENDING_IDS: ids held for the writer before shedding; None: embedding's
 
     @staticmethod
     def from_env(env: dict) -> "Settings":
@@ -61,7 +62,9 @@ class Settings:
                         writer_idle=env.get("TRACEKIT_WRITER_IDLE", "1") != "0",
                         max_bytes=int(env["TRACEKIT_MAX_SIZE"]) // max(int(env.get("WORLD_SIZE", 1)), 1)
                         if env.get("TRACEKIT_MAX_SIZE") else None,
-                        window=json.loads(env["TRACEKIT_WINDOW"]) if env.get("TRACEKIT_WINDOW") else None)
+                        window=json.loads(env["TRACEKIT_WINDOW"]) if env.get("TRACEKIT_WINDOW") else None,
+                        max_pending_ids=int(env["TRACEKIT_MAX_PENDING_IDS"]) if env.get("TRACEKIT_MAX_PENDING_IDS")
+                        else None)
 
 
 def is_launcher(orig_argv: list[str]) -> bool:
@@ -172,7 +175,8 @@ def activate(settings: Settings) -> None:
     clock = _clock = steps.StepClock()
     facts = _declared = declared.Declared()
     window = Window.of_settings({"window": settings.window})
-    tables = embedding.install(writer, clock, lookup_every=settings.lookup_every, window=window)
+    tables = embedding.install(writer, clock, lookup_every=settings.lookup_every, window=window,
+                               max_pending_ids=settings.max_pending_ids or embedding.MAX_PENDING_IDS)
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
     comms = comm.install(writer, clock, window=window)

@@ -79,7 +79,7 @@ from tracekit.store import RunWriter
 from tracekit.window import Window
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-MAX_PENDING_IDS = 64_000_000  # ids held for the writer (512 MB of int64) before calls are dropped
+MAX_PENDING_IDS = 64_000_000  # ids held for the writer (512 MB of int64) before calls are dropped (TRACEKIT_MAX_PENDING_IDS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -253,8 +253,10 @@ class EmbeddingHandle:
     """The installed embedding collector; `uninstall()` removes every hook it registered. The writer
     keeps draining it until closed, so calls made before uninstall are still written."""
 
-    def __init__(self, writer: RunWriter, clock: StepClock, lookup_every: int, window: Window = Window()) -> None:
+    def __init__(self, writer: RunWriter, clock: StepClock, lookup_every: int, window: Window = Window(),
+                 max_pending_ids: int = MAX_PENDING_IDS) -> None:
         self.writer = writer
+        self.max_pending_ids = max_pending_ids  # held for the writer before a call's ids are shed
         self.clock = clock
         self.lookup_every = lookup_every
         self.window = window  # the steps recorded (tracekit/window.py); the others cost one check per call
@@ -332,9 +334,9 @@ class EmbeddingHandle:
                               offsets.clone() if self.sampled() else None, bounds))
 
     def _held_full(self, ids: torch.Tensor) -> bool:
-        """Whether keeping `ids` would hold more than MAX_PENDING_IDS for the writer: they are then
+        """Whether keeping `ids` would hold more than `max_pending_ids` for the writer: they are then
         counted as dropped `accesses`."""
-        if self._ids_added - self._ids_drained + ids.numel() > MAX_PENDING_IDS:
+        if self._ids_added - self._ids_drained + ids.numel() > self.max_pending_ids:
             self.writer.count_dropped("accesses", ids.numel())
             return True
         return False
@@ -415,7 +417,7 @@ _installed: EmbeddingHandle | None = None
 
 
 def install(writer: RunWriter, clock: StepClock, *, lookup_every: int = 10,
-            window: Window = Window()) -> EmbeddingHandle:
+            window: Window = Window(), max_pending_ids: int = MAX_PENDING_IDS) -> EmbeddingHandle:
     """Count every embedding lookup per (step, table, row) into `accesses`, and write the raw
     lookups of every `lookup_every`-th step (0: never) into `lookups`, on the steps of `window`. A
     second call while installed returns the installed handle unchanged."""
@@ -423,5 +425,5 @@ def install(writer: RunWriter, clock: StepClock, *, lookup_every: int = 10,
     if lookup_every < 0:
         raise ValueError(f"lookup_every must be >= 0 (0 writes no lookups), got {lookup_every}")
     if _installed is None:
-        _installed = EmbeddingHandle(writer, clock, lookup_every, window)
+        _installed = EmbeddingHandle(writer, clock, lookup_every, window, max_pending_ids)
     return _installed
