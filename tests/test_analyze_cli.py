@@ -4,7 +4,6 @@ trainer and of a user script, with --json, and on every kind of bad input (one l
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 

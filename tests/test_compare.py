@@ -168,7 +168,7 @@ def _policy(run: Path, target: Path, measured: dict) -> tuple[Path, dict]:
              "world_size": 2}
     policy = new_policy(source_run=str(run), model=model,
                         baseline={"a2a_bytes_per_step": measured["a2a_bytes_per_step"], "step_time_s": 0.01})
-    a2a, remote = measured["a2a_bytes_per_step"], measured["a2a_remote_bytes_per_step"]
+    a2a = measured["a2a_bytes_per_step"]
     policy["replication"] = {"kind": "hybrid", "rows": "policy/hot_rows.parquet", "budget_bytes_per_rank": 1024,
                              "sync": "sparse_allreduce", "why": "set by the test",
                              "predicted": {"a2a_bytes_per_step": a2a / 2, "a2a_remote_bytes_per_step": remote / 2,
@@ -188,7 +188,7 @@ def test_policy_predictions_against_measurements_by_hand(runs, tmp_path) -> None
     summary = compare(runs["base"], [run], skip_steps=SKIP).summary
     assert summary["warnings"] == [] and summary["runs"][1]["policy"]["status"] == "verified"
     rows = {(r["section"], r["figure"]): r for r in summary["rows"]}
-    a2a, remote = measured["a2a_bytes_per_step"], measured["a2a_remote_bytes_per_step"]
+    a2a = measured["a2a_bytes_per_step"]
     # replication predicted half the all-to-all bytes and a sync of a quarter; the run (BASE itself) has no sync
     assert rows["replication", "a2a_bytes_per_step"]["diff_pct"] == pytest.approx(1.0)  # (a2a − a2a/2) / (a2a/2)
     assert rows["replication", "a2a_remote_bytes_per_step"]["diff_pct"] == pytest.approx(1.0)
