@@ -168,7 +168,7 @@ def _policy(run: Path, target: Path, measured: dict) -> tuple[Path, dict]:
              "world_size": 2}
     policy = new_policy(source_run=str(run), model=model,
                         baseline={"a2a_bytes_per_step": measured["a2a_bytes_per_step"], "step_time_s": 0.01})
-    a2a = measured["a2a_bytes_per_step"]
+    a2a, remote = measured["a2a_bytes_per_step"], measured["a2a_remote_bytes_per_step"]
     policy["replication"] = {"kind": "hybrid", "rows": "policy/hot_rows.parquet", "budget_bytes_per_rank": 1024,
                              "sync": "sparse_allreduce", "why": "set by the test",
                              "predicted": {"a2a_bytes_per_step": a2a / 2, "a2a_remote_bytes_per_step": remote / 2,
