@@ -140,6 +140,33 @@ def test_figures_follow_their_definitions(tmp_path: Path) -> None:
         {"table": "b", "lookups": 2, "share": 2 / 6, "rows_touched": 1, "top_1pct_share": 1.0}]
 
 
+def test_a_windowed_runs_comm_share_and_bytes_are_over_its_recorded_steps(tmp_path: Path) -> None:
+    """record --every 3:1 records comms on steps 0, 3, 6, 9 only: the figures are over those, not
+    diluted by the steps between, whose comms were never written."""
+    from tracekit.window import Window
+
+    write_manifest(tmp_path, {"status": "running", "started_at": "2026-01-01T00:00:00+00:00",
+                              "collector_settings": {"window": Window.parse(every="3:1").to_json()}})
+    recorded = [0, 3, 6, 9]
+    with RunWriter(tmp_path, rank=0) as writer:
+        writer.append("steps", {"step": list(range(10)), "t_start_ns": [10 * MS * s for s in range(10)],
+                                "t_end_ns": [10 * MS * (s + 1) for s in range(10)], "samples": [8] * 10})
+        n = len(recorded)
+        writer.append("comms", {"seq": list(range(n)), "group": ["g"] * n, "group_size": [2] * n, "dtype": ["f32"] * n,
+                                "bytes_in": [0] * n, "splits_out": [[]] * n, "splits_in": [[]] * n, "tag": [""] * n,
+                                "async": [False] * n, "step": recorded, "op": ["all_reduce"] * n,
+                                "bytes_out": [100] * n, "phase": ["train"] * n,
+                                "t_start_ns": [10 * MS * s for s in recorded],
+                                "t_end_ns": [10 * MS * s + 5 * MS for s in recorded]})
+    reader = RunReader(tmp_path, window=2)
+    reader.poll()
+    figures = reader.figures()
+    assert figures["ranks"][0]["comm_share"] == 0.5  # steps 6 and 9: 5 ms of 10 each
+    assert figures["ranks"][0]["step_s"] == 0.01
+    assert figures["bytes_per_step"] == {"all_reduce": 100.0}
+    assert figures["recorded"] == "the first 1 of every 3 steps"
+
+
 def test_watch_follows_a_running_run_and_ends_with_it(recorded, tmp_path: Path) -> None:
     _, run_dir, _ = recorded
     live = tmp_path / "live"

@@ -9,11 +9,13 @@ The figures (`RunReader.figures`), over training rows (`phase` = train):
 
 - steps per rank, and the recent step time: the median of the rank's last WINDOW step durations
   (t_end_ns - t_start_ns of `steps`);
-- comm share per rank: over the rank's last WINDOW steps, sum of comm_ns / sum of step durations,
-  where comm_ns of a step is the length of the union of the rank's collective intervals
+- comm share per rank: over the rank's last WINDOW recorded steps, sum of comm_ns / sum of step
+  durations, where comm_ns of a step is the length of the union of the rank's collective intervals
   [t_start_ns, t_end_ns] of that step, clipped to the step (overlapping async calls count once);
-- bytes per step by op: sum of `bytes_out` over all ranks of the last WINDOW steps that every rank
-  has finished, divided by the number of those steps (DESIGN.md §5's per-step bytes);
+- bytes per step by op: sum of `bytes_out` over all ranks of the last WINDOW recorded steps that
+  every rank has finished, divided by the number of those steps (DESIGN.md §5's per-step bytes).
+  A recorded step is one of `record --steps/--every` (tracekit/window.py): every step by default;
+  step times are of every step, comms only of recorded ones;
 - the hottest tables by lookups (sum of `count` in `accesses`), with rows touched and the top-1%
   share: the share of the table's lookups taken by its ceil(1% * N) most-read rows, N = num_rows from
   the manifest, else the largest row seen + 1 (analyses/skew.py's definition);
@@ -63,6 +65,7 @@ from tracekit.phases import TRAIN
 from tracekit.schema import MANIFEST, SCHEMA_VERSION, STATUS_RUNNING, VERSION_KEY, major
 from tracekit.store import read_manifest
 from tracekit.units import format_bytes
+from tracekit.window import Window
 
 WINDOW = 20
 """Steps in the recent window of step time, comm share and bytes per step."""
@@ -195,33 +198,40 @@ class RunReader:
             self._lookups[name] = kept
             self._skew.pop(name, None)
 
+    @property
+    def recorded(self) -> Window:
+        """The steps whose comms and accesses are recorded (record --steps/--every)."""
+        return Window.of_settings(self.manifest.get("collector_settings"))
+
     def _prune(self) -> None:
-        """Forget steps older than the recent window needs (step counts stay exact)."""
+        """Forget steps older than the recent window needs (step counts stay exact): the last 2 ×
+        `window` steps are kept, and the last 2 × `window` recorded ones."""
+        recorded = self.recorded
         for rank, last in self._last_step.items():
-            keep_from = last - 2 * self.window
+            keep = set(sorted(s for s in self._steps[rank] if recorded.on(s))[-2 * self.window:])
             for by_step in (self._steps[rank], self._comm[rank]):
-                for step in [s for s in by_step if s < keep_from]:
+                for step in [s for s in by_step if s < last - 2 * self.window and s not in keep]:
                     del by_step[step]
-        if self._last_step:
-            keep_from = min(self._last_step.values()) - 2 * self.window
-            for step in [s for s in self._bytes if s < keep_from]:
-                del self._bytes[step]
+        for step in sorted(self._bytes)[:-2 * self.window]:
+            del self._bytes[step]
 
     def figures(self) -> dict:
         """What the view shows, as plain data (see the module docstring for each definition)."""
         ranks = {}
         for rank in sorted(self._step_count):
-            recent = sorted(self._steps[rank])[-self.window:]
-            spans = [self._steps[rank][s] for s in recent]
-            step_ns = sum(t1 - t0 for t0, t1 in spans)
-            comm_ns = sum(_union_ns(self._comm[rank].get(s, []), t0, t1) for s, (t0, t1) in zip(recent, spans))
+            steps = self._steps[rank]
+            recent = sorted(steps)[-self.window:]
+            traced = sorted(s for s in steps if self.recorded.on(s))[-self.window:]
+            step_ns = sum(steps[s][1] - steps[s][0] for s in traced)
+            comm_ns = sum(_union_ns(self._comm[rank].get(s, []), *steps[s]) for s in traced)
             ranks[rank] = {"steps": self._step_count[rank], "last_step": self._last_step[rank],
-                           "step_s": statistics.median(t1 - t0 for t0, t1 in spans) / 1e9,
+                           "step_s": statistics.median(steps[s][1] - steps[s][0] for s in recent) / 1e9,
                            "comm_share": comm_ns / step_ns if step_ns > 0 and self.files["comms"] else None}
         return {"run_dir": str(self.run_dir), "status": self.manifest.get("status"),
                 "elapsed_s": _elapsed(self.manifest), "window": self.window, "ranks": ranks, "bytes_per_step": self._bytes_per_step(),
                 "tables": self._hot_tables(), "dropped_rows": self._dropped(), "now": self._now(),
-                "hang": self._hang(), "files": dict(self.files), "rows": dict(self.rows)}
+                "hang": self._hang(), "files": dict(self.files), "rows": dict(self.rows),
+                "recorded": None if self.recorded.everything else self.recorded.describe()}
 
     def _now(self) -> dict[int, dict]:
         """What each rank is doing now, from its heartbeat (collectors/heartbeat.py), while it runs."""
@@ -242,11 +252,11 @@ class RunReader:
         return None if "cleared_after_s" in hang else hang
 
     def _bytes_per_step(self) -> dict[str, float]:
-        """op -> bytes_out per step, over the last `window` steps that every rank has finished."""
+        """op -> bytes_out per step, over the last `window` steps with comms that every rank has finished."""
         if not self._last_step:
             return {}
         done = min(self._last_step.values())
-        steps = [s for s in self._bytes if done - self.window < s <= done]
+        steps = sorted(s for s in self._bytes if s <= done)[-self.window:]
         total: Counter[str] = Counter()
         for step in steps:
             total.update(self._bytes[step])
@@ -352,9 +362,10 @@ def render(figures: dict) -> Group:
     if figures["dropped_rows"] is not None:
         dropped = ", ".join(f"{table} {rows:,}" for table, rows in sorted(figures["dropped_rows"].items()) if rows)
         parts.append(Text(f"dropped rows: {dropped or 'none'}"))
+    recorded = "" if figures["recorded"] is None else f" recorded ({figures['recorded']})"
     parts.append(Text(f"step time: median of the rank's last {n} steps; comm share: the union of its collective "
-                      f"intervals within each of those steps / their time; bytes per step: all ranks' bytes_out "
-                      f"over the last {n} steps every rank finished", style="dim"))
+                      f"intervals within each of its last {n}{recorded} steps / their time; bytes per step: all "
+                      f"ranks' bytes_out over the last {n}{recorded} steps every rank finished", style="dim"))
     return Group(*parts)
 
 
