@@ -48,6 +48,7 @@ class Settings:
     max_bytes: int | None  # TRACEKIT_MAX_SIZE (record --max-size) over WORLD_SIZE: this rank's share
     window: dict | None  # TRACEKIT_WINDOW (record --steps, --every): tracekit/window.py's fields; None: every step
     max_pending_ids: int | None  # TRACEKIT_MAX_PENDING_IDS: ids held for the writer before shedding; None: embedding's
+    torchrec_plan: str | None  # TRACEKIT_TORCHREC_PLAN (record --plan): the plan injected into TorchRec's DMP
 
     @staticmethod
     def from_env(env: dict) -> "Settings":
@@ -64,7 +65,7 @@ class Settings:
                         if env.get("TRACEKIT_MAX_SIZE") else None,
                         window=json.loads(env["TRACEKIT_WINDOW"]) if env.get("TRACEKIT_WINDOW") else None,
                         max_pending_ids=int(env["TRACEKIT_MAX_PENDING_IDS"]) if env.get("TRACEKIT_MAX_PENDING_IDS")
-                        else None)
+                        else None, torchrec_plan=env.get("TRACEKIT_TORCHREC_PLAN") or None)
 
 
 def is_launcher(orig_argv: list[str]) -> bool:
@@ -184,6 +185,10 @@ def activate(settings: Settings) -> None:
     handles = [phase.install(), steps.install(writer, clock), tables, torchrec_tables.install(tables), comms,
                grads.install(writer, clock, grad_every=settings.grad_every,
                              refresh_ladder=REFRESH_LADDER if settings.dct_replay else ()), sampler]
+    if settings.torchrec_plan:
+        from collectors import torchrec_plan
+
+        torchrec_plan.install(settings.torchrec_plan)
 
     def finish() -> None:
         failures = []
@@ -203,6 +208,8 @@ def activate(settings: Settings) -> None:
                  "settings": lambda: {**asdict(settings), "run_dir": str(settings.run_dir)},
                  "tables": lambda: tables.tables, "gpu": sampler.status,
                  "policy": lambda: facts.policy, "metrics": lambda: facts.metrics}
+        if settings.torchrec_plan:
+            parts["torchrec_plan_applied"] = lambda: sys.modules["collectors.torchrec_plan"].applied
         reserve.release()
         try:
             write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts,

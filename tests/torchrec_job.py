@@ -12,7 +12,8 @@ TorchRec's DLRM over an EmbeddingBagCollection, or with `--kind sequence` an Emb
 
 It trains STEPS iterations, each on a batch that rank r draws from a generator seeded with
 (step, r), and after iteration EVAL_AFTER runs one forward in eval mode under no_grad on batch
-"eval". Each rank writes what it fed to `--out`/rank=R.json: {batch: {feature: {"lengths", "values"}}}.
+"eval". Each rank writes what it fed to `--out`/rank=R.json: {batch: {feature: {"lengths", "values"}}},
+and its training losses to `--out`/losses-rank=R.json.
 """
 
 import argparse
@@ -152,11 +153,12 @@ def main() -> None:
         model, optimizer = shard(model, tables, path, args.sharding, world_size)
 
         # train, with one eval forward after EVAL_AFTER
-        fed = {}
+        fed, losses = {}, []
         for step in range(STEPS):
             b, fed[str(step)] = batch((step, rank))
             optimizer.zero_grad()
             loss, _ = model(b)
+            losses.append(loss.item())
             loss.backward()
             optimizer.step()
             if step == EVAL_AFTER:
@@ -168,6 +170,7 @@ def main() -> None:
 
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank={rank}.json").write_text(json.dumps(fed))
+        (args.out / f"losses-rank={rank}.json").write_text(json.dumps(losses))
     finally:
         dist.barrier()  # before destroying the group: avoids the intermittent SIGABRT at exit after DDP
         dist.destroy_process_group()

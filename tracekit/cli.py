@@ -12,12 +12,13 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from tracekit import __version__
-from tracekit.cli_options import (ANALYSIS, DCT_REPLAY, JSON, LONG_JOBS, RUN_DIR, TRACING, Commands, InputError,
-                                  RecordCommand, analysis_options, cluster_topology, parsed, record_limits)
+from tracekit.cli_options import (ANALYSIS, DCT_REPLAY, JOB, JSON, RUN_DIR, TRACING, Commands, InputError,
+                                  RecordCommand, analysis_options, cluster_topology, job_settings, parsed)
 from tracekit.cluster import MAX_NODES as CLUSTER_MAX_NODES
 from tracekit.console import show
 
@@ -34,7 +35,7 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Replace a non-empty run directory.")
 @TRACING
 @DCT_REPLAY
-@LONG_JOBS
+@JOB
 @click.option("--gpu-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
               envvar="TRACEKIT_GPU_INTERVAL_S", help="Seconds between NVML samples of each rank's GPU.")
 @click.option("--json", "as_json", is_flag=True, help="At the end, print the run's summary as one JSON line on stdout.")
@@ -42,8 +43,7 @@ def cli() -> None:
               help="Show `tracekit watch`'s live view of the run (on stderr) while COMMAND runs.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int, flush_interval: float,
-           dct_replay: bool, hang_after: float | None, max_size: str | None, window_steps: str | None,
-           window_every: str | None, gpu_interval: float, as_json: bool, live: bool, command: tuple[str, ...]) -> None:
+           dct_replay: bool, gpu_interval: float, as_json: bool, live: bool, command: tuple[str, ...], **job: Any) -> None:
     """Run COMMAND with the collectors injected; keep a trace of it (docs/recording.md).
 
     Exits with COMMAND's exit code (130 after Ctrl-C, 128+N if it was killed by signal N, 126 if it
@@ -57,15 +57,14 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
     from tracekit.console import describe_record
     from tracekit.watch import watching
 
-    command = list(command)
-    cap, window = record_limits(max_size, window_steps, window_every)
+    command, settings = list(command), job_settings(**job)
     run_dir = run_dir or recording.default_run_dir(command)
     recording.prepare(command, run_dir, force=force)
     click.echo(f"tracekit: recording into {run_dir}", err=True)
     with watching(run_dir, enabled=live):  # a thread that only reads the run's files, on stderr
         code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
                                 flush_interval_s=flush_interval, gpu_interval_s=gpu_interval, dct_replay=dct_replay,
-                                hang_after=hang_after, max_size=cap, window=window)
+                                **settings)
     summary = recording.summary(run_dir, recording.read_manifest(run_dir))
     click.echo(json.dumps(summary) if as_json else describe_record(summary), err=not as_json)
     sys.exit(code)
@@ -298,11 +297,10 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
               help="Record the run into DIR, as `tracekit record -o DIR` does (with record's options below).")
 @click.option("--force", is_flag=True, help="With --record: replace a non-empty run directory.")
 @TRACING
-@LONG_JOBS
+@JOB
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, run_dir: Path | None, force: bool,
-            lookup_every: int, grad_every: int, flush_interval: float, hang_after: float | None,
-            max_size: str | None, window_steps: str | None, window_every: str | None, command: tuple[str, ...]) -> None:
+            lookup_every: int, grad_every: int, flush_interval: float, command: tuple[str, ...], **job: Any) -> None:
     """Run COMMAND on an emulated cluster: NODES network namespaces whose links run at LINK.
 
     One torchrun per node runs COMMAND (`python train.py ...`, no torchrun); needs root and iproute2
@@ -318,7 +316,7 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
     from tracekit.units import parse_rate
 
     parsed(parse_rate, link, "--link")
-    cap, window = record_limits(max_size, window_steps, window_every)
+    settings = job_settings(**job)
     on, command = emulated.Cluster(nodes, ranks_per_node, link, latency), list(command)
     emulated.check_prerequisites(on)
 
@@ -331,7 +329,7 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
     recording.prepare(command, run_dir, force=force)
     say(f"recording into {run_dir}")
     code = emulated.record(command, on, run_dir, say=say, lookup_every=lookup_every, grad_every=grad_every,
-                           flush_interval_s=flush_interval, hang_after=hang_after, max_size=cap, window=window)
+                           flush_interval_s=flush_interval, **settings)
     click.echo(describe_record(recording.summary(run_dir, recording.read_manifest(run_dir))), err=True)
     sys.exit(code)
 

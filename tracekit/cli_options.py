@@ -63,7 +63,10 @@ _WINDOW = _options_of(  # which steps record keeps
 _MAX_SIZE = click.option("--max-size", default=None, metavar="BYTES",
                         help="Write at most this much trace (e.g. 20GB), each rank its share; the manifest's "
                              "truncated_at then says where each rank stopped. Default: no limit.")
-LONG_JOBS = _options_of(_HANG_AFTER, _MAX_SIZE, _WINDOW)  # record's options for jobs of days and hangs
+_PLAN = click.option("--plan", type=click.Path(path_type=Path), default=None, metavar="FILE",
+                     help="A TorchRec job: build its DistributedModelParallel with this plan (tracekit's TorchRec plan "
+                          "file, as `tracekit optimize` writes it) in place of the one its code builds.")
+JOB = _options_of(_HANG_AFTER, _MAX_SIZE, _WINDOW, _PLAN)  # record's options for jobs of days, hangs and plans
 DCT_REPLAY = click.option("--dct-replay", is_flag=True, envvar="TRACEKIT_DCT_REPLAY",
                           help="Replay DCT-DP with error feedback on every step's gradients (dct_replay table), from "
                                "which analyze derives compression.dp; costs the step ~15% on the reference trainer, "
@@ -88,14 +91,21 @@ def parsed(parse: Callable[[str], Any], text: str | None, hint: str) -> Any:
         raise click.BadParameter(str(err), param_hint=hint) from None
 
 
-def record_limits(max_size: str | None, steps: str | None, every: str | None):
-    """record's --max-size (bytes or None) and --steps/--every (a tracekit.window.Window), parsed;
-    click.BadParameter naming the option that fails."""
+def job_settings(hang_after: float | None, max_size: str | None, window_steps: str | None,
+                 window_every: str | None, plan: Path | None) -> dict[str, Any]:
+    """The JOB options as recording.record's keywords: --max-size in bytes, --steps/--every as a
+    tracekit.window.Window, --plan read and checked; click.BadParameter naming the option that fails."""
+    from tracekit.torchrec_plan import PlanError, read_plan
     from tracekit.units import parse_bytes
     from tracekit.window import Window
 
-    window = parsed(lambda _: Window.parse(steps=steps, every=every), "", "--steps/--every")
-    return parsed(parse_bytes, max_size, "--max-size"), window
+    window = parsed(lambda _: Window.parse(steps=window_steps, every=window_every), "", "--steps/--every")
+    try:
+        None if plan is None else read_plan(plan)
+    except PlanError as err:
+        raise click.BadParameter(str(err), param_hint="--plan") from None
+    return {"hang_after": hang_after, "max_size": parsed(parse_bytes, max_size, "--max-size"), "window": window,
+            "plan": plan}
 
 
 def analysis_options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,

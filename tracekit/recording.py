@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -38,6 +39,8 @@ from tracekit.files import Reserve
 from tracekit.hang import HangWatch
 from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 from tracekit.store import read_manifest, write_manifest
+from tracekit.torchrec_plan import ENV as ENV_PLAN
+from tracekit.torchrec_plan import read_plan
 from tracekit.window import Window
 
 SITE_DIR = Path(collectors.__file__).resolve().parent / "site"
@@ -122,7 +125,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
            flush_interval_s: float = 1.0, gpu_interval_s: float = 0.1, dct_replay: bool = False,
            manifest_extra: dict | None = None, run: Callable[[dict[str, str]], tuple[int, bool]] | None = None,
            output: IO | None = None, hang_after: float | None = None, max_size: int | None = None,
-           window: Window = Window()) -> int:
+           window: Window = Window(), plan: Path | None = None) -> int:
     """Run `command` traced into `run_dir`; returns what `record` exits with: the command's exit code,
     130 for Ctrl-C, 128 + N for a command killed by signal N, 126 for a command that cannot start.
     The defaults are `tracekit record`'s.
@@ -134,11 +137,13 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     (tracekit/hang.py; `hang_after` seconds, None: from the run's step times). `max_size`: bytes of
     Parquet the ranks write at most, each its 1/WORLD_SIZE share (the manifest's `truncated_at` then
     says where each stopped). `window`: the steps whose accesses, lookups and comms are recorded
-    (tracekit/window.py)."""
+    (tracekit/window.py). `plan`: a TorchRec plan file (tracekit/torchrec_plan.py, read and checked
+    by the caller) the job's DistributedModelParallel is built with, noted in the manifest's
+    `torchrec_plan` with its hash."""
     started = datetime.datetime.now(datetime.timezone.utc)
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
                 "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay, "max_size": max_size,
-                "window": window.to_json()}
+                "window": window.to_json(), "torchrec_plan": None if plan is None else str(plan.resolve())}
     manifest = {
         "schema_version": SCHEMA_VERSION, "tracekit_version": __version__, "run_id": uuid.uuid4().hex,
         "command": command, "cwd": os.getcwd(), "started_at": started.isoformat(), "ended_at": None,
@@ -147,6 +152,9 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
         "torch_version": _version("torch"), "collector_settings": settings, "gpu": gpu_status(),
         "environment": {k: v for k, v in os.environ.items() if k in ENV_ALLOW or k.startswith("TRACEKIT_")},
     }
+    if plan is not None:
+        manifest["torchrec_plan"] = {"path": str(plan.resolve()), "sha256": hashlib.sha256(plan.read_bytes()).hexdigest(),
+                                     "plan": read_plan(plan)}
     write_manifest(run_dir, {**manifest, **(manifest_extra or {})})
     Reserve(run_dir / MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES).hold()  # for the final manifest on a full disk
     env = {**os.environ, "TRACEKIT_RUN_DIR": str(run_dir.resolve()), "TRACEKIT_LOOKUP_EVERY": str(lookup_every),
@@ -154,7 +162,8 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
            "TRACEKIT_FLUSH_INTERVAL_S": str(flush_interval_s), "TRACEKIT_GPU_INTERVAL_S": str(gpu_interval_s),
            "PYTHONPATH": os.pathsep.join([str(SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
            **({"TRACEKIT_MAX_SIZE": str(max_size)} if max_size else {}),
-           **({"TRACEKIT_WINDOW": json.dumps(window.to_json())} if not window.everything else {})}
+           **({"TRACEKIT_WINDOW": json.dumps(window.to_json())} if not window.everything else {}),
+           **({ENV_PLAN: str(plan.resolve())} if plan is not None else {})}
     if run is not None:
         with _watching_for_hangs(HangWatch(run_dir, hang_after, out=output)):
             code, interrupted = run(env)
@@ -259,6 +268,7 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
                                    manifest["collector_settings"]["gpu_interval_s"]),
         "policy": lambda: merge_policy(having("policy"), errors),
         "metrics": lambda: merge_metrics(having("metrics")),
+        "torchrec_plan": lambda: _plan_applied(manifest.get("torchrec_plan"), each("torchrec_plan_applied"), errors),
     }
     for name, compute in parts.items():
         value = _part(errors, name, compute)
@@ -336,6 +346,17 @@ def summary(run_dir: Path, manifest: dict) -> dict:
             "truncated_at": manifest.get("truncated_at") or {},
             "writer_first_errors": manifest.get("writer_first_errors") or {},
             "finalise_errors": manifest.get("finalise_errors", [])}
+
+
+def _plan_applied(plan: dict | None, applied: dict[str, int], errors: list[str]) -> dict | None:
+    """The manifest's `torchrec_plan` with `applied`: per rank, the DistributedModelParallels built
+    with it; named in `errors` where no rank built one (the plan then did nothing)."""
+    if plan is None:
+        return None
+    if applied and not any(applied.values()):
+        errors.append(f"torchrec_plan: no rank built a TorchRec DistributedModelParallel, so {plan['path']} was not "
+                      "applied")
+    return {**plan, "applied": applied}
 
 
 def read_rank_report(path: Path) -> dict:
