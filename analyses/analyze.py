@@ -32,6 +32,7 @@ ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     "timeline": ("analyses.timeline", ("steps",)),
     "cache": ("analyses.cache", ("accesses",)),
     "planner": ("analyses.planner", ("accesses",)),  # asks analyses.cache for its curves (replayed once)
+    "torchrec_plan": ("analyses.torchrec_plans", ("lookups", "comms")),  # a TorchRec run's plan (torchrec_plan.json)
 }
 COSTMODEL = ("analyses.costmodel", ("lookups", "comms"))
 """After the policies: its checks read what they derived."""

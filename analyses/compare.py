@@ -193,6 +193,7 @@ def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_
         warnings += problems
         if policy is not None:
             rows += policy_rows(m, policy, first, result.notes)
+        rows += plan_rows(m, first)
     result.tables = tables(measured, rows)
     result.summary = {"base": first.name, "skip_steps": max(m.figures["skip_steps"] for m in measured), "runs": [m.figures for m in measured],
                       "rows": rows, "warnings": warnings, "notes": result.notes}
@@ -482,6 +483,25 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
                 STEP_TIME: STEP_TIME}
     rows += [row(m.name, "baseline", key, policy["baseline"][key], base.figures.get(ours))
              for key, ours in baseline.items() if _number(policy.get("baseline", {}).get(key))]
+    return rows
+
+
+PLAN_FIGURES = (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, STEP_TIME)
+
+
+def plan_rows(m: Measured, base: Measured) -> list[dict]:
+    """Predicted against measured for a TorchRec plan the run was recorded with (`record --plan`; the
+    manifest keeps the plan as it was read, analyses/torchrec_plans.py's predictions in it)."""
+    plan = (m.manifest.get("torchrec_plan") or {}).get("plan") or {}
+    predicted = plan.get("predicted") or {}
+    intervals = plan.get("intervals") or {}
+    rows = [row(m.name, "torchrec_plan", figure, float(predicted[figure]), m.figures.get(figure),
+                tuple(intervals[figure]) if figure in intervals else None)
+            for figure in PLAN_FIGURES if _number(predicted.get(figure))]
+    rows += [row(m.name, "torchrec_plan", f"{figure}_saving", 1 - float(predicted[figure]) / base.figures[figure],
+                 1 - m.figures[figure] / base.figures[figure])
+             for figure in (A2A_REMOTE_BYTES, STEP_TIME)
+             if _number(predicted.get(figure)) and base.figures.get(figure) and m.figures.get(figure) is not None]
     return rows
 
 

@@ -227,6 +227,9 @@ def test_commands_become_torchrun_forms() -> None:
         node1.addr, "-m", "m", "-a"]
     assert cluster.torchrun_argv(["sh", "-c", "true"], topology, network, node1)[-4:] == [
         "--no-python", "sh", "-c", "true"]
+    assert head[:3] == [sys.executable, "-m", "torch.distributed.run"]  # "python": this one's
+    other = cluster.torchrun_argv(["/venvs/torchrec/bin/python", "x.py"], topology, network, node1)
+    assert other[:3] == ["/venvs/torchrec/bin/python", "-m", "torch.distributed.run"] and other[-1] == "x.py"
     assert max(len(name) for n in network.nodes for name in (n.veth, n.peer, network.bridge)) <= 15
     widest = cluster.plan_network(cluster.MAX_NODES, "abc123", [])
     assert max(len(n.veth) for n in widest.nodes) <= 15 and widest.nodes[-1].addr.endswith(".254")

@@ -10,16 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from analyses import exchange, torchrec_plans
+from analyses.context import open_context
 from tests.recorded import REPO, record
 from tests.torchrec_env import torchrec_python  # noqa: F401
 from tracekit.cli import cli
 from tracekit.torchrec_plan import SCHEMA, PlanError, check_model, from_manifest, read_plan, validate, write_plan
 
 JOB = REPO / "tests" / "torchrec_job.py"
-ROWS, DIM = 200, 16  # as in the job
+ROWS, DIM, STEPS = 200, 16, 4  # as in the job
 
 
 def run_job(python: Path, out: Path, *options: str) -> list[list[float]]:
@@ -32,10 +35,11 @@ def run_job(python: Path, out: Path, *options: str) -> list[list[float]]:
 
 
 def record_job(python: Path, tmp: Path, plan: Path | None) -> tuple[int, Path, str]:
-    """(exit code, run dir, stderr of record and the job) of the job recorded, with `plan` if given."""
+    """(exit code, run dir, stderr of record and the job) of the job recorded (lookups every step),
+    with `plan` if given."""
     options = ("--plan", str(plan)) if plan else ()
     r = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(tmp / "run"), "--flush-interval", "0.2",
-                        *options, "--", str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        "--lookup-every", "1", *options, "--", str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                         "2", str(JOB), "--sharding", "table_wise", "--out", str(tmp / "out")], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     return r.returncode, tmp / "run", r.stderr
@@ -68,6 +72,31 @@ def test_its_own_plan_changes_nothing_and_another_is_the_one_it_runs(torchrec_py
     ran = manifest(moved)
     assert from_manifest(ran)["tables"] == mixed["tables"]  # read back from what the ranks' tables were
     assert ran["torchrec_plan"]["plan"] == mixed and ran["finalise_errors"] == []
+
+    # the bytes of either plan, from the base run's lookups alone, are what each run moved
+    with open_context(base) as ctx:
+        s = exchange.baseline(ctx)
+        L = torchrec_plans.loads(ctx, s.len_bytes, s.id_bytes)
+        dense = measured(ctx)["all_reduce"]
+    for run_dir, tables, extra in ((base, from_manifest(manifest(base))["tables"], 0.0), (moved, mixed["tables"], None)):
+        predicted = torchrec_plans.figures(L, tables)
+        with open_context(run_dir) as ctx:
+            got = measured(ctx)
+        assert got["a2a"] == predicted["a2a_bytes_per_step"] and got["a2a_remote"] == predicted["a2a_remote_bytes_per_step"]
+        assert got["all_reduce"] - dense == predicted["dp_allreduce_bytes_per_step"] == (extra if extra is not None else
+                                                                                          2 * ROWS * DIM * 4)
+
+
+def measured(ctx) -> dict[str, float]:
+    """Bytes per training step in `comms`: the embedding all-to-alls (the splits' left out) and what
+    crossed ranks, and the all-reduces."""
+    rows = ctx.sql(f"""SELECT op, sum(bytes_out)::DOUBLE / {STEPS},
+                              sum(bytes_out - coalesce(splits_out[rank + 1], 0))::DOUBLE / {STEPS}
+                       FROM train_comms WHERE op IN ('all_to_all_single', 'all_reduce')
+                       AND tag NOT LIKE 'SplitsAllToAll%' GROUP BY op""").fetchall()
+    found = {op: (total, remote) for op, total, remote in rows}
+    return {"a2a": found["all_to_all_single"][0], "a2a_remote": found["all_to_all_single"][1],
+            "all_reduce": found["all_reduce"][0]}
 
 
 @pytest.mark.slow
@@ -127,3 +156,66 @@ def test_the_plan_files_checks() -> None:
         check_model(plan, {}, 4, "p.json")
     with pytest.raises(PlanError, match="cannot read the plan file"):
         read_plan("/nonexistent/plan.json")
+
+
+def synthetic_loads() -> torchrec_plans.Loads:
+    """2 ranks, batch 64 each, one id a bag: `big` (1M × 48) weighs as much as three small tables
+    (1k × 16) together; and a hot tiny one (`hot`: 10 × 16, 8 ids a bag) whose exchange outweighs
+    copying it."""
+    names = ["big", "a", "b", "c", "hot"]
+    ids = np.array([[64.0, 64.0], [64, 64], [64, 64], [64, 64], [512, 512]])
+    return torchrec_plans.Loads(world=2, names=names, rows=np.array([1_000_000, 1000, 1000, 1000, 10]),
+                                dims=np.array([48, 16, 16, 16, 16]), eb=np.full(5, 4.0), features=np.ones(5),
+                                pooled=np.ones(5, dtype=bool), ids=ids, batch=np.array([64.0, 64.0]), len_bytes=8,
+                                id_bytes=8, sampled_steps=10)
+
+
+def test_derive_balances_the_busiest_rank_and_copies_what_is_cheaper_to_copy() -> None:
+    L = synthetic_loads()
+    base = {name: {"sharding_type": "table_wise", "ranks": [0], "compute_kernel": "fused",
+                   "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t])} for t, name in enumerate(L.names)}
+    prices = torchrec_plans.Prices(alpha=1e-4, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8))
+    derived = torchrec_plans.derive(L, base, prices)
+    validate({"schema": SCHEMA, "world_size": 2, "tables": derived})
+    assert derived["hot"]["sharding_type"] == "data_parallel"
+    assert derived["big"]["sharding_type"] == "table_wise"
+    on_big = derived["big"]["ranks"][0]
+    assert all(derived[t]["ranks"] == [1 - on_big] for t in ("a", "b", "c"))  # the rest on the other rank
+    assert torchrec_plans.link_seconds(L, derived, prices) < torchrec_plans.link_seconds(L, base, prices)
+    # the bytes: every id and length once, every pooled row out and back, the copy's all-reduce
+    f = torchrec_plans.figures(L, derived)
+    exchanged = [t for t, name in enumerate(L.names) if name != "hot"]
+    assert f["a2a_bytes_per_step"] == sum(8 * 128 + 8 * L.ids[t].sum() + 2 * 128 * L.dims[t] * 4 for t in exchanged)
+    assert f["dp_allreduce_bytes_per_step"] == 2 * 10 * 16 * 4
+
+
+def test_a_table_heavier_than_a_ranks_share_is_split_by_columns() -> None:
+    L = synthetic_loads()
+    L.dims[0], L.ids[0] = 256, [256.0, 256.0]  # big now outweighs everything else together
+    base = {name: {"sharding_type": "table_wise", "ranks": [0], "compute_kernel": "fused",
+                   "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t])} for t, name in enumerate(L.names)}
+    prices = torchrec_plans.Prices(alpha=1e-6, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8))
+    derived = torchrec_plans.derive(L, base, prices)
+    assert derived["big"]["sharding_type"] == "column_wise" and sorted(derived["big"]["ranks"]) == [0, 1]
+    assert torchrec_plans.link_seconds(L, derived, prices) < torchrec_plans.link_seconds(L, base, prices)
+
+
+@pytest.mark.slow
+def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: Path, tmp_path: Path) -> None:
+    """The job as it is (t0, two features, and t2 on rank 0; t1 on rank 1) and, re-run unchanged, the
+    plan analyze derived from its trace: t0 alone on one rank. Its bytes are predicted exactly; four
+    steps time nothing after warm-up, so no step time is predicted and --check-all re-runs it."""
+    r = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "--check-all", "--json", "-o", str(tmp_path / "opt"),
+                        "--", str(torchrec_python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        "2", str(JOB), "--sharding", "table_wise", "--out", str(tmp_path / "out")], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    plan = read_plan(tmp_path / "opt" / "base" / "torchrec_plan.json")
+    assert plan["tables"]["t1"]["ranks"] == plan["tables"]["t2"]["ranks"] != plan["tables"]["t0"]["ranks"]
+    ran = manifest(tmp_path / "opt" / "torchrec_plan")
+    assert from_manifest(ran)["tables"] == plan["tables"] and ran["command"] == manifest(tmp_path / "opt" / "base")["command"]
+    rows = {row["figure"]: row for row in summary["rows"] if row["section"] == "torchrec_plan"}
+    for figure in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "allreduce_bytes_per_step"):
+        assert rows[figure]["diff"] == 0, rows[figure]
+    assert "step_time_s" not in rows and any("although not recommended" in n for n in summary["notes"])

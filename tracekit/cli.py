@@ -260,8 +260,9 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
              check_all: bool, dct_replay: bool, as_json: bool, command: tuple[str, ...]) -> None:
     """Record COMMAND, analyse it, re-run it with each policy and their combination, and compare.
 
-    COMMAND must accept `--policy PATH` at its end (train.py does). Every run lands in OUT with its
-    log beside it (OUT/<name>.log). With --cluster, COMMAND is the plain `python train.py ...`.
+    COMMAND must accept `--policy PATH` at its end (train.py does), or be a TorchRec job, re-run
+    unchanged with its derived plan. Every run lands in OUT with its log beside it (OUT/<name>.log).
+    With --cluster, COMMAND is the plain `python train.py ...`.
 
     \b
     Examples:

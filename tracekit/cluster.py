@@ -263,9 +263,10 @@ def _kill(pid: int, sig: int) -> None:
 
 def torchrun_argv(command: list[str], cluster: Cluster, network: Network, node: Node) -> list[str]:
     """torchrun of `command` on `node`: `python X.py ...` and `python -m mod ...` in torchrun's own
-    forms, anything else with --no-python."""
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    argv = [torchrun, "--nnodes", str(cluster.nodes), "--node-rank", str(node.index),
+    forms, anything else with --no-python. torchrun runs in the command's Python where the command
+    names one by its path (another virtualenv's: a TorchRec job's), else in this one."""
+    python = command[0] if _is_python(command[0]) and os.sep in command[0] else sys.executable
+    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(cluster.nodes), "--node-rank", str(node.index),
             "--nproc-per-node", str(cluster.ranks_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{network.nodes[0].addr}:{RDZV_PORT}", "--rdzv-id", network.run_id,
             "--local-addr", node.addr]

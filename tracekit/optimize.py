@@ -9,7 +9,9 @@
                         FlexShard's tiers are measured against), recommended or not
 
 then the comparison of DIR/base with DIR/<section> ... DIR/combined and its report, DIR/report.html.
-The command must take `--policy PATH` as its last option (the reference trainer's train.py does).
+The command must take `--policy PATH` as its last option (the reference trainer's train.py does),
+unless it is a TorchRec job: then analyze's derived plan (DIR/base/torchrec_plan.json) is the one
+re-run, DIR/torchrec_plan, the command unchanged and the plan injected (`record --plan`).
 Each run's output goes to DIR/<name>.log; `progress` hears which step is going. With a `cluster`
 topology every run is recorded on that emulated cluster (`tracekit cluster`) of the plain command.
 
@@ -29,6 +31,7 @@ from tracekit.console import describe_record
 from tracekit.errors import TracekitError
 from tracekit.loop import analyze_run, compare_runs, write_report
 from tracekit.policy import TRAINING, Policy, Section, Tiers, nothing_to_apply, read_policy, write_policy
+from tracekit.torchrec_plan import PLAN_FILE, from_manifest, read_plan
 
 
 class OptimizeError(TracekitError):
@@ -67,13 +70,17 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
         progress("analysing the baseline: simulate")
         project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), base / "policy.json")
     progress("analysing the baseline: done")
-    plans, notes = reruns(base / "policy.json", checked=check_all)
+    if (base / PLAN_FILE).exists():
+        plans, notes = torchrec_reruns(base / PLAN_FILE, from_manifest(recording.read_manifest(base)), checked=check_all)
+    else:
+        plans, notes = reruns(base / "policy.json", checked=check_all)
     result = Optimized(base, notes=notes)
     for i, rerun in enumerate(plans, 1):
         log = out_dir / f"{rerun.name}.log"
         progress(f"re-running with {rerun.name} ({i}/{len(plans)}; log {log})")
-        code = record(out_dir / rerun.name, [*command, "--policy", str(rerun.policy)], log,
-                      lookup_every=lookup_every, cluster=cluster, dct_replay=dct_replay)  # same tracing: times compare
+        code = record(out_dir / rerun.name, command if rerun.plan else [*command, "--policy", str(rerun.policy)], log,
+                      lookup_every=lookup_every, cluster=cluster, dct_replay=dct_replay,  # same tracing: times compare
+                      plan=rerun.policy if rerun.plan else None)
         if code == 0:
             result.runs.append(out_dir / rerun.name)
         else:
@@ -95,8 +102,23 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
 
 @dataclass(frozen=True)
 class Rerun:
-    name: str  # a section, or "combined"
-    policy: Path
+    name: str  # a section, "combined", or "torchrec_plan"
+    policy: Path  # the policy file the command is given (--policy), or the TorchRec plan (record --plan)
+    plan: bool = False  # a TorchRec plan: the command runs unchanged, the plan injected
+
+
+def torchrec_reruns(plan_path: Path, own: dict, *, checked: bool = False) -> tuple[list[Rerun], list[str]]:
+    """The derived TorchRec plan (analyze's torchrec_plan.json) as the one re-run of a TorchRec job,
+    where it differs from the job's `own` plan and is recommended (or `checked`); else a note why not."""
+    plan = read_plan(plan_path)
+    note = "a TorchRec job: tracekit's policy sections apply to its reference trainer; its derived plan is re-run"
+    if plan["tables"] == own["tables"]:
+        return [], [f"{note} where it differs from the job's own, and here it does not ({plan.get('why')})"]
+    if not plan.get("recommended") and not checked:
+        return [], [f"{note}; torchrec_plan not re-run: {plan.get('why')}"]
+    if not plan.get("recommended"):
+        note += f", although not recommended, to check the decision ({plan.get('why')})"
+    return [Rerun("torchrec_plan", plan_path, plan=True)], [note]
 
 
 def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], list[str]]:
@@ -164,17 +186,20 @@ def _write_sections(policy_path: Path, policy: Policy, labels: list[str], name: 
 
 
 def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int,
-           cluster: emulated.Cluster | None = None, dct_replay: bool = False) -> int:
+           cluster: emulated.Cluster | None = None, dct_replay: bool = False, plan: Path | None = None) -> int:
     """`command` recorded into `run_dir` (replacing what is there) with its output, and the
     recording's closing lines, in `log`; the exit code. With `cluster`, `command` (plain
-    `python train.py ...`) runs on every rank of that emulated cluster."""
+    `python train.py ...`) runs on every rank of that emulated cluster; with `plan`, a TorchRec
+    job's plan is injected (record --plan)."""
     recording.check_command(command)
     recording.prepare_run_dir(run_dir, force=True)
     with open(log, "w") as out:
         if cluster is None:
-            code = recording.record(command, run_dir, lookup_every=lookup_every, dct_replay=dct_replay, output=out)
+            code = recording.record(command, run_dir, lookup_every=lookup_every, dct_replay=dct_replay, output=out,
+                                    plan=plan)
         else:
             code = emulated.record(command, cluster, run_dir, lookup_every=lookup_every, dct_replay=dct_replay,
-                                   output=out, say=lambda line: print(f"tracekit cluster: {line}", file=out, flush=True))
+                                   plan=plan, output=out,
+                                   say=lambda line: print(f"tracekit cluster: {line}", file=out, flush=True))
         print(describe_record(recording.summary(run_dir, recording.read_manifest(run_dir))), file=out)
     return code

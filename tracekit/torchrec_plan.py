@@ -33,6 +33,8 @@ SCHEMA = "tracekit.torchrec_plan/1"
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 COMPUTE_KERNELS = ("fused", "dense", "fused_uvm_caching", "fused_uvm", "quant")
 QCOMM_PRECISIONS = ("fp32", "fp16", "bf16")
+PLAN_FILE = "torchrec_plan.json"
+"""Where `analyze` writes a TorchRec run's derived plan, in the run directory."""
 ENV = "TRACEKIT_TORCHREC_PLAN"
 """The variable `record --plan` sets to the plan file's absolute path, for the collectors."""
 

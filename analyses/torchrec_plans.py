@@ -1,0 +1,304 @@
+"""A TorchRec plan from the trace: per table, the sharding type and ranks that balance the measured
+exchange (issue 29), with the bytes every plan moves, exactly, and its predicted step.
+
+The loads (`loads`, from the baseline's attributed lookups, analyses.attribution): per table t its
+rows, dim, features F_t, whether pooled, and per source rank q the ids n_tq its samples look up per
+step and q's batch b_q (means over the sampled steps). Under a plan, TorchRec's input and output
+dist move, per step (sharding groups apart, the same sums; the splits all-to-all left out, as in
+analyses.exchange):
+
+    each shard s of t on rank o (table_wise: one, all D_t columns; column_wise: k of D_t / k
+    columns; row_wise and table_row_wise are not planned here):
+        input_lengths  q -> o   len_bytes · F_t · b_q
+        input_ids      q -> o   id_bytes · n_tq
+        output_fwd     o -> q   F_t · b_q · c_s · eb      (pooled; a sequence table: n_tq · c_s · eb)
+        output_bwd     q -> o   the same
+    a data_parallel table: no exchange; DDP all-reduces its gradient, rows · D_t · eb per rank
+
+with eb the element bytes of a row (rb_t / D_t). Applied to the recorded plan this is the replay
+of analyses.exchange (tested equal to `comms`); applied to another plan it is that plan's bytes.
+
+Step time (`compute`): the measured step, less the recorded plan's exchange time, plus the derived
+plan's (`link_seconds`): per collective the bytes of its busiest rank (the larger of what a rank
+sends to and receives from others) at the price per byte that collective measurably took in the
+recorded run (`Prices`), α per all-to-all of each sharding group, and a data-parallel table's ring
+all-reduce at the output dist's price. The lookups' own work moving between ranks is not modelled
+(the plan's `why` says so). `derive` picks, per table, data-parallel where its all-reduce moves
+fewer bytes than its exchange and it fits `DP_MAX_BYTES`, then places the others table-wise,
+heaviest first, on the rank that keeps the exchange shortest, splitting a table column-wise where
+it alone outweighs a rank's share. A plan is recommended where its gain exceeds the model's error
+(analyses.network); `torchrec_plan.json` keeps the prediction, the interval of its step time and
+the recorded plan's figures (`baseline`).
+
+    L = loads(ctx, len_bytes, id_bytes)
+    pairs = pairs_of(L, plan["tables"])     # collective -> [W, W] bytes per step (sender, receiver)
+    derived = derive(L, plan["tables"], Prices.of_run(s, alpha))   # a plan file's tables
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from analyses import attribution, exchange, network, traffic
+from analyses.context import Context, Result
+from tracekit.figures import ALLREDUCE_BYTES, STEP_TIME
+from tracekit.torchrec_plan import PLAN_FILE, PlanError, from_manifest, write_plan
+
+COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
+DP_MAX_BYTES = 64 * 2**20  # a data-parallel table is a full copy on every rank: at most this large
+
+
+@dataclass
+class Loads:
+    """What a plan's bytes depend on, per table (index t) and source rank (index q)."""
+
+    world: int
+    names: list[str]
+    rows: np.ndarray  # [T]
+    dims: np.ndarray  # [T]
+    eb: np.ndarray  # [T] bytes per row element (4: float32)
+    features: np.ndarray  # [T] F_t
+    pooled: np.ndarray  # [T] bool
+    ids: np.ndarray  # [T, W] ids per step the samples of q look up in t
+    batch: np.ndarray  # [W] b_q, samples per step
+    len_bytes: int
+    id_bytes: int
+    sampled_steps: int
+
+
+def loads(ctx: Context, len_bytes: int, id_bytes: int) -> Loads:
+    """The loads of the run in `ctx` (its lookups attributed to their source ranks)."""
+    attribution.attributed(ctx)
+    world = ctx.model.world_size
+    names = ctx.sql("SELECT tid, table_name, rb, n_features, kind FROM tk_names ORDER BY tid").fetchall()
+    steps = max(ctx.sql("SELECT count(*) FROM tk_steps").fetchall()[0][0], 1)
+    ids = np.zeros((len(names), world))
+    for tid, src, n in ctx.sql("""SELECT tid, src, count(*) FROM tk_src WHERE src IS NOT NULL
+                                  GROUP BY ALL""").fetchall():
+        ids[tid, src] = n / steps
+    batch = np.zeros(world)
+    for src, b in ctx.sql("""SELECT src, sum(b) FROM tk_batches JOIN tk_steps USING (step) GROUP BY src""").fetchall():
+        batch[src] = b / steps
+    tables = {t.name: t for t in ctx.model.tables}
+    dims = np.array([tables[name].dim for _, name, *_ in names], dtype=np.int64)
+    return Loads(world, [name for _, name, *_ in names],
+                 np.array([tables[name].num_rows for _, name, *_ in names], dtype=np.int64), dims,
+                 np.array([rb for _, _, rb, *_ in names], dtype=np.float64) / dims,
+                 np.array([f for *_, f, _ in names], dtype=np.float64),
+                 np.array([kind == "pooled" for *_, kind in names]), ids, batch, len_bytes, id_bytes, steps)
+
+
+def shards(table: dict, dim: int) -> list[tuple[int, int]]:
+    """(rank, columns) of each shard of a plan file's `table` whose exchange is all-to-all; none
+    for a data-parallel one."""
+    kind, ranks = table["sharding_type"], table["ranks"]
+    if kind == "data_parallel":
+        return []
+    if kind == "table_wise":
+        return [(ranks[0], dim)]
+    if kind == "column_wise":
+        return [(r, dim // len(ranks)) for r in ranks]
+    raise ValueError(f"{kind} tables are not planned here")
+
+
+def pairs_of(L: Loads, tables: dict[str, dict]) -> dict[str, np.ndarray]:
+    """Per collective, bytes per step from each sender to each receiver ([W, W]) under the plan's
+    `tables` (a table left out moves nothing); and "dp_allreduce": each rank's all-reduce bytes_out
+    ([W]) for its data-parallel tables."""
+    W = L.world
+    pairs = {c: np.zeros((W, W)) for c in COLLECTIVES}
+    dp = np.zeros(W)
+    for t, name in enumerate(L.names):
+        table = tables.get(name)
+        if table is None:  # not placed yet (derive)
+            continue
+        if table["sharding_type"] == "data_parallel":
+            dp += L.rows[t] * L.dims[t] * L.eb[t]
+            continue
+        for owner, cols in shards(table, int(L.dims[t])):
+            out = (L.features[t] * L.batch if L.pooled[t] else L.ids[t]) * cols * L.eb[t]
+            pairs["input_lengths"][:, owner] += L.len_bytes * L.features[t] * L.batch
+            pairs["input_ids"][:, owner] += L.id_bytes * L.ids[t]
+            pairs["output_fwd"][owner, :] += out
+            pairs["output_bwd"][:, owner] += out
+    return {**pairs, "dp_allreduce": dp}
+
+
+def figures(L: Loads, tables: dict[str, dict]) -> dict[str, float]:
+    """A plan's bytes per step (all ranks' bytes_out, as `comms` sums them): the exchange's, its
+    part that crosses ranks, the data-parallel tables' all-reduce; and per collective its busiest
+    rank's remote bytes (`busiest_<collective>`)."""
+    pairs = pairs_of(L, tables)
+    off = ~np.eye(L.world, dtype=bool)
+    out = {"a2a_bytes_per_step": float(sum(pairs[c].sum() for c in COLLECTIVES)),
+           "a2a_remote_bytes_per_step": float(sum(pairs[c][off].sum() for c in COLLECTIVES)),
+           "dp_allreduce_bytes_per_step": float(pairs["dp_allreduce"].sum())}
+    for c in COLLECTIVES:
+        remote = np.where(off, pairs[c], 0.0)
+        out[f"busiest_{c}"] = float(np.maximum(remote.sum(axis=1), remote.sum(axis=0)).max())
+    return out
+
+
+@dataclass
+class Prices:
+    """Seconds of the exchange, calibrated on the recorded run: `alpha`, one all-to-all's fixed
+    cost (analyses.network); `per_byte`, per collective, what it measurably held the ranks beyond α
+    per byte of its busiest rank (analyses.exchange's cost over the replayed busiest bytes)."""
+
+    alpha: float
+    per_byte: dict[str, float]
+    timed: bool = True  # False: no collective was timed after warm-up; bytes alone rank plans
+
+    @classmethod
+    def of_run(cls, s: exchange.ExchangeBaseline, alpha: float) -> Prices:
+        """From the replay `s`; a collective with no measured time or no remote bytes at the mean
+        price of the others; without any, every byte at one unit and α nothing."""
+        measured = {c: max(s.cost[c] - alpha, 0.0) / s.busiest[c] for c in COLLECTIVES
+                    if s.cost.get(c) and s.busiest.get(c)}
+        if not measured:
+            return cls(0.0, dict.fromkeys(COLLECTIVES, 1.0), timed=False)
+        mean = sum(measured.values()) / len(measured)
+        return cls(alpha, {c: measured.get(c, mean) for c in COLLECTIVES})
+
+
+def link_seconds(L: Loads, tables: dict[str, dict], prices: Prices) -> float:
+    """The plan's exchange time per step: each collective's price × its busiest rank's bytes; the
+    data-parallel tables' ring all-reduce, 2(W−1)/W of their bytes a rank, at the output dist's
+    price (the same link); and α for each all-to-all of each sharding group (TorchRec runs
+    table-wise and column-wise tables as two groups, each its own input and output dist)."""
+    f = figures(L, tables)
+    ring = 2 * (L.world - 1) / L.world * f["dp_allreduce_bytes_per_step"] / L.world
+    groups = {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
+    return (sum(prices.per_byte[c] * f[f"busiest_{c}"] for c in COLLECTIVES) + prices.per_byte["output_fwd"] * ring
+            + prices.alpha * len(COLLECTIVES) * len(groups))
+
+
+def compute(ctx: Context) -> Result:
+    """For a TorchRec run: its recorded plan's bytes replayed and checked against `comms`, the
+    derived plan with its predicted bytes and step, written as RUN/torchrec_plan.json (the plan
+    file `record --plan` takes). Nothing for any other run."""
+    result = Result()
+    try:
+        base = from_manifest(ctx.manifest, str(ctx.path))
+    except PlanError:
+        return result  # not a TorchRec run
+    if ctx.model.world_size < 2:
+        result.notes.append("one rank: every table is local, no plan to derive")
+        return result
+    unplanned = sorted({t["sharding_type"] for t in base["tables"].values()} - {"table_wise", "column_wise",
+                                                                                   "data_parallel"})
+    if unplanned:
+        result.notes.append(f"the run's plan has {', '.join(unplanned)} tables, which this planner does not "
+                            "model yet: no plan derived")
+        return result
+    s = exchange.baseline(ctx)
+    if not s.attribution.exact:
+        result.notes.append("the lookups' source ranks are not exact (analyses.attribution): no plan derived")
+        return result
+    L = loads(ctx, s.len_bytes, s.id_bytes)
+    net = network.network(ctx)
+    prices = Prices.of_run(s, net.alpha(network.A2A))
+    recorded = figures(L, base["tables"])
+    replayed = sum(v[0] for v in s.base.values())
+    priced = any(p > 0 for p in prices.per_byte.values())
+    derived = derive(L, base["tables"], prices) if priced else base["tables"]
+    step = s.step_time_s if prices.timed else None
+    before, after = link_seconds(L, base["tables"], prices), link_seconds(L, derived, prices)
+    error = net.error(_calls(base["tables"], derived), abs(after - before))
+    allreduce = ctx.sql(f"""SELECT coalesce(sum(bytes_out), 0)::DOUBLE / {max(traffic.training_steps(ctx), 1)}
+                            FROM train_comms WHERE op = 'all_reduce'""").fetchall()[0][0]
+    dense = allreduce - recorded["dp_allreduce_bytes_per_step"]  # the rest of the model's DDP all-reduce
+    recorded[ALLREDUCE_BYTES] = allreduce
+    predicted = {**figures(L, derived), "exchange_s": after if prices.timed else None,
+                 STEP_TIME: None if step is None else max(step - before + after, 0.0)}
+    predicted[ALLREDUCE_BYTES] = dense + predicted["dp_allreduce_bytes_per_step"]
+    intervals = {} if step is None else {STEP_TIME: [predicted[STEP_TIME] - error, predicted[STEP_TIME] + error]}
+    gain = before - after
+    recommended = step is not None and gain > error
+    why = (f"the exchange on its busiest ranks {before * 1e3:.2f} → {after * 1e3:.2f} ms a step (priced per byte as "
+           f"the run's own collectives took, α {prices.alpha * 1e3:.2f} ms a call); the lookups' own work moving "
+           "between ranks is not modelled")
+    plan = {**base, "tables": derived, "predicted": predicted, "intervals": intervals, "why": why,
+            "recommended": recommended, "baseline": {**recorded, "exchange_s": before if prices.timed else None,
+                                                     STEP_TIME: s.step_time_s}}
+    if not prices.timed:
+        plan["why"] = ("no exchange was timed after the warm-up steps: the plan moving the fewest bytes on the busiest "
+                       "ranks, its step time not predicted; " + why.split("; ", 1)[1])
+    elif not priced:
+        plan["why"] = "the exchange's bytes cost nothing measurable on this run: its own plan is kept"
+    elif recommended or base["tables"] == derived:
+        plan["why"] = why if recommended else "the run's own plan is the lightest found; " + why
+    else:
+        plan["why"] = f"not recommended: a gain of {gain * 1e3:.2f} ms, within the model's error ±{error * 1e3:.2f} ms; " + why
+    write_plan(ctx.path / PLAN_FILE, plan)
+    result.summary = {"recorded": base["tables"], "derived": derived, "baseline": plan["baseline"],
+                      "predicted": predicted, "error_s": error, "recommended": recommended, "why": plan["why"],
+                      "replay_matches": abs(recorded["a2a_bytes_per_step"] - replayed) < 1e-6 * max(replayed, 1.0),
+                      "written": str(ctx.path / PLAN_FILE)}
+    return result
+
+
+def _calls(before: dict[str, dict], after: dict[str, dict]) -> int:
+    """All-to-all calls a step gains or loses: 4 per sharding group added or removed."""
+    def groups(tables: dict[str, dict]) -> set[str]:
+        return {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
+    return len(COLLECTIVES) * len(groups(before) ^ groups(after))
+
+
+def derive(L: Loads, base: dict[str, dict], prices: Prices) -> dict[str, dict]:
+    """The tables of the plan that `link_seconds` finds lightest (module docstring), each with the
+    size and compute kernel `base` (the recorded plan) gives it."""
+    W = L.world
+    tables: dict[str, dict] = {}
+    for t, name in enumerate(L.names):
+        size = {k: base[name][k] for k in ("num_embeddings", "embedding_dim")}
+        kernel = base[name].get("compute_kernel", "fused")
+        if W > 1 and _data_parallel_pays(L, t):
+            tables[name] = {"sharding_type": "data_parallel", "ranks": list(range(W)), "compute_kernel": "dense", **size}
+        else:
+            tables[name] = {"sharding_type": "table_wise", "ranks": [0], "compute_kernel":
+                            "fused" if kernel == "dense" else kernel, **size}
+    placed = [t for t, name in enumerate(L.names) if tables[name]["sharding_type"] != "data_parallel"]
+    placed.sort(key=lambda t: -_weight(L, t))
+    share = sum(_weight(L, t) for t in placed) / W  # a table heavier than this alone is split by columns
+    so_far = {name: table for name, table in tables.items() if table["sharding_type"] == "data_parallel"}
+    for t in placed:  # heaviest first, each where the busiest rank stays lightest
+        name = L.names[t]
+        splits = _column_splits(L, t) if _weight(L, t) > share else []
+        options = [[r] for r in range(W)] + [_split(W, k, r) for k in splits for r in range(W)]
+
+        def placed_on(ranks: list[int]) -> dict:
+            return {**tables[name], "sharding_type": "table_wise" if len(ranks) == 1 else "column_wise", "ranks": ranks}
+
+        best = min(options, key=lambda ranks: (link_seconds(L, {**so_far, name: placed_on(ranks)}, prices),
+                                               len(ranks), ranks != base[name]["ranks"]))
+        tables[name] = so_far[name] = placed_on(best)
+    return tables
+
+
+def _weight(L: Loads, t: int) -> float:
+    out = (L.features[t] * L.batch.sum() if L.pooled[t] else L.ids[t].sum()) * L.dims[t] * L.eb[t]
+    return L.len_bytes * L.features[t] * L.batch.sum() + L.id_bytes * L.ids[t].sum() + 2 * out
+
+
+def _column_splits(L: Loads, t: int) -> list[int]:
+    """Column shard counts worth trying for table t: 2 .. W dividing its dim."""
+    return [k for k in range(2, L.world + 1) if L.dims[t] % k == 0]
+
+
+def _split(W: int, k: int, first: int) -> list[int]:
+    return [(first + i) % W for i in range(k)]
+
+
+def _data_parallel_pays(L: Loads, t: int) -> bool:
+    """A table whose gradient's ring all-reduce moves fewer bytes than its exchange, and small enough
+    to copy on every rank."""
+    size = L.rows[t] * L.dims[t] * L.eb[t]
+    if size > DP_MAX_BYTES:
+        return False
+    W = L.world
+    ring = 2 * (W - 1) * size  # all ranks' wire bytes
+    exchange = _weight(L, t) * (W - 1) / W  # the part that crosses ranks, batches alike
+    return ring < exchange
