@@ -103,10 +103,14 @@ def shards(table: dict, dim: int) -> list[tuple[int, int]]:
     raise ValueError(f"{kind} tables are not planned here")
 
 
-def pairs_of(L: Loads, tables: dict[str, dict]) -> dict[str, np.ndarray]:
+QCOMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an element on the wire (TorchRec's QCommsConfig)
+
+
+def pairs_of(L: Loads, tables: dict[str, dict], qcomms: dict | None = None) -> dict[str, np.ndarray]:
     """Per collective, bytes per step from each sender to each receiver ([W, W]) under the plan's
-    `tables` (a table left out moves nothing); and "dp_allreduce": each rank's all-reduce bytes_out
-    ([W]) for its data-parallel tables."""
+    `tables` (a table left out moves nothing), the output dist's rows at `qcomms`'s precisions (a plan
+    file's "qcomms": {"forward": "fp16", "backward": "bf16"}); and "dp_allreduce": each rank's
+    all-reduce bytes_out ([W]) for its data-parallel tables."""
     W = L.world
     pairs = {c: np.zeros((W, W)) for c in COLLECTIVES}
     dp = np.zeros(W)
@@ -118,19 +122,19 @@ def pairs_of(L: Loads, tables: dict[str, dict]) -> dict[str, np.ndarray]:
             dp += L.rows[t] * L.dims[t] * L.eb[t]
             continue
         for owner, cols in shards(table, int(L.dims[t])):
-            out = (L.features[t] * L.batch if L.pooled[t] else L.ids[t]) * cols * L.eb[t]
+            rows = (L.features[t] * L.batch if L.pooled[t] else L.ids[t]) * cols
             pairs["input_lengths"][:, owner] += L.len_bytes * L.features[t] * L.batch
             pairs["input_ids"][:, owner] += L.id_bytes * L.ids[t]
-            pairs["output_fwd"][owner, :] += out
-            pairs["output_bwd"][:, owner] += out
+            pairs["output_fwd"][owner, :] += rows * QCOMM_BYTES[qcomms.get("forward", "fp32")] if qcomms else rows * L.eb[t]
+            pairs["output_bwd"][:, owner] += rows * QCOMM_BYTES[qcomms.get("backward", "fp32")] if qcomms else rows * L.eb[t]
     return {**pairs, "dp_allreduce": dp}
 
 
-def figures(L: Loads, tables: dict[str, dict]) -> dict[str, float]:
+def figures(L: Loads, tables: dict[str, dict], qcomms: dict | None = None) -> dict[str, float]:
     """A plan's bytes per step (all ranks' bytes_out, as `comms` sums them): the exchange's, its
     part that crosses ranks, the data-parallel tables' all-reduce; and per collective its busiest
     rank's remote bytes (`busiest_<collective>`)."""
-    pairs = pairs_of(L, tables)
+    pairs = pairs_of(L, tables, qcomms)
     off = ~np.eye(L.world, dtype=bool)
     out = {"a2a_bytes_per_step": float(sum(pairs[c].sum() for c in COLLECTIVES)),
            "a2a_remote_bytes_per_step": float(sum(pairs[c][off].sum() for c in COLLECTIVES)),

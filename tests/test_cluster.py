@@ -196,6 +196,11 @@ def test_a_signal_to_cluster_keeps_the_record_removes_everything_and_the_next_cl
 
 @needs_cluster
 def test_latency_without_netem_is_refused_in_one_line() -> None:
+    def namespaces() -> set[str]:  # of tracekit clusters; another may be running beside this test
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        return {name for name in listed if name.startswith("tkc-")}
+
+    before = namespaces()
     r = tracekit_cluster("--nodes", "2", "--link", "1gbit", "--latency", "5", "--", "true")
     if r.returncode == 0:
         pytest.skip("this kernel has netem")
@@ -203,7 +208,7 @@ def test_latency_without_netem_is_refused_in_one_line() -> None:
     assert r.stderr.strip().splitlines() == ["Error: --latency 5: needs the netem qdisc (sch_netem), which this "
                                              "kernel does not have; run without --latency (links are then shaped by "
                                              "rate only)"]
-    assert "tkc-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not namespaces() - before  # the probe's namespace is gone too
 
 
 def test_missing_iproute2_or_root_is_one_line_naming_it(tmp_path: Path) -> None:
