@@ -198,7 +198,7 @@ def test_a_signal_to_cluster_keeps_the_record_removes_everything_and_the_next_cl
 def test_latency_without_netem_is_refused_in_one_line() -> None:
     def namespaces() -> set[str]:  # of tracekit clusters; another may be running beside this test
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-        return {name for name in listed if name.startswith("tkc-")}
+        return {name for name in listed if name.startswith(("tkc-", "tkprobe-"))}
 
     before = namespaces()
     r = tracekit_cluster("--nodes", "2", "--link", "1gbit", "--latency", "5", "--", "true")
