@@ -73,30 +73,38 @@ def test_its_own_plan_changes_nothing_and_another_is_the_one_it_runs(torchrec_py
     assert from_manifest(ran)["tables"] == mixed["tables"]  # read back from what the ranks' tables were
     assert ran["torchrec_plan"]["plan"] == mixed and ran["finalise_errors"] == []
 
-    # the bytes of either plan, from the base run's lookups alone, are what each run moved
+    quantized = {**from_manifest(manifest(base)), "qcomms": {"forward": "fp16", "backward": "bf16"}}
+    write_plan(tmp_path / "quantized.json", quantized)
+    code, halved, out = record_job(torchrec_python, tmp_path / "halved", tmp_path / "quantized.json")
+    assert code == 0, out
+
+    # the bytes of each plan, from the base run's lookups alone, are what each run moved
     with open_context(base) as ctx:
         s = exchange.baseline(ctx)
         L = torchrec_plans.loads(ctx, s.len_bytes, s.id_bytes)
         dense = measured(ctx)["all_reduce"]
-    for run_dir, tables, extra in ((base, from_manifest(manifest(base))["tables"], 0.0), (moved, mixed["tables"], None)):
-        predicted = torchrec_plans.figures(L, tables)
+    for run_dir, plan, dp in ((base, from_manifest(manifest(base)), 0.0), (moved, mixed, 2 * ROWS * DIM * 4),
+                              (halved, quantized, 0.0)):
+        predicted = torchrec_plans.figures(L, plan["tables"], plan.get("qcomms"))
         with open_context(run_dir) as ctx:
             got = measured(ctx)
         assert got["a2a"] == predicted["a2a_bytes_per_step"] and got["a2a_remote"] == predicted["a2a_remote_bytes_per_step"]
-        assert got["all_reduce"] - dense == predicted["dp_allreduce_bytes_per_step"] == (extra if extra is not None else
-                                                                                          2 * ROWS * DIM * 4)
+        assert got["all_reduce"] - dense == predicted["dp_allreduce_bytes_per_step"] == dp
+    with open_context(halved) as ctx, open_context(base) as ctx_base:
+        assert measured(ctx)["output"] == measured(ctx_base)["output"] / 2  # fp16 forward, bf16 backward: exactly half
 
 
 def measured(ctx) -> dict[str, float]:
-    """Bytes per training step in `comms`: the embedding all-to-alls (the splits' left out) and what
-    crossed ranks, and the all-reduces."""
+    """Bytes per training step in `comms`: the embedding all-to-alls (the splits' left out), what
+    crossed ranks, the output dist's (its pooled rows, floats), and the all-reduces."""
     rows = ctx.sql(f"""SELECT op, sum(bytes_out)::DOUBLE / {STEPS},
-                              sum(bytes_out - coalesce(splits_out[rank + 1], 0))::DOUBLE / {STEPS}
+                              sum(bytes_out - coalesce(splits_out[rank + 1], 0))::DOUBLE / {STEPS},
+                              sum(bytes_out) FILTER (WHERE dtype LIKE '%float%')::DOUBLE / {STEPS}
                        FROM train_comms WHERE op IN ('all_to_all_single', 'all_reduce')
                        AND tag NOT LIKE 'SplitsAllToAll%' GROUP BY op""").fetchall()
-    found = {op: (total, remote) for op, total, remote in rows}
+    found = {op: (total, remote, rows) for op, total, remote, rows in rows}
     return {"a2a": found["all_to_all_single"][0], "a2a_remote": found["all_to_all_single"][1],
-            "all_reduce": found["all_reduce"][0]}
+            "output": found["all_to_all_single"][2], "all_reduce": found["all_reduce"][0]}
 
 
 @pytest.mark.slow
