@@ -21,7 +21,7 @@ of analyses.exchange (tested equal to `comms`); applied to another plan it is th
 Step time (`compute`): the measured step, less the recorded plan's exchange time, plus the derived
 plan's (`link_seconds`): per collective the bytes of its busiest rank (the larger of what a rank
 sends to and receives from others) at the price per byte that collective measurably took in the
-recorded run (`Prices`), α per all-to-all of each sharding group, and a data-parallel table's ring
+recorded run (`Prices`, from `durations`), α per all-to-all of each sharding group, and a data-parallel table's ring
 all-reduce at the output dist's price. The lookups' own work moving between ranks is not modelled
 (the plan's `why` says so). `derive` picks, per table, data-parallel where its all-reduce moves
 fewer bytes than its exchange and it fits `DP_MAX_BYTES`, then places the others table-wise,
@@ -32,7 +32,7 @@ the recorded plan's figures (`baseline`).
 
     L = loads(ctx, len_bytes, id_bytes)
     pairs = pairs_of(L, plan["tables"])     # collective -> [W, W] bytes per step (sender, receiver)
-    derived = derive(L, plan["tables"], Prices.of_run(s, alpha))   # a plan file's tables
+    derived = derive(L, plan["tables"], Prices.of_run(s, durations(ctx), alpha))   # a plan file's tables
 """
 
 from __future__ import annotations
@@ -156,11 +156,12 @@ class Prices:
     timed: bool = True  # False: no collective was timed after warm-up; bytes alone rank plans
 
     @classmethod
-    def of_run(cls, s: exchange.ExchangeBaseline, alpha: float) -> Prices:
-        """From the replay `s`; a collective with no measured time or no remote bytes at the mean
-        price of the others; without any, every byte at one unit and α nothing."""
-        measured = {c: max(s.cost[c] - alpha, 0.0) / s.busiest[c] for c in COLLECTIVES
-                    if s.cost.get(c) and s.busiest.get(c)}
+    def of_run(cls, s: exchange.ExchangeBaseline, cost: dict[str, float], alpha: float) -> Prices:
+        """From the replay `s` and each collective's measured `cost` (seconds a step); a collective
+        with no measured time or no remote bytes at the mean price of the others; without any, every
+        byte at one unit and α nothing."""
+        measured = {c: max(cost[c] - alpha, 0.0) / s.busiest[c] for c in COLLECTIVES
+                    if cost.get(c) and s.busiest.get(c)}
         if not measured:
             return cls(0.0, dict.fromkeys(COLLECTIVES, 1.0), timed=False)
         mean = sum(measured.values()) / len(measured)
@@ -203,7 +204,7 @@ def compute(ctx: Context) -> Result:
         return result
     L = loads(ctx, s.len_bytes, s.id_bytes)
     net = network.network(ctx)
-    prices = Prices.of_run(s, net.alpha(network.A2A))
+    prices = Prices.of_run(s, durations(ctx), net.alpha(network.A2A))
     recorded = figures(L, base["tables"])
     replayed = sum(v[0] for v in s.base.values())
     priced = any(p > 0 for p in prices.per_byte.values())
@@ -242,6 +243,23 @@ def compute(ctx: Context) -> Result:
                       "replay_matches": abs(recorded["a2a_bytes_per_step"] - replayed) < 1e-6 * max(replayed, 1.0),
                       "written": str(ctx.path / PLAN_FILE)}
     return result
+
+
+def durations(ctx: Context) -> dict[str, float]:
+    """Per collective of the exchange, seconds a step from its call to its completion: the k-th
+    training all-to-all of each rank's step (analyses.attribution's tk_a2a), the mean over ranks,
+    the median over the steps after warm-up. TorchRec's all-to-alls are asynchronous (awaitables);
+    a plain training loop waits for each at once, so this is what they hold the step."""
+    cases = " ".join(f"WHEN {k} THEN '{c}'" for k, c in enumerate(COLLECTIVES, 1))
+    rows = ctx.sql(f"""
+        WITH per AS (SELECT CASE a.k {cases} END AS collective, c.step, c.rank, (c.t_end_ns - c.t_start_ns) / 1e9 AS d
+                     FROM train_comms c JOIN tk_a2a a USING (rank, step, seq)
+                     WHERE a.k <= {len(COLLECTIVES)} AND c.t_end_ns > c.t_start_ns),
+             steps AS (SELECT collective, step, avg(d) AS d FROM per GROUP BY ALL)
+        SELECT collective, median(d) FROM steps
+        WHERE step >= (SELECT min(step) FROM per) + {network.warmup_steps(ctx.train_steps())}
+        GROUP BY ALL""").fetchall()
+    return {c: float(d) for c, d in rows}
 
 
 def _calls(before: dict[str, dict], after: dict[str, dict]) -> int:
