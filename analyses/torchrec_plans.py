@@ -48,6 +48,7 @@ from tracekit.torchrec_plan import PLAN_FILE, PlanError, from_manifest, write_pl
 
 COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
 DP_MAX_BYTES = 64 * 2**20  # a data-parallel table is a full copy on every rank: at most this large
+QCOMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an element on the wire (TorchRec's QCommsConfig)
 
 
 @dataclass
@@ -103,9 +104,6 @@ def shards(table: dict, dim: int) -> list[tuple[int, int]]:
     raise ValueError(f"{kind} tables are not planned here")
 
 
-QCOMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an element on the wire (TorchRec's QCommsConfig)
-
-
 def pairs_of(L: Loads, tables: dict[str, dict], qcomms: dict | None = None) -> dict[str, np.ndarray]:
     """Per collective, bytes per step from each sender to each receiver ([W, W]) under the plan's
     `tables` (a table left out moves nothing), the output dist's rows at `qcomms`'s precisions (a plan
@@ -121,12 +119,14 @@ def pairs_of(L: Loads, tables: dict[str, dict], qcomms: dict | None = None) -> d
         if table["sharding_type"] == "data_parallel":
             dp += L.rows[t] * L.dims[t] * L.eb[t]
             continue
+        fwd, bwd = ((QCOMM_BYTES[qcomms.get("forward", "fp32")], QCOMM_BYTES[qcomms.get("backward", "fp32")])
+                    if qcomms else (L.eb[t], L.eb[t]))
         for owner, cols in shards(table, int(L.dims[t])):
-            rows = (L.features[t] * L.batch if L.pooled[t] else L.ids[t]) * cols
+            elements = (L.features[t] * L.batch if L.pooled[t] else L.ids[t]) * cols  # to each source rank
             pairs["input_lengths"][:, owner] += L.len_bytes * L.features[t] * L.batch
             pairs["input_ids"][:, owner] += L.id_bytes * L.ids[t]
-            pairs["output_fwd"][owner, :] += rows * QCOMM_BYTES[qcomms.get("forward", "fp32")] if qcomms else rows * L.eb[t]
-            pairs["output_bwd"][:, owner] += rows * QCOMM_BYTES[qcomms.get("backward", "fp32")] if qcomms else rows * L.eb[t]
+            pairs["output_fwd"][owner, :] += elements * fwd
+            pairs["output_bwd"][:, owner] += elements * bwd
     return {**pairs, "dp_allreduce": dp}
 
 
@@ -236,7 +236,8 @@ def compute(ctx: Context) -> Result:
     elif recommended or base["tables"] == derived:
         plan["why"] = why if recommended else "the run's own plan is the lightest found; " + why
     else:
-        plan["why"] = f"not recommended: a gain of {gain * 1e3:.2f} ms, within the model's error ±{error * 1e3:.2f} ms; " + why
+        plan["why"] = (f"not recommended: a gain of {gain * 1e3:.2f} ms, within the model's error "
+                       f"±{error * 1e3:.2f} ms; {why}")
     write_plan(ctx.path / PLAN_FILE, plan)
     result.summary = {"recorded": base["tables"], "derived": derived, "baseline": plan["baseline"],
                       "predicted": predicted, "error_s": error, "recommended": recommended, "why": plan["why"],
@@ -278,7 +279,8 @@ def derive(L: Loads, base: dict[str, dict], prices: Prices) -> dict[str, dict]:
         size = {k: base[name][k] for k in ("num_embeddings", "embedding_dim")}
         kernel = base[name].get("compute_kernel", "fused")
         if W > 1 and _data_parallel_pays(L, t):
-            tables[name] = {"sharding_type": "data_parallel", "ranks": list(range(W)), "compute_kernel": "dense", **size}
+            tables[name] = {"sharding_type": "data_parallel", "ranks": list(range(W)), "compute_kernel": "dense",
+                            **size}
         else:
             tables[name] = {"sharding_type": "table_wise", "ranks": [0], "compute_kernel":
                             "fused" if kernel == "dense" else kernel, **size}

@@ -78,7 +78,8 @@ def collections(module: Any) -> dict[str, Any]:
     """{path in `module`: collection} of its unsharded EmbeddingBagCollections and EmbeddingCollections."""
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-    return {name: m for name, m in module.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
+    kinds = (EmbeddingBagCollection, EmbeddingCollection)
+    return {name: m for name, m in module.named_modules() if isinstance(m, kinds)}
 
 
 def sharding(plan: dict, path: str, module: Any, world_size: int, sharders: list | None) -> tuple[Any, list]:

@@ -39,8 +39,9 @@ def record_job(python: Path, tmp: Path, plan: Path | None) -> tuple[int, Path, s
     with `plan` if given."""
     options = ("--plan", str(plan)) if plan else ()
     r = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(tmp / "run"), "--flush-interval", "0.2",
-                        "--lookup-every", "1", *options, "--", str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        "2", str(JOB), "--sharding", "table_wise", "--out", str(tmp / "out")], cwd=REPO,
+                        "--lookup-every", "1", *options, "--", str(python), "-m", "torch.distributed.run",
+                        "--standalone", "--nproc-per-node", "2", str(JOB), "--sharding", "table_wise", "--out",
+                        str(tmp / "out")], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     return r.returncode, tmp / "run", r.stderr
 
@@ -88,7 +89,8 @@ def test_its_own_plan_changes_nothing_and_another_is_the_one_it_runs(torchrec_py
         predicted = torchrec_plans.figures(L, plan["tables"], plan.get("qcomms"))
         with open_context(run_dir) as ctx:
             got = measured(ctx)
-        assert got["a2a"] == predicted["a2a_bytes_per_step"] and got["a2a_remote"] == predicted["a2a_remote_bytes_per_step"]
+        assert got["a2a"] == predicted["a2a_bytes_per_step"]
+        assert got["a2a_remote"] == predicted["a2a_remote_bytes_per_step"]
         assert got["all_reduce"] - dense == predicted["dp_allreduce_bytes_per_step"] == dp
     with open_context(halved) as ctx, open_context(base) as ctx_base:
         assert measured(ctx)["output"] == measured(ctx_base)["output"] / 2  # fp16 forward, bf16 backward: exactly half
@@ -142,7 +144,8 @@ def test_a_plan_no_rank_applied_is_named(tmp_path: Path) -> None:
     plan = {"schema": SCHEMA, "world_size": 1, "tables": {
         "t0": {"sharding_type": "table_wise", "ranks": [0], "num_embeddings": 500, "embedding_dim": 8}}}
     write_plan(tmp_path / "plan.json", plan)
-    code, run_dir = record(tmp_path, sys.executable, "-c", "import torch", options=("--plan", str(tmp_path / "plan.json")))
+    code, run_dir = record(tmp_path, sys.executable, "-c", "import torch",
+                           options=("--plan", str(tmp_path / "plan.json")))
     assert code == 0
     ran = manifest(run_dir)
     assert ran["torchrec_plan"]["applied"] == {"0": 0}
@@ -211,19 +214,20 @@ def test_a_table_heavier_than_a_ranks_share_is_split_by_columns() -> None:
 @pytest.mark.slow
 def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: Path, tmp_path: Path) -> None:
     """The job as it is (t0, two features, and t2 on rank 0; t1 on rank 1) and, re-run unchanged, the
-    plan analyze derived from its trace: t0 alone on one rank. Its bytes are predicted exactly; four
-    steps time nothing after warm-up, so no step time is predicted and --check-all re-runs it."""
-    r = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "--check-all", "--json", "-o", str(tmp_path / "opt"),
-                        "--", str(torchrec_python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        "2", str(JOB), "--sharding", "table_wise", "--out", str(tmp_path / "out")], cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+    plan analyze derived from its trace: t0 alone on one rank (--check-all: recommended or not, a
+    gain this small is within the error of four steps). Its bytes are predicted exactly."""
+    job = [str(torchrec_python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB),
+           "--sharding", "table_wise", "--out", str(tmp_path / "out")]
+    r = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "--check-all", "--json", "-o",
+                        str(tmp_path / "opt"), "--", *job], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     plan = read_plan(tmp_path / "opt" / "base" / "torchrec_plan.json")
     assert plan["tables"]["t1"]["ranks"] == plan["tables"]["t2"]["ranks"] != plan["tables"]["t0"]["ranks"]
     ran = manifest(tmp_path / "opt" / "torchrec_plan")
-    assert from_manifest(ran)["tables"] == plan["tables"] and ran["command"] == manifest(tmp_path / "opt" / "base")["command"]
+    assert from_manifest(ran)["tables"] == plan["tables"]
+    assert ran["command"] == manifest(tmp_path / "opt" / "base")["command"]  # the job unchanged
     rows = {row["figure"]: row for row in summary["rows"] if row["section"] == "torchrec_plan"}
     for figure in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "allreduce_bytes_per_step"):
         assert rows[figure]["diff"] == 0, rows[figure]
-    assert "step_time_s" not in rows and any("although not recommended" in n for n in summary["notes"])
+    assert any(note.startswith("a TorchRec job: tracekit's policy sections apply") for note in summary["notes"])

@@ -71,7 +71,8 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
         project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), base / "policy.json")
     progress("analysing the baseline: done")
     if (base / PLAN_FILE).exists():
-        plans, notes = torchrec_reruns(base / PLAN_FILE, from_manifest(recording.read_manifest(base)), checked=check_all)
+        own = from_manifest(recording.read_manifest(base))
+        plans, notes = torchrec_reruns(base / PLAN_FILE, own, checked=check_all)
     else:
         plans, notes = reruns(base / "policy.json", checked=check_all)
     result = Optimized(base, notes=notes)
