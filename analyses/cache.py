@@ -36,6 +36,8 @@ TorchRec (`torchrec.distributed.types.CacheStatistics`, passed as `CacheParams(s
 - expected_miss_rate(clf) = the LRU curve at the load factors simulated (`expected_miss_rate`), with
   1.0 at clf = 0 and 0.0 at clf = 1 per TorchRec's convention (interpolate between);
 - cacheability = the area under that curve over clf in [0, 1] (TorchRec's `EmbeddingOffloadStats`);
+- offload_stats = `EmbeddingOffloadStats`' own arguments (`offload_stats`): the curve as a histogram of
+  HIST_BINS bins of the rows, with the table's height, for `CacheParams(stats=...)`;
 - pooling_factor = `ids_per_sample`: ids per sample, every feature of the table together (lookups /
   samples of the `steps` table, else ids per non-empty bag in `lookups`): TorchRec's pooling
   factor where one feature looks the table up. The per-feature one that
@@ -409,9 +411,12 @@ def planner_stats(ctx: Context, sample: Sample, mrc: pl.DataFrame, totals: dict,
         if lru.is_empty():
             continue
         lf, rate = lru["load_factor"].to_list(), lru["miss_ratio"].to_list()
+        height = _num_rows(ctx, name, totals[name]["seen_rows"])
+        expected = totals[name]["accesses"] * (1 - repeated[t]) / steps
         tables[name] = {
-            "num_embeddings": _num_rows(ctx, name, totals[name]["seen_rows"]),
-            "expected_lookups": totals[name]["accesses"] * (1 - repeated[t]) / steps,
+            "num_embeddings": height,
+            "expected_lookups": expected,
+            "offload_stats": offload_stats(lf, rate, height, expected),
             "expected_miss_rate": {str(x): y for x, y in zip(lf, rate)},
             "expected_miss_rate_lfu": dict(zip(map(str, lf), mrc.filter(table_name=name, policy="lfu")
                                                .sort("load_factor")["miss_ratio"].to_list())),
@@ -420,6 +425,23 @@ def planner_stats(ctx: Context, sample: Sample, mrc: pl.DataFrame, totals: dict,
     return {"schema": "tracekit.torchrec_cache_stats/1", "run": str(ctx.path), "phase": "train",
             "policy": "lru (FBGEMM TBE semantics)", "pooling_factor_source": source, "steps": steps,
             "tables": tables}
+
+
+HIST_BINS = 100
+"""Bins of the miss-ratio histogram TorchRec's EmbeddingOffloadStats takes, each 1/HIST_BINS of the rows."""
+
+
+def offload_stats(load_factors: list[float], miss_ratios: list[float], height: int, expected_lookups: float) -> dict:
+    """The arguments of TorchRec's `EmbeddingOffloadStats` from an LRU curve: `mrc_hist_counts`, bin i
+    the lookups per step a cache of (i+1)/HIST_BINS of the rows hits beyond one of i/HIST_BINS (the
+    curve interpolated, 1.0 at load factor 0 and 0.0 at 1, TorchRec's convention), `height` the
+    table's rows, `expected_lookups` distinct rows per global batch (an integer, as it takes),
+    `cacheability` the area under the curve."""
+    grid = np.linspace(0.0, 1.0, HIST_BINS + 1)
+    miss = np.interp(grid, [0.0, *load_factors, 1.0], [1.0, *miss_ratios, 0.0])
+    return {"cacheability": float(np.trapezoid([1.0, *miss_ratios, 0.0], [0.0, *load_factors, 1.0])),
+            "expected_lookups": round(expected_lookups), "height": int(height),
+            "mrc_hist_counts": [round(float(x), 6) for x in (miss[:-1] - miss[1:]) * expected_lookups]}
 
 
 def _num_rows(ctx: Context, name: str, seen: int) -> int:

@@ -495,10 +495,11 @@ def plan_rows(m: Measured, base: Measured) -> list[dict]:
     plan = (m.manifest.get("torchrec_plan") or {}).get("plan") or {}
     predicted = plan.get("predicted") or {}
     intervals = plan.get("intervals") or {}
-    rows = [row(m.name, "torchrec_plan", figure, float(predicted[figure]), m.figures.get(figure),
+    section = "torchrec_plan.qcomms" if plan.get("qcomms") else "torchrec_plan"
+    rows = [row(m.name, section, figure, float(predicted[figure]), m.figures.get(figure),
                 tuple(intervals[figure]) if figure in intervals else None)
             for figure in PLAN_FIGURES if _number(predicted.get(figure))]
-    rows += [row(m.name, "torchrec_plan", f"{figure}_saving", 1 - float(predicted[figure]) / base.figures[figure],
+    rows += [row(m.name, section, f"{figure}_saving", 1 - float(predicted[figure]) / base.figures[figure],
                  1 - m.figures[figure] / base.figures[figure])
              for figure in (A2A_REMOTE_BYTES, STEP_TIME)
              if _number(predicted.get(figure)) and base.figures.get(figure) and m.figures.get(figure) is not None]

@@ -71,7 +71,10 @@ def compute(ctx: Context) -> Result:
                          "cache_load_factor": load_factor, "hit_rate": hit_rate, "cache_source": how})
     frame = pl.DataFrame(rows, schema=SCHEMA)
     result.tables["planner"] = frame
-    path = ctx.write_json(CONSTRAINTS, constraints(frame))
+    done = cache.replay(ctx)
+    stats = {} if done is None else {name: entry["offload_stats"] for name, entry in cache.planner_stats(
+        ctx, done.sample, done.mrc, done.totals, done.steps, [])["tables"].items()}
+    path = ctx.write_json(CONSTRAINTS, constraints(frame, stats=stats))
     result.summary = {"constraints": str(path), "default_hit_rate": DEFAULT_HIT_RATE,
                       "pooling_source": pooling_source, "tables": _per_table(frame)}
     if frame["cache_load_factor"].is_null().any():
@@ -135,25 +138,36 @@ def load_factor_for(load_factors: list[float], hit_rates: list[float], target: f
     return round(lf + (target - hit) / (1 - hit) * (1 - lf), 6), target, "interpolated"
 
 
-def constraints(frame: pl.DataFrame, *, hit_rate: float = DEFAULT_HIT_RATE) -> dict[str, dict]:
-    """{table: ParameterConstraints keyword arguments}, `cache_params` as CacheParams' (torchrec 1.8.0)."""
+def constraints(frame: pl.DataFrame, *, hit_rate: float = DEFAULT_HIT_RATE,
+                stats: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{table: ParameterConstraints keyword arguments}, `cache_params` as CacheParams' (torchrec 1.8.0),
+    its `stats` EmbeddingOffloadStats' arguments (analyses.cache.offload_stats) where given."""
     out = {}
     for row in frame.filter(pl.col("target_hit_rate") == hit_rate).iter_rows(named=True):
         entry: dict = {}
         if row["pooling_factor"] is not None:
             entry["pooling_factors"] = [round(row["pooling_factor"], 6)] * row["n_features"]
         entry["cache_params"] = {"load_factor": row["cache_load_factor"]}  # null: CacheParams' default
+        if (stats or {}).get(row["table_name"]):
+            entry["cache_params"]["stats"] = stats[row["table_name"]]
         out[row["table_name"]] = entry
     return out
 
 
 def snippet(path: str) -> str:
     """Python that turns `path` (torchrec_constraints.json) into the planner's constraints."""
-    return f'''import json
+    return f'''import json, torch
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.shard_estimators import EmbeddingOffloadStats
 from torchrec.distributed.types import CacheParams
 
-constraints = {{name: ParameterConstraints(**{{**c, "cache_params": CacheParams(**c["cache_params"])}})
+def cache_params(c):  # the trace's LRU curve as the planner's cache statistics
+    stats = c.get("stats")
+    if stats:
+        stats = EmbeddingOffloadStats(**{{**stats, "mrc_hist_counts": torch.tensor(stats["mrc_hist_counts"])}})
+    return CacheParams(**{{**c, "stats": stats}})
+
+constraints = {{name: ParameterConstraints(**{{**c, "cache_params": cache_params(c["cache_params"])}})
                for name, c in json.load(open("{path}")).items()}}
 # cache_params act where compute_kernels allow "fused_uvm_caching" (CUDA)
 planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)  # your Topology'''

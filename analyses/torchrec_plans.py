@@ -21,18 +21,21 @@ of analyses.exchange (tested equal to `comms`); applied to another plan it is th
 Step time (`compute`): the measured step, less the recorded plan's exchange time, plus the derived
 plan's (`link_seconds`): per collective the bytes of its busiest rank (the larger of what a rank
 sends to and receives from others) at the price per byte that collective measurably took in the
-recorded run (`Prices`, from `durations`), α per all-to-all of each sharding group, and a data-parallel table's ring
-all-reduce at the output dist's price. The lookups' own work moving between ranks is not modelled
-(the plan's `why` says so). `derive` picks, per table, data-parallel where its all-reduce moves
+recorded run (`Prices`, from `durations`), α per all-to-all of each sharding group, and a
+data-parallel table's ring all-reduce at the link's rate. The lookups' own work moving between
+ranks is not modelled (the plan's `why` says so). `derive` picks, per table, data-parallel where its all-reduce moves
 fewer bytes than its exchange and it fits `DP_MAX_BYTES`, then places the others table-wise,
 heaviest first, on the rank that keeps the exchange shortest, splitting a table column-wise where
 it alone outweighs a rank's share. A plan is recommended where its gain exceeds the model's error
 (analyses.network); `torchrec_plan.json` keeps the prediction, the interval of its step time and
-the recorded plan's figures (`baseline`).
+the recorded plan's figures (`baseline`). `torchrec_plan.qcomms.json` is the same plan with TorchRec's
+quantized comms (fp16 forward, bf16 backward: the output dist's bytes halved), a lossy alternative
+never recommended without a measurement of the loss.
 
     L = loads(ctx, len_bytes, id_bytes)
     pairs = pairs_of(L, plan["tables"])     # collective -> [W, W] bytes per step (sender, receiver)
-    derived = derive(L, plan["tables"], Prices.of_run(s, durations(ctx), alpha))   # a plan file's tables
+    prices = Prices.of_run(s, durations(ctx), alpha, link_s_per_byte)
+    derived = derive(L, plan["tables"], prices)   # a plan file's tables
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import numpy as np
 from analyses import attribution, exchange, network, traffic
 from analyses.context import Context, Result
 from tracekit.figures import ALLREDUCE_BYTES, STEP_TIME
-from tracekit.torchrec_plan import PLAN_FILE, PlanError, from_manifest, write_plan
+from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, PlanError, from_manifest, write_plan
 
 COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
 DP_MAX_BYTES = 64 * 2**20  # a data-parallel table is a full copy on every rank: at most this large
@@ -153,97 +156,142 @@ class Prices:
 
     alpha: float
     per_byte: dict[str, float]
+    ring_per_byte: float  # a data-parallel table's all-reduce: seconds per byte a rank sends
     timed: bool = True  # False: no collective was timed after warm-up; bytes alone rank plans
 
     @classmethod
-    def of_run(cls, s: exchange.ExchangeBaseline, cost: dict[str, float], alpha: float) -> Prices:
+    def of_run(cls, s: exchange.ExchangeBaseline, cost: dict[str, float], alpha: float,
+               link_s_per_byte: float | None) -> Prices:
         """From the replay `s` and each collective's measured `cost` (seconds a step); a collective
         with no measured time or no remote bytes at the mean price of the others; without any, every
-        byte at one unit and α nothing."""
+        byte at one unit and α nothing. The all-reduce's bytes go at `link_s_per_byte` (the link's
+        own rate: an all-to-all's time also holds its waits for the slowest rank's compute, an
+        all-reduce of gradients does not), else at the mean price."""
         measured = {c: max(cost[c] - alpha, 0.0) / s.busiest[c] for c in COLLECTIVES
                     if cost.get(c) and s.busiest.get(c)}
         if not measured:
-            return cls(0.0, dict.fromkeys(COLLECTIVES, 1.0), timed=False)
+            return cls(0.0, dict.fromkeys(COLLECTIVES, 1.0), 1.0, timed=False)
         mean = sum(measured.values()) / len(measured)
-        return cls(alpha, {c: measured.get(c, mean) for c in COLLECTIVES})
+        return cls(alpha, {c: measured.get(c, mean) for c in COLLECTIVES}, link_s_per_byte or mean)
 
 
-def link_seconds(L: Loads, tables: dict[str, dict], prices: Prices) -> float:
+def link_seconds(L: Loads, tables: dict[str, dict], prices: Prices, qcomms: dict | None = None) -> float:
     """The plan's exchange time per step: each collective's price × its busiest rank's bytes; the
-    data-parallel tables' ring all-reduce, 2(W−1)/W of their bytes a rank, at the output dist's
-    price (the same link); and α for each all-to-all of each sharding group (TorchRec runs
+    data-parallel tables' ring all-reduce, 2(W−1)/W of their bytes a rank, at the link's rate; and α for each all-to-all of each sharding group (TorchRec runs
     table-wise and column-wise tables as two groups, each its own input and output dist)."""
-    f = figures(L, tables)
-    ring = 2 * (L.world - 1) / L.world * f["dp_allreduce_bytes_per_step"] / L.world
+    f = figures(L, tables, qcomms)
     groups = {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
-    return (sum(prices.per_byte[c] * f[f"busiest_{c}"] for c in COLLECTIVES) + prices.per_byte["output_fwd"] * ring
+    return (sum(prices.per_byte[c] * f[f"busiest_{c}"] for c in COLLECTIVES) + ring_seconds(L, tables, prices)
             + prices.alpha * len(COLLECTIVES) * len(groups))
 
 
+def ring_seconds(L: Loads, tables: dict[str, dict], prices: Prices) -> float:
+    """The data-parallel tables' ring all-reduce on the link, 2(W−1)/W of their bytes a rank. DDP
+    runs it bucketed and asynchronously, beside the backward pass: how much of it the step waits
+    for is not modelled, so `compute` counts it whole and half of it as error."""
+    dp = pairs_of(L, tables)["dp_allreduce"]
+    return prices.ring_per_byte * 2 * (L.world - 1) / L.world * float(dp.max(initial=0.0))
+
+
+QCOMMS = {"forward": "fp16", "backward": "bf16"}
+"""The quantized comms tried beside the derived plan: TorchRec's QCommsConfig, bf16 backward for its range."""
+
+
 def compute(ctx: Context) -> Result:
-    """For a TorchRec run: its recorded plan's bytes replayed and checked against `comms`, the
+    """For a TorchRec run: its recorded plan's bytes replayed and checked against `comms`; the
     derived plan with its predicted bytes and step, written as RUN/torchrec_plan.json (the plan
-    file `record --plan` takes). Nothing for any other run."""
+    file `record --plan` takes); and the same with quantized comms (QCOMMS), a lossy alternative
+    never recommended without a measurement of what it does to the loss, as
+    RUN/torchrec_plan.qcomms.json. Nothing for any other run."""
     result = Result()
     try:
         base = from_manifest(ctx.manifest, str(ctx.path))
     except PlanError:
         return result  # not a TorchRec run
-    if ctx.model.world_size < 2:
-        result.notes.append("one rank: every table is local, no plan to derive")
+    why_not = _not_planned(ctx, base)
+    if why_not:
+        result.notes.append(why_not)
         return result
+    s = exchange.baseline(ctx)
+    L = loads(ctx, s.len_bytes, s.id_bytes)
+    net = network.network(ctx)
+    prices = Prices.of_run(s, durations(ctx), net.alpha(network.A2A), _link_s_per_byte(ctx))
+    recorded = figures(L, base["tables"])
+    allreduce = ctx.sql(f"""SELECT coalesce(sum(bytes_out), 0)::DOUBLE / {max(traffic.training_steps(ctx), 1)}
+                            FROM train_comms WHERE op = 'all_reduce'""").fetchall()[0][0]
+    recorded[ALLREDUCE_BYTES] = allreduce
+    before = link_seconds(L, base["tables"], prices)
+    baseline = {**recorded, "exchange_s": before if prices.timed else None, STEP_TIME: s.step_time_s}
+    priced = any(p > 0 for p in prices.per_byte.values())
+    derived = derive(L, base["tables"], prices) if priced else base["tables"]
+    plans = {}
+    for name, qcomms in ((PLAN_FILE, None), (QCOMMS_PLAN_FILE, QCOMMS)):
+        step = s.step_time_s if prices.timed else None
+        after = link_seconds(L, derived, prices, qcomms)
+        error = (net.error(_calls(base["tables"], derived), abs(after - before))
+                 + abs(ring_seconds(L, derived, prices) - ring_seconds(L, base["tables"], prices)) / 2)
+        predicted = {**figures(L, derived, qcomms), "exchange_s": after if prices.timed else None,
+                     STEP_TIME: None if step is None else max(step - before + after, 0.0)}
+        predicted[ALLREDUCE_BYTES] = allreduce - recorded["dp_allreduce_bytes_per_step"] + predicted[
+            "dp_allreduce_bytes_per_step"]  # the rest of the model's DDP all-reduce stays
+        recommended = step is not None and before - after > error and qcomms is None
+        plans[name] = {**base, "tables": derived, **({"qcomms": qcomms} if qcomms else {}), "predicted": predicted,
+                       "intervals": {} if step is None else {STEP_TIME: [predicted[STEP_TIME] - error,
+                                                                          predicted[STEP_TIME] + error]},
+                       "why": _why(prices, priced, base["tables"] == derived, before, after, error, qcomms),
+                       "recommended": recommended, "baseline": baseline}
+        write_plan(ctx.path / name, plans[name])
+    plan = plans[PLAN_FILE]
+    result.summary = {"recorded": base["tables"], "derived": derived, "baseline": baseline,
+                      "predicted": plan["predicted"], "recommended": plan["recommended"], "why": plan["why"],
+                      "qcomms": {"qcomms": QCOMMS, "predicted": plans[QCOMMS_PLAN_FILE]["predicted"],
+                                 "why": plans[QCOMMS_PLAN_FILE]["why"]},
+                      "replay_matches": abs(recorded["a2a_bytes_per_step"] - s.base_out) < 1e-6 * max(s.base_out, 1.0),
+                      "written": [str(ctx.path / name) for name in plans]}
+    return result
+
+
+def _link_s_per_byte(ctx: Context) -> float | None:
+    """Seconds per byte on the link between an emulated cluster's nodes (manifest `topology`, at
+    TCP's wire efficiency); None on one host, whose all-to-alls' own prices stand in for it."""
+    rate = (ctx.manifest.get("topology") or {}).get("link_bytes_per_s")
+    return 1.0 / (rate * network.WIRE_EFFICIENCY) if rate else None
+
+
+def _not_planned(ctx: Context, base: dict) -> str | None:
+    """Why no plan is derived for this TorchRec run, if none is."""
+    if ctx.model.world_size < 2:
+        return "one rank: every table is local, no plan to derive"
     unplanned = sorted({t["sharding_type"] for t in base["tables"].values()} - {"table_wise", "column_wise",
                                                                                    "data_parallel"})
     if unplanned:
-        result.notes.append(f"the run's plan has {', '.join(unplanned)} tables, which this planner does not "
-                            "model yet: no plan derived")
-        return result
-    s = exchange.baseline(ctx)
-    if not s.attribution.exact:
-        result.notes.append("the lookups' source ranks are not exact (analyses.attribution): no plan derived")
-        return result
-    L = loads(ctx, s.len_bytes, s.id_bytes)
-    net = network.network(ctx)
-    prices = Prices.of_run(s, durations(ctx), net.alpha(network.A2A))
-    recorded = figures(L, base["tables"])
-    replayed = sum(v[0] for v in s.base.values())
-    priced = any(p > 0 for p in prices.per_byte.values())
-    derived = derive(L, base["tables"], prices) if priced else base["tables"]
-    step = s.step_time_s if prices.timed else None
-    before, after = link_seconds(L, base["tables"], prices), link_seconds(L, derived, prices)
-    error = net.error(_calls(base["tables"], derived), abs(after - before))
-    allreduce = ctx.sql(f"""SELECT coalesce(sum(bytes_out), 0)::DOUBLE / {max(traffic.training_steps(ctx), 1)}
-                            FROM train_comms WHERE op = 'all_reduce'""").fetchall()[0][0]
-    dense = allreduce - recorded["dp_allreduce_bytes_per_step"]  # the rest of the model's DDP all-reduce
-    recorded[ALLREDUCE_BYTES] = allreduce
-    predicted = {**figures(L, derived), "exchange_s": after if prices.timed else None,
-                 STEP_TIME: None if step is None else max(step - before + after, 0.0)}
-    predicted[ALLREDUCE_BYTES] = dense + predicted["dp_allreduce_bytes_per_step"]
-    intervals = {} if step is None else {STEP_TIME: [predicted[STEP_TIME] - error, predicted[STEP_TIME] + error]}
-    gain = before - after
-    recommended = step is not None and gain > error
-    why = (f"the exchange on its busiest ranks {before * 1e3:.2f} → {after * 1e3:.2f} ms a step (priced per byte as "
-           f"the run's own collectives took, α {prices.alpha * 1e3:.2f} ms a call); the lookups' own work moving "
+        return (f"the run's plan has {', '.join(unplanned)} tables, which this planner does not model yet: "
+                "no plan derived")
+    if not exchange.baseline(ctx).attribution.exact:
+        return "the lookups' source ranks are not exact (analyses.attribution): no plan derived"
+    return None
+
+
+def _why(prices: Prices, priced: bool, same: bool, before: float, after: float, error: float,
+         qcomms: dict | None) -> str:
+    """One line: why the plan is recommended or not, and on what its step rests."""
+    how = (f"the exchange on its busiest ranks {before * 1e3:.2f} → {after * 1e3:.2f} ms a step (priced per byte "
+           f"as the run's own collectives took, α {prices.alpha * 1e3:.2f} ms a call); the lookups' own work moving "
            "between ranks is not modelled")
-    plan = {**base, "tables": derived, "predicted": predicted, "intervals": intervals, "why": why,
-            "recommended": recommended, "baseline": {**recorded, "exchange_s": before if prices.timed else None,
-                                                     STEP_TIME: s.step_time_s}}
+    if qcomms:
+        return (f"quantized comms ({qcomms['forward']} forward, {qcomms['backward']} backward) change the numbers: not "
+                f"recommended without measuring the loss (optimize --check-all re-runs it); {how}")
     if not prices.timed:
-        plan["why"] = ("no exchange was timed after the warm-up steps: the plan moving the fewest bytes on the busiest "
-                       "ranks, its step time not predicted; " + why.split("; ", 1)[1])
-    elif not priced:
-        plan["why"] = "the exchange's bytes cost nothing measurable on this run: its own plan is kept"
-    elif recommended or base["tables"] == derived:
-        plan["why"] = why if recommended else "the run's own plan is the lightest found; " + why
-    else:
-        plan["why"] = (f"not recommended: a gain of {gain * 1e3:.2f} ms, within the model's error "
-                       f"±{error * 1e3:.2f} ms; {why}")
-    write_plan(ctx.path / PLAN_FILE, plan)
-    result.summary = {"recorded": base["tables"], "derived": derived, "baseline": plan["baseline"],
-                      "predicted": predicted, "error_s": error, "recommended": recommended, "why": plan["why"],
-                      "replay_matches": abs(recorded["a2a_bytes_per_step"] - replayed) < 1e-6 * max(replayed, 1.0),
-                      "written": str(ctx.path / PLAN_FILE)}
-    return result
+        return ("no exchange was timed after the warm-up steps: the plan moving the fewest bytes on the busiest "
+                "ranks, its step time not predicted; the lookups' own work moving between ranks is not modelled")
+    if not priced:
+        return "the exchange's bytes cost nothing measurable on this run: its own plan is kept"
+    if before - after > error:
+        return how
+    if same:
+        return "the run's own plan is the lightest found; " + how
+    return (f"not recommended: a gain of {(before - after) * 1e3:.2f} ms, within the model's error "
+            f"±{error * 1e3:.2f} ms; {how}")
 
 
 def durations(ctx: Context) -> dict[str, float]:

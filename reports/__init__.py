@@ -2,8 +2,9 @@
 
     path = write_report(["runs/base", "runs/hybrid"], "report.html")
 
-One self-contained file: the verdict, then overview, skew, traffic, timeline, cache, policies, the
-projection of `tracekit simulate` where one was made and, with two or more runs, compare (analyses.compare.compare's summary).
+One self-contained file: the verdict, then overview, skew, traffic, timeline, cache, policies, a
+TorchRec run's plan (recorded against derived), the projection of `tracekit simulate` where one was
+made and, with two or more runs, compare (analyses.compare.compare's summary).
 The first run's figures are what `tracekit analyze` wrote (reports.inputs), never computed here; the
 tables show each number in the unit its name says (reports.numbers).
 """
@@ -32,9 +33,9 @@ def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, p
     base = inputs[0]
     parts = [sections.overview(inputs), sections.skew(base), sections.traffic(base), sections.timeline(base),
              sections.cache(base), sections.policies(base)]
-    projection = sections.simulate(base)
-    if projection is not None:
-        parts.append(projection)
+    for extra in (sections.torchrec(base), sections.simulate(base)):
+        if extra is not None:
+            parts.append(extra)
     if summary is not None:
         parts.append(sections.compare(summary))
     title = f"tracekit report: {base.name}" + (f" and {len(inputs) - 1} more" if len(inputs) > 1 else "")

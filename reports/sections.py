@@ -406,6 +406,50 @@ def _flatten(body: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# torchrec ---------------------------------------------------------------------------------------
+
+def torchrec(run: RunInputs) -> Section | None:
+    """A TorchRec run's plan: the recorded one beside the derived one (analyze's torchrec_plan.json,
+    analyses/torchrec_plans.py) and its quantized-comms variant, table by table, with their
+    predicted figures beside the recorded plan's; None for another run."""
+    from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, PlanError, from_manifest, read_plan
+
+    plans = {}
+    for label, name in (("derived", PLAN_FILE), ("derived, quantized comms", QCOMMS_PLAN_FILE)):
+        try:
+            plans[label] = read_plan(run.path / name) if (run.path / name).exists() else None
+        except PlanError:
+            plans[label] = None
+    derived = plans["derived"]
+    if derived is None:
+        return None
+    s = Section("torchrec", "TorchRec: the job's plan and the one derived from its trace")
+    own = from_manifest(run.manifest)["tables"]
+
+    def where(placed: dict) -> str:
+        return f"{placed['sharding_type']} on {', '.join(str(r) for r in placed['ranks'])}"
+
+    rows = [[name, f"{placed['num_embeddings']} × {placed['embedding_dim']}", where(own[name]),
+             where(placed) if where(placed) != where(own[name]) else "(same)"]
+            for name, placed in derived["tables"].items()]
+    s.intro.append(f"<p>{_decision(derived)}{esc(derived.get('why', ''))}</p>")
+    s.intro.append(table(["table", "rows × dim", "recorded plan", "derived plan"], rows, left={0, 2, 3}))
+    columns = {"recorded plan": derived.get("baseline") or {}, "derived": derived["predicted"]}
+    if plans["derived, quantized comms"] is not None:
+        columns["derived, quantized comms"] = plans["derived, quantized comms"]["predicted"]
+    figures_shown = ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "allreduce_bytes_per_step",
+                     "dp_allreduce_bytes_per_step", "exchange_s", STEP_TIME)
+    s.intro.append(table(["figure", *columns], [[k, *(show(k, c.get(k)) if c.get(k) is not None else "–"
+                                                      for c in columns.values())] for k in figures_shown]))
+    s.intro.append("<p>Bytes per training step, all ranks' bytes_out, exact for any plan (replayed from the "
+                   "recorded lookups); the step time is the measured one less the recorded plan's exchange plus "
+                   "the derived plan's. <code>tracekit optimize</code> re-runs the job with the derived plan and "
+                   "puts them beside the measured figures (compare, section <code>torchrec_plan</code>).</p>")
+    s.missing.append("TorchRec's own planner estimates (EmbeddingStats' perf and storage) beside these: not "
+                     "computed yet")
+    return s
+
+
 # compare ----------------------------------------------------------------------------------------
 
 def compare(summary: dict) -> Section:

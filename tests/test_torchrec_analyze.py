@@ -164,15 +164,19 @@ ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t, embedding_dim=16
 plan = planner.plan(ebc, [EmbeddingBagCollectionSharder()])
 print(json.dumps({"constraints": {t: [type(c).__name__, c.pooling_factors, type(c.cache_params).__name__,
                                       c.cache_params.load_factor] for t, c in constraints.items()},
-                  "plan": {t: p.cache_params.load_factor for t, p in plan.plan[""].items()}}))
+                  "plan": {t: p.cache_params.load_factor for t, p in plan.plan[""].items()},
+                  "stats": {t: [type(c.cache_params.stats).__name__, c.cache_params.stats.expected_lookups,
+                                [c.cache_params.stats.expected_miss_rate(x) for x in (0.05, 0.2, 0.5)]]
+                            for t, c in constraints.items()}}))
 '''
 
 
 @pytest.mark.slow
 def test_the_snippet_loads_the_constraints_into_torchrecs_planner(analysed, torchrec_python: Path) -> None:
-    """The printed snippet builds real ParameterConstraints and CacheParams, and TorchRec's planner
-    plans with them on a CPU topology, each table's sharding carrying its load factor (the caching
-    kernel itself is CUDA-only: on CPU the planner picks the fused kernel)."""
+    """The printed snippet builds real ParameterConstraints and CacheParams, with the trace's LRU curve
+    as TorchRec's EmbeddingOffloadStats (its miss rates at the simulated load factors those of the
+    replay), and TorchRec's planner plans with them on a CPU topology, each table's sharding carrying
+    its load factor (the caching kernel itself is CUDA-only: on CPU the planner picks the fused kernel)."""
     run_dir, _, _ = analysed
     path = run_dir / "analysis" / "torchrec_constraints.json"
     written = json.loads(path.read_text())
@@ -183,6 +187,12 @@ def test_the_snippet_loads_the_constraints_into_torchrecs_planner(analysed, torc
     assert out["constraints"] == {t: ["ParameterConstraints", c["pooling_factors"], "CacheParams",
                                       c["cache_params"]["load_factor"]] for t, c in written.items()}
     assert out["plan"] == {t: c["cache_params"]["load_factor"] for t, c in written.items()}
+    # the cache statistics TorchRec's planner estimates with: the trace's LRU curve, in its own class
+    curves = json.loads((run_dir / "analysis" / "torchrec_cache_stats.json").read_text())["tables"]
+    for t, (kind, lookups, misses) in out["stats"].items():
+        assert kind == "EmbeddingOffloadStats" and lookups == round(curves[t]["expected_lookups"])
+        assert misses == pytest.approx([curves[t]["expected_miss_rate"][lf] for lf in ("0.05", "0.2", "0.5")],
+                                       abs=1e-5)
 
 
 @pytest.mark.slow

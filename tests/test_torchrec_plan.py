@@ -185,7 +185,8 @@ def test_derive_balances_the_busiest_rank_and_copies_what_is_cheaper_to_copy() -
     L = synthetic_loads()
     base = {name: {"sharding_type": "table_wise", "ranks": [0], "compute_kernel": "fused",
                    "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t])} for t, name in enumerate(L.names)}
-    prices = torchrec_plans.Prices(alpha=1e-4, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8))
+    prices = torchrec_plans.Prices(alpha=1e-4, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8),
+                                   ring_per_byte=1e-8)
     derived = torchrec_plans.derive(L, base, prices)
     validate({"schema": SCHEMA, "world_size": 2, "tables": derived})
     assert derived["hot"]["sharding_type"] == "data_parallel"
@@ -205,7 +206,8 @@ def test_a_table_heavier_than_a_ranks_share_is_split_by_columns() -> None:
     L.dims[0], L.ids[0] = 256, [256.0, 256.0]  # big now outweighs everything else together
     base = {name: {"sharding_type": "table_wise", "ranks": [0], "compute_kernel": "fused",
                    "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t])} for t, name in enumerate(L.names)}
-    prices = torchrec_plans.Prices(alpha=1e-6, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8))
+    prices = torchrec_plans.Prices(alpha=1e-6, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8),
+                                   ring_per_byte=1e-8)
     derived = torchrec_plans.derive(L, base, prices)
     assert derived["big"]["sharding_type"] == "column_wise" and sorted(derived["big"]["ranks"]) == [0, 1]
     assert torchrec_plans.link_seconds(L, derived, prices) < torchrec_plans.link_seconds(L, base, prices)
@@ -215,7 +217,8 @@ def test_a_table_heavier_than_a_ranks_share_is_split_by_columns() -> None:
 def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: Path, tmp_path: Path) -> None:
     """The job as it is (t0, two features, and t2 on rank 0; t1 on rank 1) and, re-run unchanged, the
     plan analyze derived from its trace: t0 alone on one rank (--check-all: recommended or not, a
-    gain this small is within the error of four steps). Its bytes are predicted exactly."""
+    gain this small is within the error of four steps), and with quantized comms (never recommended:
+    lossy). Their bytes are predicted exactly, and the quantized run's loss is compared."""
     job = [str(torchrec_python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB),
            "--sharding", "table_wise", "--out", str(tmp_path / "out")]
     r = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "--check-all", "--json", "-o",
@@ -227,7 +230,15 @@ def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: P
     ran = manifest(tmp_path / "opt" / "torchrec_plan")
     assert from_manifest(ran)["tables"] == plan["tables"]
     assert ran["command"] == manifest(tmp_path / "opt" / "base")["command"]  # the job unchanged
-    rows = {row["figure"]: row for row in summary["rows"] if row["section"] == "torchrec_plan"}
-    for figure in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "allreduce_bytes_per_step"):
-        assert rows[figure]["diff"] == 0, rows[figure]
+    for section in ("torchrec_plan", "torchrec_plan.qcomms"):  # --check-all: the quantized variant too
+        rows = {row["figure"]: row for row in summary["rows"] if row["section"] == section}
+        for figure in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "allreduce_bytes_per_step"):
+            assert rows[figure]["diff"] == 0, (section, rows[figure])
+    quantized = manifest(tmp_path / "opt" / "torchrec_plan_qcomms")["torchrec_plan"]["plan"]
+    assert quantized["qcomms"] == {"forward": "fp16", "backward": "bf16"} and quantized["recommended"] is False
     assert any(note.startswith("a TorchRec job: tracekit's policy sections apply") for note in summary["notes"])
+    measured = {run["run"]: run for run in summary["runs"]}
+    assert measured[str(tmp_path / "opt" / "torchrec_plan_qcomms")]["loss_max_abs_diff"] is not None
+    report = (tmp_path / "opt" / "report.html").read_text()  # the plans side by side, then compare's rows
+    assert "the one derived from its trace" in report and "derived, quantized comms" in report
+    assert report.count("torchrec_plan.qcomms") >= 3  # a row per figure compared

@@ -10,8 +10,9 @@
 
 then the comparison of DIR/base with DIR/<section> ... DIR/combined and its report, DIR/report.html.
 The command must take `--policy PATH` as its last option (the reference trainer's train.py does),
-unless it is a TorchRec job: then analyze's derived plan (DIR/base/torchrec_plan.json) is the one
-re-run, DIR/torchrec_plan, the command unchanged and the plan injected (`record --plan`).
+unless it is a TorchRec job: then analyze's derived plan (DIR/base/torchrec_plan.json) is what is
+re-run, DIR/torchrec_plan (and with --check-all its quantized-comms variant, DIR/torchrec_plan_qcomms),
+the command unchanged and the plan injected (`record --plan`).
 Each run's output goes to DIR/<name>.log; `progress` hears which step is going. With a `cluster`
 topology every run is recorded on that emulated cluster (`tracekit cluster`) of the plain command.
 
@@ -31,7 +32,7 @@ from tracekit.console import describe_record
 from tracekit.errors import TracekitError
 from tracekit.loop import analyze_run, compare_runs, write_report
 from tracekit.policy import TRAINING, Policy, Section, Tiers, nothing_to_apply, read_policy, write_policy
-from tracekit.torchrec_plan import PLAN_FILE, from_manifest, read_plan
+from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, from_manifest, read_plan
 
 
 class OptimizeError(TracekitError):
@@ -71,8 +72,7 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
         project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), base / "policy.json")
     progress("analysing the baseline: done")
     if (base / PLAN_FILE).exists():
-        own = from_manifest(recording.read_manifest(base))
-        plans, notes = torchrec_reruns(base / PLAN_FILE, own, checked=check_all)
+        plans, notes = torchrec_reruns(base, from_manifest(recording.read_manifest(base)), checked=check_all)
     else:
         plans, notes = reruns(base / "policy.json", checked=check_all)
     result = Optimized(base, notes=notes)
@@ -108,18 +108,26 @@ class Rerun:
     plan: bool = False  # a TorchRec plan: the command runs unchanged, the plan injected
 
 
-def torchrec_reruns(plan_path: Path, own: dict, *, checked: bool = False) -> tuple[list[Rerun], list[str]]:
-    """The derived TorchRec plan (analyze's torchrec_plan.json) as the one re-run of a TorchRec job,
-    where it differs from the job's `own` plan and is recommended (or `checked`); else a note why not."""
-    plan = read_plan(plan_path)
-    note = "a TorchRec job: tracekit's policy sections apply to its reference trainer; its derived plan is re-run"
-    if plan["tables"] == own["tables"]:
-        return [], [f"{note} where it differs from the job's own, and here it does not ({plan.get('why')})"]
-    if not plan.get("recommended") and not checked:
-        return [], [f"{note}; torchrec_plan not re-run: {plan.get('why')}"]
-    if not plan.get("recommended"):
-        note += f", although not recommended, to check the decision ({plan.get('why')})"
-    return [Rerun("torchrec_plan", plan_path, plan=True)], [note]
+def torchrec_reruns(base: Path, own: dict, *, checked: bool = False) -> tuple[list[Rerun], list[str]]:
+    """The re-runs of a TorchRec job: analyze's derived plan (torchrec_plan.json) where it differs
+    from the job's `own` plan and is recommended, and with `checked` where it is not, and then its
+    quantized-comms variant too (torchrec_plan.qcomms.json, never recommended: its loss is measured
+    so); a note on each left out and why."""
+    plans, notes = [], ["a TorchRec job: tracekit's policy sections apply to its reference trainer; its derived "
+                        "plan is re-run instead"]
+    for name, path in (("torchrec_plan", base / PLAN_FILE), ("torchrec_plan_qcomms", base / QCOMMS_PLAN_FILE)):
+        if not path.exists():
+            continue
+        plan = read_plan(path)
+        if plan["tables"] == own["tables"] and not plan.get("qcomms"):
+            notes.append(f"{name} not re-run: the job's own plan ({plan.get('why')})")
+        elif plan.get("recommended") or checked:
+            plans.append(Rerun(name, path, plan=True))
+            if not plan.get("recommended"):
+                notes.append(f"{name} re-run although not recommended, to check the decision ({plan.get('why')})")
+        else:
+            notes.append(f"{name} not re-run: {plan.get('why')}")
+    return plans, notes
 
 
 def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], list[str]]:

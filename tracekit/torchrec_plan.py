@@ -35,6 +35,8 @@ COMPUTE_KERNELS = ("fused", "dense", "fused_uvm_caching", "fused_uvm", "quant")
 QCOMM_PRECISIONS = ("fp32", "fp16", "bf16")
 PLAN_FILE = "torchrec_plan.json"
 """Where `analyze` writes a TorchRec run's derived plan, in the run directory."""
+QCOMMS_PLAN_FILE = "torchrec_plan.qcomms.json"
+"""... and the same plan with quantized comms."""
 ENV = "TRACEKIT_TORCHREC_PLAN"
 """The variable `record --plan` sets to the plan file's absolute path, for the collectors."""
 
