@@ -239,6 +239,9 @@ def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: P
     assert any(note.startswith("a TorchRec job: tracekit's policy sections apply") for note in summary["notes"])
     measured = {run["run"]: run for run in summary["runs"]}
     assert measured[str(tmp_path / "opt" / "torchrec_plan_qcomms")]["loss_max_abs_diff"] is not None
+    printed = " ".join(subprocess.run([sys.executable, "-m", "tracekit", "analyze", str(tmp_path / "opt" / "base")],
+                                      cwd=REPO, capture_output=True, text=True, timeout=300).stdout.split())
+    assert "torchrec plan (" in printed and " → table_wise on " in printed, printed  # the tables it moves
     report = (tmp_path / "opt" / "report.html").read_text()  # the plans side by side, then compare's rows
     assert "the one derived from its trace" in report and "derived, quantized comms" in report
     assert report.count("torchrec_plan.qcomms") >= 3  # a row per figure compared

@@ -172,7 +172,26 @@ def _network(n: dict) -> None:
                   + f" ({n['warmup_steps']} warm-up steps left out); rank work {n['rank_work'].split(' (')[0]}")
 
 
-RENDERERS = {"skew": _skew, "traffic": _traffic, "timeline": _timeline, "cache": _cache, "costmodel": _costmodel}
+def _torchrec_plan(summary: dict) -> None:
+    """One line per table the derived TorchRec plan moves, and its decision (analyses/torchrec_plans.py)."""
+    def where(table: dict) -> str:
+        return f"{table['sharding_type']} on {','.join(str(r) for r in table['ranks'])}"
+
+    moved = {name: (where(summary["recorded"][name]), where(t)) for name, t in summary["derived"].items()
+             if where(t) != where(summary["recorded"][name])}
+    step = summary["predicted"].get("step_time_s")
+    decision = "[green]recommended:[/] " if summary["recommended"] else ""  # else the why says why not
+    terminal.print(f"torchrec plan ({summary['written'][0]}): {len(moved)} of {len(summary['derived'])} tables moved; "
+                   f"a2a {format_bytes(summary['baseline']['a2a_bytes_per_step'])} → "
+                   f"{format_bytes(summary['predicted']['a2a_bytes_per_step'])} a step, step "
+                   + (f"{summary['baseline']['step_time_s'] * 1e3:.2f} → {step * 1e3:.2f} ms" if step else "not predicted")
+                   + f"; {decision}{summary['why']}")
+    for name, (before, after) in list(moved.items())[:10]:
+        terminal.print(f"  {name}: {before} → {after}")
+
+
+RENDERERS = {"skew": _skew, "traffic": _traffic, "timeline": _timeline, "cache": _cache, "costmodel": _costmodel,
+             "torchrec_plan": _torchrec_plan}
 
 
 def _print_policies(summary: dict) -> None:
