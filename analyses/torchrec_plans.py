@@ -40,18 +40,23 @@ never recommended without a measurement of the loss.
 
 from __future__ import annotations
 
+import json
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from analyses import attribution, exchange, network, traffic
 from analyses.context import Context, Result
 from tracekit.figures import ALLREDUCE_BYTES, STEP_TIME
+from tracekit.topology import Topology
 from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, PlanError, from_manifest, write_plan
 
 COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
 DP_MAX_BYTES = 64 * 2**20  # a data-parallel table is a full copy on every rank: at most this large
 QCOMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an element on the wire (TorchRec's QCommsConfig)
+ESTIMATE_TIMEOUT_S = 120  # TorchRec's planner, run in the job's Python (tracekit/torchrec_estimates.py)
 
 
 @dataclass
@@ -177,8 +182,9 @@ class Prices:
 
 def link_seconds(L: Loads, tables: dict[str, dict], prices: Prices, qcomms: dict | None = None) -> float:
     """The plan's exchange time per step: each collective's price × its busiest rank's bytes; the
-    data-parallel tables' ring all-reduce, 2(W−1)/W of their bytes a rank, at the link's rate; and α for each all-to-all of each sharding group (TorchRec runs
-    table-wise and column-wise tables as two groups, each its own input and output dist)."""
+    data-parallel tables' ring all-reduce, 2(W−1)/W of their bytes a rank, at the link's rate; and α
+    for each all-to-all of each sharding group (TorchRec runs table-wise and column-wise tables as
+    two groups, each its own input and output dist)."""
     f = figures(L, tables, qcomms)
     groups = {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
     return (sum(prices.per_byte[c] * f[f"busiest_{c}"] for c in COLLECTIVES) + ring_seconds(L, tables, prices)
@@ -224,6 +230,9 @@ def compute(ctx: Context) -> Result:
     baseline = {**recorded, "exchange_s": before if prices.timed else None, STEP_TIME: s.step_time_s}
     priced = any(p > 0 for p in prices.per_byte.values())
     derived = derive(L, base["tables"], prices) if priced else base["tables"]
+    estimates = torchrec_estimates(ctx, L, base["tables"], derived)  # TorchRec's own planner, for comparison
+    if "error" in estimates:
+        result.notes.append(f"TorchRec's own planner estimates: not computed ({estimates['error']})")
     plans = {}
     for name, qcomms in ((PLAN_FILE, None), (QCOMMS_PLAN_FILE, QCOMMS)):
         step = s.step_time_s if prices.timed else None
@@ -239,16 +248,55 @@ def compute(ctx: Context) -> Result:
                        "intervals": {} if step is None else {STEP_TIME: [predicted[STEP_TIME] - error,
                                                                           predicted[STEP_TIME] + error]},
                        "why": _why(prices, priced, base["tables"] == derived, before, after, error, qcomms),
-                       "recommended": recommended, "baseline": baseline}
+                       "recommended": recommended, "baseline": baseline,
+                       **({} if "error" in estimates else {"torchrec_estimate": estimates})}
         write_plan(ctx.path / name, plans[name])
     plan = plans[PLAN_FILE]
-    result.summary = {"recorded": base["tables"], "derived": derived, "baseline": baseline,
-                      "predicted": plan["predicted"], "recommended": plan["recommended"], "why": plan["why"],
+    result.summary = {"torchrec_estimate": estimates, "recorded": base["tables"], "derived": derived,
+                      "baseline": baseline, "predicted": plan["predicted"], "recommended": plan["recommended"], "why": plan["why"],
                       "qcomms": {"qcomms": QCOMMS, "predicted": plans[QCOMMS_PLAN_FILE]["predicted"],
                                  "why": plans[QCOMMS_PLAN_FILE]["why"]},
                       "replay_matches": abs(recorded["a2a_bytes_per_step"] - s.base_out) < 1e-6 * max(s.base_out, 1.0),
                       "written": [str(ctx.path / name) for name in plans]}
     return result
+
+
+def torchrec_estimates(ctx: Context, L: Loads, recorded: dict[str, dict], derived: dict[str, dict]) -> dict:
+    """What TorchRec's own planner estimates for the recorded and the derived plan (per rank: its
+    estimator's forward and backward compute and comms, ms), from tracekit/torchrec_estimates.py run
+    in the job's own Python; {"error": why} where that cannot be done."""
+    python = _job_python(ctx.manifest.get("command") or [])
+    if python is None:
+        return {"error": "the recorded command names no Python to run TorchRec's planner in"}
+    from analyses.planner import ids_per_bag
+
+    pooling, _ = ids_per_bag(ctx, attribution.features(ctx))
+    topology = Topology.of_run(ctx.manifest, L.world)
+    request = {"world_size": L.world, "ranks_per_node": topology.ranks_per_node,
+               "batch_size": max(1, round(float(L.batch.mean()))),
+               "link_bytes_per_s": (ctx.manifest.get("topology") or {}).get("link_bytes_per_s"),
+               "tables": [{"name": name, "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t]),
+                           "features": int(L.features[t]), "pooling_factor": pooling.get(name)}
+                          for t, name in enumerate(L.names)],
+               "plans": {"recorded": recorded, "derived": derived}}
+    try:
+        done = subprocess.run([python, "-m", "tracekit.torchrec_estimates"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=ESTIMATE_TIMEOUT_S)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as err:
+        return {"error": f"{python} -m tracekit.torchrec_estimates: {type(err).__name__}: {err}"}
+
+
+def _job_python(command: list[str]) -> str | None:
+    """The Python a recorded TorchRec job ran in: its first word, or the one beside its torchrun."""
+    if not command:
+        return None
+    first = Path(command[0])
+    if first.name.startswith("python"):
+        return command[0]
+    if first.name == "torchrun" and first.with_name("python").exists():
+        return str(first.with_name("python"))
+    return None
 
 
 def _link_s_per_byte(ctx: Context) -> float | None:

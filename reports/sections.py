@@ -445,8 +445,22 @@ def torchrec(run: RunInputs) -> Section | None:
                    "recorded lookups); the step time is the measured one less the recorded plan's exchange plus "
                    "the derived plan's. <code>tracekit optimize</code> re-runs the job with the derived plan and "
                    "puts them beside the measured figures (compare, section <code>torchrec_plan</code>).</p>")
-    s.missing.append("TorchRec's own planner estimates (EmbeddingStats' perf and storage) beside these: not "
-                     "computed yet")
+    estimate = derived.get("torchrec_estimate") or {}
+    if "recorded" in estimate and "derived" in estimate:
+        terms = list(estimate["recorded"]["ranks"][0])
+        busiest = {label: max(estimate[label]["ranks"], key=lambda r: sum(r.values())) for label in ("recorded",
+                                                                                                  "derived")}
+        s.intro.append("<p>TorchRec's own planner (its EmbeddingPerfEstimator, with the measured pooling factors and "
+                       "the run's link) for the same two plans, its busiest rank term by term; beside tracekit's "
+                       "prediction above and, after <code>tracekit optimize</code>, the measured step:</p>")
+        s.intro.append(table(["TorchRec's estimate (ms)", "recorded plan", "derived"],
+                             [[term, f"{busiest['recorded'][term]:.2f}", f"{busiest['derived'][term]:.2f}"]
+                              for term in terms] + [["busiest rank, all terms",
+                                                     f"{estimate['recorded']['max_rank_ms']:.2f}",
+                                                     f"{estimate['derived']['max_rank_ms']:.2f}"]]))
+    else:
+        s.missing.append("TorchRec's own planner estimates: " + estimate.get("error", "not in the plan file (analyze "
+                                                                            "computes them in the job's Python)"))
     return s
 
 

@@ -242,6 +242,11 @@ def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: P
     printed = " ".join(subprocess.run([sys.executable, "-m", "tracekit", "analyze", str(tmp_path / "opt" / "base")],
                                       cwd=REPO, capture_output=True, text=True, timeout=300).stdout.split())
     assert "torchrec plan (" in printed and " → table_wise on " in printed, printed  # the tables it moves
+    estimate = plan["torchrec_estimate"]  # TorchRec's own planner, run in the job's Python, on both plans
+    for label in ("recorded", "derived"):
+        ranks = estimate[label]["ranks"]
+        assert len(ranks) == 2 and estimate[label]["max_rank_ms"] == max(sum(r.values()) for r in ranks) > 0
     report = (tmp_path / "opt" / "report.html").read_text()  # the plans side by side, then compare's rows
     assert "the one derived from its trace" in report and "derived, quantized comms" in report
+    assert "its EmbeddingPerfEstimator" in report
     assert report.count("torchrec_plan.qcomms") >= 3  # a row per figure compared
