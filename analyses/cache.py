@@ -361,7 +361,8 @@ def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors
     done = replay(ctx, sample_rows=sample_rows, load_factors=load_factors, tables=tables)
     sample, mrc = done.sample, done.mrc
     result = Result(tables={"cache_mrc": mrc})
-    stats = planner_stats(ctx, sample, mrc, done.totals, done.steps, result.notes)
+    stats = ctx.memo((planner_stats, sample_rows, tuple(load_factors), tables),
+                     lambda: planner_stats(ctx, sample, mrc, done.totals, done.steps, result.notes))
     path = write_json(ctx, stats) if tables is None else None
     if (sample.rates < 1).any():
         result.notes.append(f"miss ratios from a hashed row sample (SHARDS) for {sampled_tables(sample)}")
@@ -398,6 +399,16 @@ def curves(mrc: pl.DataFrame, table: str) -> dict[str, dict[str, float]]:
     part = mrc.filter(table_name=table)
     return {p: {str(lf): round(r, 5) for lf, r in part.filter(policy=p).select("load_factor", "miss_ratio").iter_rows()}
             for p in POLICIES}
+
+
+def torchrec_stats(ctx: Context) -> dict[str, Any] | None:
+    """`planner_stats` of the default replay, as compute writes it to torchrec_cache_stats.json (once
+    per context); None without training accesses."""
+    done = replay(ctx)
+    if done is None:
+        return None
+    return ctx.memo((planner_stats, SAMPLE_ROWS, LOAD_FACTORS, None),
+                    lambda: planner_stats(ctx, done.sample, done.mrc, done.totals, done.steps, []))
 
 
 def planner_stats(ctx: Context, sample: Sample, mrc: pl.DataFrame, totals: dict, steps: int,

@@ -71,9 +71,8 @@ def compute(ctx: Context) -> Result:
                          "cache_load_factor": load_factor, "hit_rate": hit_rate, "cache_source": how})
     frame = pl.DataFrame(rows, schema=SCHEMA)
     result.tables["planner"] = frame
-    done = cache.replay(ctx)
-    stats = {} if done is None else {name: entry["offload_stats"] for name, entry in cache.planner_stats(
-        ctx, done.sample, done.mrc, done.totals, done.steps, [])["tables"].items()}
+    done = cache.torchrec_stats(ctx)
+    stats = {} if done is None else {name: entry["offload_stats"] for name, entry in done["tables"].items()}
     path = ctx.write_json(CONSTRAINTS, constraints(frame, stats=stats))
     result.summary = {"constraints": str(path), "default_hit_rate": DEFAULT_HIT_RATE,
                       "pooling_source": pooling_source, "tables": _per_table(frame)}

@@ -327,8 +327,8 @@ def _why(prices: Prices, priced: bool, same: bool, before: float, after: float, 
            f"as the run's own collectives took, α {prices.alpha * 1e3:.2f} ms a call); the lookups' own work moving "
            "between ranks is not modelled")
     if qcomms:
-        return (f"quantized comms ({qcomms['forward']} forward, {qcomms['backward']} backward) change the numbers: not "
-                f"recommended without measuring the loss (optimize --check-all re-runs it); {how}")
+        return (f"quantized comms ({qcomms['forward']} forward, {qcomms['backward']} backward) change the numbers: "
+                f"never recommended without measuring the loss (optimize --check-all re-runs it); {how}")
     if not prices.timed:
         return ("no exchange was timed after the warm-up steps: the plan moving the fewest bytes on the busiest "
                 "ranks, its step time not predicted; the lookups' own work moving between ranks is not modelled")
@@ -338,7 +338,7 @@ def _why(prices: Prices, priced: bool, same: bool, before: float, after: float, 
         return how
     if same:
         return "the run's own plan is the lightest found; " + how
-    return (f"not recommended: a gain of {(before - after) * 1e3:.2f} ms, within the model's error "
+    return (f"a gain of {(before - after) * 1e3:.2f} ms is within the model's error "
             f"±{error * 1e3:.2f} ms; {how}")
 
 

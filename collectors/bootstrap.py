@@ -156,7 +156,8 @@ def _json_default(obj: object) -> object:
 
 def activate(settings: Settings) -> None:
     """Install the collectors in this process, once."""
-    from collectors import comm, declared, embedding, gpu, grads, heartbeat, phase, steps, torchrec_tables
+    from collectors import (comm, declared, embedding, gpu, grads, heartbeat, phase, steps, torchrec_plan,
+                            torchrec_tables)
     from collectors.dct_replay import REFRESH_LADDER
     from tracekit.files import Reserve
     from tracekit.store import RunWriter
@@ -186,8 +187,6 @@ def activate(settings: Settings) -> None:
                grads.install(writer, clock, grad_every=settings.grad_every,
                              refresh_ladder=REFRESH_LADDER if settings.dct_replay else ()), sampler]
     if settings.torchrec_plan:
-        from collectors import torchrec_plan
-
         torchrec_plan.install(settings.torchrec_plan)
 
     def finish() -> None:
@@ -209,7 +208,7 @@ def activate(settings: Settings) -> None:
                  "tables": lambda: tables.tables, "gpu": sampler.status,
                  "policy": lambda: facts.policy, "metrics": lambda: facts.metrics}
         if settings.torchrec_plan:
-            parts["torchrec_plan_applied"] = lambda: sys.modules["collectors.torchrec_plan"].applied
+            parts["torchrec_plan_applied"] = lambda: torchrec_plan.applied
         reserve.release()
         try:
             write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts,

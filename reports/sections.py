@@ -391,7 +391,8 @@ def _decision(body: dict) -> str:
         return ""
     if body["recommended"]:
         return "<b>Recommended.</b> "
-    return f"<b>Not recommended:</b> {esc(body.get('reason', ''))}. "
+    reason = body.get("reason")
+    return f"<b>Not recommended:</b> {esc(reason)}. " if reason else "<b>Not recommended.</b> "
 
 
 def _flatten(body: dict, prefix: str = "") -> dict[str, Any]:
