@@ -5,7 +5,7 @@ For each shape and link: `tracekit optimize --check-all` records the job as Torc
 shards it, derives a plan (analyses/torchrec_plans.py) and re-runs the unchanged job with it; its
 compare gives the predicted bytes and step against the measured ones. Then --repeats alternating
 pairs of recorded runs (the job's own plan, then the derived one, each through `record --plan`,
-traced alike) give the job's own samples/s: the speedup is the median of the pairs' ratios. From
+traced alike; with --qcomms the derived plan with quantized comms too) give the job's own samples/s: the speedup is the median of the pairs' ratios. From
 the repo root (needs the TorchRec venv, and root for the clusters):
 
     .venv/bin/python bench/torchrec_plans.py [--shapes wide,small-hot,long-bags] [--links loopback,200mbit,1gbit]
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--links", default="loopback,200mbit")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--qcomms", action="store_true", help="each pair also runs the quantized-comms plan")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "tracekit-torchrec-plans")
     args = p.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}; 2 gloo ranks; bench/torchrec_shapes.py "
@@ -79,23 +80,31 @@ def main() -> None:
             own = out / "own_plan.json"
             write_plan(own, from_manifest(json.loads((out / "base" / "manifest.json").read_text())))
             summary = json.loads(done.stdout) if done.stdout.strip() else {"rows": [], "notes": []}
-            checks = {r["figure"]: r for r in summary["rows"] if r["section"] == "torchrec_plan"}
-            pairs = []
+            checks = {(r["section"], r["figure"]): r for r in summary["rows"]
+                      if r["section"] in ("torchrec_plan", "torchrec_plan.qcomms")}
+            pairs, qcomms = [], []
             for i in range(args.repeats):
                 base = recorded(out / f"pair{i}-own", command, link, own)
                 plan = recorded(out / f"pair{i}-derived", command, link, out / "base" / "torchrec_plan.json")
                 pairs.append(plan / base)
+                if args.qcomms:
+                    lossy = recorded(out / f"pair{i}-qcomms", command, link, out / "base" / "torchrec_plan.qcomms.json")
+                    qcomms.append(lossy / base)
             rows.append({"shape": shape, "link": link, "derived": {t: [v["sharding_type"], v["ranks"]]
                                                                     for t, v in derived["tables"].items()},
                          "recommended": derived.get("recommended"), "why": derived.get("why"),
-                         "checks": {k: (v["predicted"], v["measured"]) for k, v in checks.items()},
-                         "speedups": pairs, "speedup": statistics.median(pairs)})
+                         "checks": {" ".join(k): (v["predicted"], v["measured"]) for k, v in checks.items()},
+                         "speedups": pairs, "speedup": statistics.median(pairs),
+                         "qcomms_speedups": qcomms, "qcomms_speedup": statistics.median(qcomms) if qcomms else None})
             r = rows[-1]
             print(f"\n{shape} on {link}: derived {r['derived']} (recommended {r['recommended']}: {r['why']})")
             for figure, (predicted, measured) in r["checks"].items():
                 print(f"  {figure}: predicted {predicted}, measured {measured}")
             print(f"  speedup of the derived plan over TorchRec's (samples/s, pair by pair): "
                   f"{', '.join(f'{x:.3f}' for x in pairs)}; median {r['speedup']:.3f}")
+            if qcomms:
+                print(f"  the same with quantized comms (fp16 forward, bf16 backward; lossy, see torchrec_qcomms.py): "
+                      f"{', '.join(f'{x:.3f}' for x in qcomms)}; median {r['qcomms_speedup']:.3f}")
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
 
 
