@@ -138,9 +138,9 @@ def _attribute(ctx: Context) -> Attribution:
         _lookups(ctx)
         _pooled_and_local(ctx)
         _sequence(ctx)
-        ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_src AS
-                   SELECT * FROM tk_src_bags UNION ALL BY NAME SELECT * FROM tk_src_seq""")
-        ctx.sql("DROP TABLE tk_lookups; DROP TABLE tk_src_bags; DROP TABLE tk_src_seq")
+        ctx.sql("INSERT INTO tk_src_bags BY NAME SELECT * FROM tk_src_seq")  # not a union: no copy of the bags
+        ctx.sql("DROP TABLE IF EXISTS tk_src; ALTER TABLE tk_src_bags RENAME TO tk_src")
+        ctx.sql("DROP TABLE tk_lookups; DROP TABLE tk_src_seq")
     else:
         notes.append("the run has no lookups")
         ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_src (step BIGINT, owner BIGINT, tid INTEGER, seq BOOLEAN,

@@ -235,9 +235,9 @@ def _distinct_check(ctx: Context, s: ExchangeBaseline) -> pl.DataFrame:
     attribution.attributed(ctx)  # tk_batches, tk_steps, tk_names
     exchange.baseline(ctx)  # tk_x
     measured = ctx.frame("""
-        WITH u AS (SELECT step, src, tid, count(DISTINCT "row") AS u,
-                          count(DISTINCT "row") FILTER (WHERE owner <> src) AS u_rem
-                   FROM tk_x GROUP BY ALL),
+        WITH per_row AS (SELECT step, src, tid, "row", bool_or(owner <> src) AS remote FROM tk_x GROUP BY ALL),
+             u AS (SELECT step, src, tid, count(*) AS u, count(*) FILTER (WHERE remote) AS u_rem
+                   FROM per_row GROUP BY ALL),  -- two groupings: faster than two count(DISTINCT)s
              cells AS (SELECT b.step, b.src, t.tid FROM tk_batches b JOIN tk_steps USING (step)
                        CROSS JOIN (SELECT DISTINCT tid FROM tk_x) t WHERE b.b > 0)
         SELECT n.table_name, avg(coalesce(u.u, 0)) AS u, avg(coalesce(u.u_rem, 0)) AS u_rem

@@ -373,10 +373,11 @@ def step_interval(ctx: Context, s: ExchangeBaseline, order: str, k: int,
     n = s.sampled_steps
     if n < 2 or n >= total:
         return {}
+    prefix = f"(SELECT * FROM {order} WHERE pos < {int(k)})"  # joined, not filtered after: a smaller hash table
     frame = ctx.frame(f"""
         WITH freed AS (SELECT step, sum(len_out + ids_out + 2 * row_out)::DOUBLE AS f_out,
                               sum(len_rem + ids_rem + 2 * row_rem)::DOUBLE AS f_rem
-                       FROM ({items_sql(ctx, order)}) WHERE maxpos < {k} GROUP BY step),
+                       FROM ({items_sql(ctx, prefix)}) WHERE maxpos IS NOT NULL GROUP BY step),
              base AS (SELECT step, sum(bytes)::DOUBLE AS b_out,
                              coalesce(sum(bytes) FILTER (WHERE sender <> receiver), 0)::DOUBLE AS b_rem
                       FROM tk_pairs GROUP BY step)

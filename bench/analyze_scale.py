@@ -172,8 +172,36 @@ def ensure(run_dir: Path, target_rows: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- timing
 
+def full_analyze(run_dir: Path) -> None:
+    """`tracekit analyze` in this process, each phase (analyze's progress names) timed; prints the
+    phase times and the peak RSS (MiB) reached by the end of each as JSON."""
+    import resource
+
+    from analyses.analyze import analyze
+
+    times: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    current = ["open"]
+    mark = [time.perf_counter()]
+
+    def progress(name: str) -> None:
+        now = time.perf_counter()
+        times[current[0]] = round(times.get(current[0], 0.0) + now - mark[0], 3)
+        peaks[current[0]] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        current[0], mark[0] = name, now
+
+    started = time.perf_counter()
+    analyze(run_dir, progress=progress)
+    progress("end")
+    times["total"] = round(time.perf_counter() - started, 3)
+    print(json.dumps({"times": times, "peak_rss_mib": peaks}))
+
+
 def child(target: str, run_dir: Path) -> None:
     """Run `target` on `run_dir` in this process and print its phase times as JSON."""
+    if target == "full":
+        full_analyze(run_dir)
+        return
     from analyses import cache, skew
     from analyses.context import open_context
 

@@ -152,9 +152,9 @@ def _estimated_rows(ctx: Context, s: ExchangeBaseline) -> str:
         ctx.sql("CREATE OR REPLACE TEMP TABLE tk_rows_est AS SELECT * FROM tk_rows")
         return "tk_rows_est"
     scale = max(s.sampled_steps, 1) / total
+    access_rows(ctx)
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_rows_est AS
-        WITH a AS (SELECT n.tid, x."row", sum(x.count)::DOUBLE AS n_all, count(DISTINCT x.step)::DOUBLE AS steps_all
-                   FROM train_accesses x JOIN tk_names n USING (table_name) WHERE n.sharded GROUP BY ALL),
+        WITH a AS (SELECT tid, "row", n_all, steps_all FROM tk_access_rows),
              per_table AS (SELECT tid, sum(benefit_rem)::DOUBLE / nullif(sum(lookups), 0) AS b,
                                   sum(benefit_out)::DOUBLE / nullif(sum(lookups), 0) AS b_out
                            FROM tk_rows GROUP BY tid)
@@ -167,6 +167,27 @@ def _estimated_rows(ctx: Context, s: ExchangeBaseline) -> str:
                a.n_all * {scale!r} * coalesce(t.b, 0) AS benefit_rem
         FROM a JOIN tk_names n USING (tid) JOIN per_table t USING (tid) LEFT JOIN tk_rows r USING (tid, "row")""")
     return "tk_rows_est"
+
+
+def access_rows(ctx: Context, *, count_distinct: bool = False) -> None:
+    """tk_access_rows: per row of a sharded table, its ids over every training step (n_all) and the
+    steps that read it (steps_all). `accesses` holds one row per (step, rank, table, row), so a row
+    only one rank recorded was read on exactly as many steps as it has accesses rows; only rows
+    several ranks recorded (column-wise shards) need the costlier count of distinct steps (every row
+    with `count_distinct`, which the tests compare)."""
+    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_access_rows AS
+               SELECT n.tid, x."row", sum(x.count)::DOUBLE AS n_all, count(*)::DOUBLE AS steps_all,
+                      min(x.rank) = max(x.rank) AS one_rank
+               FROM train_accesses x JOIN tk_names n USING (table_name) WHERE n.sharded GROUP BY ALL""")
+    several = f"NOT one_rank OR {count_distinct}"
+    if ctx.sql(f"SELECT count(*) FROM tk_access_rows WHERE {several}").fetchall()[0][0]:
+        ctx.sql(f"""UPDATE tk_access_rows r SET steps_all = m.steps_all
+                   FROM (SELECT n.tid, x."row", count(DISTINCT x.step)::DOUBLE AS steps_all
+                         FROM train_accesses x JOIN tk_names n USING (table_name)
+                         SEMI JOIN (SELECT tid, "row" FROM tk_access_rows WHERE {several}) m
+                              ON m.tid = n.tid AND m."row" = x."row"
+                         GROUP BY ALL) m
+                   WHERE r.tid = m.tid AND r."row" = m."row" """)
 
 
 def order_table(ctx: Context, name: str, order_by: str) -> pl.DataFrame:
