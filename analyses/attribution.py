@@ -136,6 +136,11 @@ def _attribute(ctx: Context) -> Attribution:
     _batches(ctx, notes)
     if ctx.has("lookups"):
         _lookups(ctx)
+        used, recorded = ctx.sql("""SELECT (SELECT count(*) FROM tk_lookup_steps),
+                                           (SELECT count(DISTINCT step) FROM train_lookups)""").fetchall()[0]
+        if used < recorded:
+            notes.append(f"the exchange replays use {used} of the {recorded} steps with recorded lookups, evenly "
+                         f"spaced (--replay-steps {ctx.options.replay_steps}; 0 replays all)")
         _pooled_and_local(ctx)
         _sequence(ctx)
         ctx.sql("INSERT INTO tk_src_bags BY NAME SELECT * FROM tk_src_seq")  # not a union: no copy of the bags
@@ -222,12 +227,20 @@ def _batches(ctx: Context, notes: list[str]) -> None:
 
 
 def _lookups(ctx: Context) -> None:
-    """tk_lookups: training lookups of manifest tables with their table id; tk_steps: the sampled
-    steps with their index si; tk_bmax: the largest local batch (for global sample ids)."""
+    """tk_lookups: training lookups of manifest tables with their table id, on at most
+    Options.replay_steps of the recorded steps (every k-th, k the least that fits: the replays'
+    cost stays bounded as a run grows, and what the sample leaves uncertain is stated where a
+    figure rests on it, exchange.step_interval); tk_steps: those steps with their index si;
+    tk_bmax: the largest local batch (for global sample ids)."""
+    cap = ctx.options.replay_steps
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_lookup_steps AS
+                SELECT step FROM (SELECT step, row_number() OVER (ORDER BY step) - 1 AS i, count(*) OVER () AS n
+                                  FROM (SELECT DISTINCT step FROM train_lookups))
+                WHERE {cap} = 0 OR n <= {cap} OR i % ((n + {cap} - 1) // {cap}) = 0""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_lookups AS
                SELECT l.step, l.rank AS owner, n.tid, n.kind = 'sequence' AS seq,
                       n.sharded AND n.n_shards > 0 AS via_a2a, n.n_shards, l.sample, l.pos, l."row"
-               FROM train_lookups l JOIN tk_names n USING (table_name)""")
+               FROM train_lookups l JOIN tk_names n USING (table_name) SEMI JOIN tk_lookup_steps USING (step)""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_steps AS
                SELECT step, (row_number() OVER (ORDER BY step) - 1)::BIGINT AS si
                FROM (SELECT DISTINCT step FROM tk_lookups)""")

@@ -104,6 +104,7 @@ class Options:
     inter_bw: float | None = None
     policies: tuple[str, ...] = ("replication", "tiers", "schedule", "compression", "lag")
     objective: str = "time"  # a replica budget's figure of merit: predicted step "time", or network "bytes"
+    replay_steps: int = 256  # the lookups' sampled steps the exchange replays use, evenly spaced (0: all)
 
 
 @dataclass

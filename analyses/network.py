@@ -291,37 +291,42 @@ def calls_frame(ctx: Context, where: str = "true") -> pl.DataFrame:
     schema = {"op": pl.String, "group_size": pl.Int64, "x": pl.Float64, "time_s": pl.Float64}
     if not ctx.has("comms"):
         return pl.DataFrame(schema=schema)
-    frame = ctx.frame(f"""
-        SELECT step, op, "group", group_size, rank, bytes_out, bytes_in, splits_out,
-               (t_end_ns - t_start_ns) / 1e9 AS time_s,
-               row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
-        FROM train_comms
-        WHERE t_end_ns > t_start_ns AND group_size >= 2 AND op <> 'barrier' AND NOT "async"
-              AND greatest(bytes_out, bytes_in) > 0 AND ({where})""")
-    if not frame.height:
-        return pl.DataFrame(schema=schema)
-    rows = []
-    for (_, op, _, _), call in frame.group_by("step", "op", "group", "nth"):
-        n = int(call["group_size"][0])
-        rows.append((op, n, _wire(op, n, call), float(call["time_s"].min())))
-    return pl.DataFrame(rows, schema=schema, orient="row")
-
-
-def _wire(op: str, n: int, call: pl.DataFrame) -> float:
-    if op.startswith("all_to_all") and call["splits_out"].null_count() == 0:
-        ranks = call["rank"].to_list()
-        if len(ranks) == n and sorted(ranks) == list(range(n)) and all(len(s) == n for s in call["splits_out"]):
-            m = np.zeros((n, n))
-            for r, splits in zip(ranks, call["splits_out"].to_list()):
-                m[r] = splits
-            np.fill_diagonal(m, 0)
-            return float(max(m.sum(axis=1).max(), m.sum(axis=0).max()))
-        return float(call["bytes_out"].max()) * (n - 1) / n
-    if op == ALL_REDUCE:
-        return 2 * (n - 1) / n * float(call["bytes_out"].max())
-    if op.startswith("all_gather"):
-        return (n - 1) / n * float(call["bytes_in"].max())
-    return float(call["bytes_out"].max())
+    return ctx.frame(f"""
+        WITH c AS (
+            SELECT step, op, "group", group_size AS n, rank, bytes_out, bytes_in, splits_out,
+                   (t_end_ns - t_start_ns) / 1e9 AS time_s,
+                   row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
+            FROM train_comms
+            WHERE t_end_ns > t_start_ns AND group_size >= 2 AND op <> 'barrier' AND NOT "async"
+                  AND greatest(bytes_out, bytes_in) > 0 AND ({where})),
+        calls AS (
+            SELECT step, op, "group", nth, any_value(n) AS n, min(time_s) AS time_s,
+                   max(bytes_out)::DOUBLE AS bytes_out, max(bytes_in)::DOUBLE AS bytes_in,
+                   -- the splits make the whole matrix: every rank of the group once, each with n splits
+                   count(*) = any_value(n) AND count(DISTINCT rank) = any_value(n) AND min(rank) = 0
+                       AND max(rank) = any_value(n) - 1 AND bool_and(len(splits_out) = n) AS whole,
+                   bool_and(splits_out IS NOT NULL) AS split
+            FROM c GROUP BY ALL),
+        cells AS (  -- the all-to-alls' bytes from each rank to each other rank
+            SELECT step, op, "group", nth, rank AS src, unnest(splits_out) AS b,
+                   unnest(generate_series(0, len(splits_out) - 1)) AS dst
+            FROM c WHERE op LIKE 'all_to_all%' AND splits_out IS NOT NULL),
+        links AS (  -- the busiest link: the most a rank sends to, or receives from, the others
+            SELECT step, op, "group", nth, greatest(max(sent), max(received))::DOUBLE AS busiest FROM (
+                SELECT step, op, "group", nth, src AS r, sum(b) AS sent, 0 AS received FROM cells
+                WHERE src <> dst GROUP BY ALL
+                UNION ALL
+                SELECT step, op, "group", nth, dst AS r, 0, sum(b) FROM cells WHERE src <> dst GROUP BY ALL)
+            GROUP BY ALL)
+        SELECT c.op, c.n AS group_size,
+               CASE WHEN c.op LIKE 'all_to_all%' AND c.split AND c.whole THEN coalesce(l.busiest, 0.0)
+                    WHEN c.op LIKE 'all_to_all%' THEN c.bytes_out * (c.n - 1) / c.n
+                    WHEN c.op = '{ALL_REDUCE}' THEN 2 * (c.n - 1) / c.n * c.bytes_out
+                    WHEN c.op LIKE 'all_gather%' THEN (c.n - 1) / c.n * c.bytes_in
+                    ELSE c.bytes_out END AS x,
+               c.time_s
+        FROM calls c LEFT JOIN links l USING (step, op, "group", nth)
+        ORDER BY c.step, c.op, c."group", c.nth""").cast(schema)
 
 
 def fit_calls(ctx: Context, notes: list[str]) -> Fit:

@@ -80,7 +80,10 @@ ANALYSIS = _options_of(  # what analyze and optimize derive
     click.option("--policies", default=None, help="Comma-separated policies to derive (default: all)."),
     click.option("--objective", type=click.Choice(["time", "bytes"]), default="time", show_default=True,
                  help="What the replica budget minimises: predicted step time (measured bandwidths and latency), "
-                      "or the bytes that cross the network (what a slower cluster pays for)."))
+                      "or the bytes that cross the network (what a slower cluster pays for)."),
+    click.option("--replay-steps", type=click.IntRange(min=0), default=256, show_default=True,
+                 help="Recorded lookup steps the exchange replays use, evenly spaced (0: all); a replay of fewer "
+                      "steps than the run's states its error."))
 
 
 def parsed(parse: Callable[[str], Any], text: str | None, hint: str) -> Any:
@@ -109,14 +112,14 @@ def job_settings(hang_after: float | None, max_size: str | None, window_steps: s
 
 
 def analysis_options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-                      policies: str | None, objective: str):
+                      policies: str | None, objective: str, replay_steps: int = 256):
     """The ANALYSIS options as analyses.context.Options."""
     from analyses.analyze import POLICIES
     from analyses.context import Options
     from tracekit.topology import Topology
     from tracekit.units import parse_budget, parse_rate
 
-    options = Options(objective=objective, topology=parsed(Topology.parse, topology, "--topology"),
+    options = Options(objective=objective, replay_steps=replay_steps, topology=parsed(Topology.parse, topology, "--topology"),
                       intra_bw=parsed(parse_rate, intra_bw, "--intra-bw"),
                       inter_bw=parsed(parse_rate, inter_bw, "--inter-bw"))
     if budget is not None:
