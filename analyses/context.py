@@ -44,6 +44,10 @@ from tracekit.window import Window
 T = TypeVar("T")
 
 MEMORY_LIMIT = "1GB"
+STREAMED = ("accesses", "lookups")
+"""Trace tables every query reads from their Parquet parts; the others (comms, steps, ...), read
+by many queries and a few rows per step, are read once into the connection (a long run writes
+them in thousands of small parts)."""
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
 
 
@@ -163,7 +167,8 @@ class Context:
                 kept = ([self.window.sql("step")] if not self.window.everything else []) + \
                     ([f"step <= {self.truncated_at}"] if self.truncated_at is not None else [])
                 where = f" WHERE {' AND '.join(kept)}" if kept and "step" in relation.columns else ""
-                self.con.sql(f"CREATE VIEW {table} AS SELECT * FROM {table}_rel{where}")
+                kind = "VIEW" if table in STREAMED else "TEMP TABLE"
+                self.con.sql(f"CREATE {kind} {table} AS SELECT * FROM {table}_rel{where}")
                 if table in PHASED:
                     self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
         except BaseException:

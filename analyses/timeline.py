@@ -63,6 +63,12 @@ def clock_offsets(manifest: dict) -> tuple[dict[int, int], str]:
 
 
 def compute(ctx: Context) -> Result:
+    """The timeline and stragglers tables and their summary; once per context (ctx.memo: the lag
+    policy reads them too)."""
+    return ctx.memo(compute, lambda: _compute(ctx))
+
+
+def _compute(ctx: Context) -> Result:
     if not ctx.has("steps"):
         return Result(notes=["timeline: the run has no steps table (no optimizer step and no tracekit.step() "
                              "call was seen): no per-step timeline"])
@@ -133,15 +139,31 @@ def _timeline_frame(ctx: Context) -> pl.DataFrame:
         numbered AS (SELECT *, sum(opens) OVER (PARTITION BY rank ORDER BY t0, t1 ROWS UNBOUNDED PRECEDING) AS island
                      FROM flagged),
         islands AS (SELECT rank, min(t0) AS t0, max(t1) AS t1 FROM numbered GROUP BY rank, island),
-        win AS ({windows}),
-        comm AS (SELECT w.rank, w.step, sum(least(i.t1, w.w1) - greatest(i.t0, w.w0)) AS comm_ns
-                 FROM win w JOIN islands i ON i.rank = w.rank AND i.t0 < w.w1 AND i.t1 > w.w0 GROUP BY ALL),
+        win AS (SELECT *, row_number() OVER (PARTITION BY rank ORDER BY w0, w1) AS wi FROM ({windows})),
+        {_island_pieces(ctx, windows)}
+        comm AS (SELECT w.rank, w.step, sum(least(p.t1, w.w1) - greatest(p.t0, w.w0)) AS comm_ns
+                 FROM pieces p JOIN win w USING (rank, wi) WHERE p.t0 < w.w1 AND p.t1 > w.w0 GROUP BY ALL),
         waits AS (SELECT rank, step, sum(wait_ns) AS wait_ns FROM timeline_matched WHERE phase = 'train' GROUP BY ALL)
         SELECT w.rank, w.step, w.w0 AS t_start_ns, w.w1 AS t_end_ns, (w.w1 - w.w0) / 1e9 AS step_s,
                coalesce(c.comm_ns, 0) / 1e9 AS comm_s, (w.w1 - w.w0 - coalesce(c.comm_ns, 0)) / 1e9 AS compute_s,
                coalesce(x.wait_ns, 0) / 1e9 AS wait_s
         FROM win w LEFT JOIN comm c USING (rank, step) LEFT JOIN waits x USING (rank, step)
         ORDER BY w.rank, w.step""")
+
+
+def _island_pieces(ctx: Context, windows: str) -> str:
+    """SQL CTE `pieces` (rank, t0, t1, wi): each island of communication with the index of every
+    step window `win` it may overlap. Steps follow one another on a rank, so those are the windows
+    from the one it starts in to the one it ends in (two ASOF joins), not every step tried against
+    every island; were any two windows of a rank to overlap, every window of its rank."""
+    overlapping = ctx.sql(f"""SELECT count(*) FROM (
+        SELECT w0 < lag(w1) OVER (PARTITION BY rank ORDER BY w0, w1) AS o FROM ({windows})) WHERE o""").fetchall()[0][0]
+    if overlapping:
+        return "pieces AS (SELECT i.rank, i.t0, i.t1, w.wi FROM islands i JOIN win w USING (rank)),"
+    return """spans AS (SELECT i.rank, i.t0, i.t1, coalesce(a.wi, 1) AS a, b.wi AS b
+                  FROM islands i ASOF LEFT JOIN win a ON i.rank = a.rank AND i.t0 >= a.w0
+                                 ASOF LEFT JOIN win b ON i.rank = b.rank AND i.t1 > b.w0),
+        pieces AS (SELECT rank, t0, t1, unnest(generate_series(a, b)) AS wi FROM spans WHERE b IS NOT NULL),"""
 
 
 def _stragglers_frame(ctx: Context, frame: pl.DataFrame) -> pl.DataFrame:
