@@ -88,7 +88,8 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             progress: Callable[[str], None] = lambda step: None) -> dict[str, Any]:
     """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
     return the summary (JSON-able): run, warnings, analyses, policies, notes, written files."""
-    with open_context(path, options) as ctx:
+    options = options or Options()
+    with open_context(path, options, memory_limit=options.memory_limit) as ctx:
         summary: dict[str, Any] = {"run": str(ctx.path), "status": ctx.manifest.get("status"), "warnings": [],
                                    "analyses": {}, "policies": {}, "not_derived": {}, "notes": [], "written": []}
         if ctx.manifest.get("status") != "completed":

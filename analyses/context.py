@@ -109,6 +109,7 @@ class Options:
     policies: tuple[str, ...] = ("replication", "tiers", "schedule", "compression", "lag")
     objective: str = "time"  # a replica budget's figure of merit: predicted step "time", or network "bytes"
     replay_steps: int = 256  # the lookups' sampled steps the exchange replays use, evenly spaced (0: all)
+    memory_limit: str = MEMORY_LIMIT  # DuckDB's cap (it spills to disk past it): "1GB", "512MiB"
 
 
 @dataclass

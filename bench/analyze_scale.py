@@ -14,6 +14,12 @@ all children that `getrusage(RUSAGE_CHILDREN)` reports).
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --runs 3
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --runs 3 --full
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --accuracy C2,C10,C24   # sampled vs exact
+    .venv/bin/python bench/analyze_scale.py /tmp/tracekit-tiled --tiled runs/kaggle --runs 3   # 10M, 100M, 1B
+
+--tiled takes a real recorded run (e.g. `tracekit record -o runs/kaggle -- torchrun --standalone
+--nproc-per-node 2 train.py --preset criteo-kaggle --scale 0.01 --batch-size 1024 --steps 200
+--samples 100000`: accesses, lookups every 10th step, comms) and repeats it in time to each size, so
+the trace holds lookups and comms in the recorder's proportions, and times the whole analysis.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from tracekit.schema import TABLES, file_metadata  # noqa: E402
 from tracekit.store import PARQUET_OPTIONS, write_manifest, write_part  # noqa: E402
@@ -285,6 +293,39 @@ def rows_of(run_dir: Path) -> int:
     return json.loads((run_dir / "manifest.json").read_text())["bench"]["accesses_rows"]
 
 
+def tiled(src: Path, sizes: list[str], runs: int, out: Path) -> None:
+    """The whole analysis (`full_analyze`) of SRC repeated in time (bench/tile_run.py) to each of
+    `sizes` accesses rows, `runs` times each: wall time, peak RSS, time per phase (medians), and the
+    slope of log time against log rows between successive sizes (1: linear)."""
+    from tile_run import tile
+
+    base_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in (src / "accesses").rglob("*.parquet"))
+    print(f"machine: {machine()}; {src} repeated in time; {runs} runs per size, medians")
+    print("| accesses rows | lookups rows | comms rows | copies | wall s (median) | runs | peak RSS MiB | "
+          "slowest phases (median s) |")
+    print("|---:|---:|---:|---:|---:|---|---:|---|")
+    previous = None
+    for size in sizes:
+        copies = -(-int(float(size.upper().replace("M", "e6").replace("B", "e9"))) // base_rows)
+        run = out / f"tiled-{size}"
+        manifest = run / "manifest.json"
+        if not manifest.is_file() or json.loads(manifest.read_text()).get("tiled", {}).get("copies") != copies:
+            tile(src, run, copies)
+        written = json.loads(manifest.read_text())["written_rows"]
+        got = [run_child([sys.executable, __file__, str(run), "--child", "full"]) for _ in range(runs)]
+        wall = statistics.median(g["wall_s"] for g in got)
+        phases = {k: statistics.median(g["phases"]["times"][k] for g in got) for k in got[0]["phases"]["times"]}
+        slowest = sorted(((v, k) for k, v in phases.items() if k != "total"), reverse=True)[:4]
+        print(f"| {written['accesses']:,} | {written.get('lookups', 0):,} | {written.get('comms', 0):,} | {copies} | "
+              f"{wall:.1f} | {', '.join(f'{w:.1f}' for w in (g['wall_s'] for g in got))} | "
+              f"{max(g['peak_rss_mib'] for g in got):.0f} | {', '.join(f'{k} {v:.1f}' for v, k in slowest)} |",
+              flush=True)
+        if previous:
+            slope = np.log(wall / previous[1]) / np.log(written["accesses"] / previous[0])
+            print(f"|  | | | | slope from the size before: **{slope:.2f}** | | | |", flush=True)
+        previous = (written["accesses"], wall)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path, help="where the synthetic run is (written there if absent)")
@@ -295,10 +336,17 @@ def main() -> int:
     p.add_argument("--accuracy", metavar="TABLES",
                    help="instead: compare the sampled miss-ratio curves of these tables (comma-separated) "
                         "with an exact replay")
+    p.add_argument("--tiled", type=Path, metavar="SRC",
+                   help="instead: the whole analysis of the recorded run SRC repeated in time (bench/tile_run.py) "
+                        "to --sizes accesses rows, written under RUN_DIR")
+    p.add_argument("--sizes", default="10M,100M,1B", help="with --tiled: accesses rows of each size")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child, args.run_dir)
+        return 0
+    if args.tiled:
+        tiled(args.tiled, args.sizes.split(","), args.runs, args.run_dir)
         return 0
     if "tiled" not in json.loads((args.run_dir / "manifest.json").read_text() if (args.run_dir / "manifest.json").is_file()
                                  else "{}"):  # a run of bench/tile_run.py is used as it is

@@ -83,7 +83,10 @@ ANALYSIS = _options_of(  # what analyze and optimize derive
                       "or the bytes that cross the network (what a slower cluster pays for)."),
     click.option("--replay-steps", type=click.IntRange(min=0), default=256, show_default=True,
                  help="Recorded lookup steps the exchange replays use, evenly spaced (0: all); a replay of fewer "
-                      "steps than the run's states its error."))
+                      "steps than the run's states its error."),
+    click.option("--memory-limit", default="1GB", show_default=True,
+                 help="Memory the analysis's DuckDB may hold (it spills to a temporary folder past it), e.g. 4GiB; "
+                      "the process holds about 0.5 GiB more."))
 
 
 def parsed(parse: Callable[[str], Any], text: str | None, hint: str) -> Any:
@@ -112,14 +115,18 @@ def job_settings(hang_after: float | None, max_size: str | None, window_steps: s
 
 
 def analysis_options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-                      policies: str | None, objective: str, replay_steps: int = 256):
+                      policies: str | None, objective: str, replay_steps: int = 256, memory_limit: str = "1GB"):
     """The ANALYSIS options as analyses.context.Options."""
     from analyses.analyze import POLICIES
     from analyses.context import Options
     from tracekit.topology import Topology
-    from tracekit.units import parse_budget, parse_rate
+    from tracekit.units import parse_budget, parse_bytes, parse_rate
 
-    options = Options(objective=objective, replay_steps=replay_steps, topology=parsed(Topology.parse, topology, "--topology"),
+    limit = parsed(parse_bytes, memory_limit, "--memory-limit")
+    if limit is not None and limit < 64 * 2**20:
+        raise click.BadParameter(f"{memory_limit}: at least 64MiB", param_hint="--memory-limit")
+    options = Options(objective=objective, replay_steps=replay_steps, memory_limit=f"{limit // 2**20}MiB",
+                      topology=parsed(Topology.parse, topology, "--topology"),
                       intra_bw=parsed(parse_rate, intra_bw, "--intra-bw"),
                       inter_bw=parsed(parse_rate, inter_bw, "--inter-bw"))
     if budget is not None:
