@@ -159,6 +159,20 @@ def test_pooled_sequence_and_replicated_lookups_get_their_source(tmp_path: Path)
     assert batches.rows() == [(0, 0, 2), (0, 1, 3), (0, 2, 1), (1, 0, 4), (1, 1, 4), (1, 2, 4)]
 
 
+def test_replays_use_at_most_replay_steps_of_the_recorded_steps_evenly_spaced(tmp_path: Path) -> None:
+    world = 2
+    tables = [table("a", 30, owner=0, world=world), table("b", 20, owner=1, world=world)]
+    steps = [[{name: [[(q * 7 + k * 3 + s) % rows] for k in range(3)] for name, rows in (("a", 30), ("b", 20))}
+              for q in range(world)] for s in range(5)]
+    truth = build_run(tmp_path / "run", tables, world, steps)
+    got, a = attributed_rows(tmp_path / "run", Options(replay_steps=2))
+    assert got == {k: v for k, v in truth.items() if k[0] in (0, 3)}  # every 3rd of 5 steps: 2 of them
+    assert any("use 2 of the 5 steps" in note for note in a.notes)
+    for every in (0, 5):  # 0: all; a cap at least the steps recorded: all, without a note
+        got, a = attributed_rows(tmp_path / "run", Options(replay_steps=every))
+        assert got == truth and not a.notes
+
+
 def test_several_sequence_tables_on_one_owner_are_apportioned_and_marked(tmp_path: Path) -> None:
     tables = [table("s1", 10, kind="sequence", owner=0), table("s2", 10, kind="sequence", owner=0),
               table("p", 10, owner=1)]

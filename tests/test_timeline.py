@@ -81,6 +81,19 @@ def test_communication_is_the_union_of_intervals_within_the_step(tmp_path: Path)
     assert result.summary["unmatched_collective_calls"] == 0
 
 
+@pytest.mark.parametrize("overlapping", [False, True])
+def test_an_island_of_communication_counts_in_every_step_it_overlaps(tmp_path: Path, overlapping: bool) -> None:
+    calls = [comm(0, "all_reduce", bytes_out=4, t0=8 * MS, t1=12 * MS),  # across steps 0 and 1
+             comm(1, "all_reduce", bytes_out=4, t0=21 * MS, t1=23 * MS),  # between steps
+             comm(1, "all_reduce", bytes_out=4, t0=24 * MS, t1=26 * MS)]  # from between steps into step 2
+    windows = [(0, 10 * MS), (5 * MS if overlapping else 10 * MS, 20 * MS), (25 * MS, 30 * MS)]
+    with open_context(make_run(tmp_path / "run", comms={0: calls, 1: calls}, steps={0: windows, 1: windows})) as ctx:
+        result = timeline.compute(ctx)
+    got = {(r, t): round(c * 1e9) for r, t, c in result.tables["timeline"].select("rank", "step", "comm_s").rows()}
+    step1 = 4 * MS if overlapping else 2 * MS  # [8, 12] within [5, 20], else within [10, 20]
+    assert got == {(r, t): c for r in (0, 1) for t, c in enumerate((2 * MS, step1, 1 * MS))}
+
+
 def test_clocks_of_several_hosts_are_aligned_by_their_anchors(tmp_path: Path) -> None:
     shift = 5_000_000_000  # rank 1's monotonic clock reads 5 s ahead of rank 0's
     anchors = {0: (100, 10**18), 1: (100 + shift, 10**18)}
