@@ -24,11 +24,14 @@ The cache (FBGEMM `SplitTableBatchedEmbeddingBagsCodegen`, research/papers.md §
 caches' slots, every rank's together), miss_ratio, unique_miss_per_batch (misses per training step,
 every rank together: miss_ratio times the table's exact ids per step), sample_rate, simulated_rows.
 
-At scale (SHARDS, Waldspurger et al., FAST '15): the replay runs on the hashed row sample of
-`analyses.skew.access_sample` (rate R_t per table, `sample_rate`); a sampled cache has R_t times the
-slots, as ceil(sets * R_t) sets of round(32 * sets * R_t / those sets) ways (at most 32), so that a
-sampled row meets as much competition per slot as it would in the full cache. Where R_t = 1 the
-replay is exact. `simulated_rows` is the sampled cache's size, `cache_rows` the real one.
+At scale (SHARDS, Waldspurger et al., FAST '15): the replay runs on a hashed row sample
+(`replay_sample`: rate R_t per table, `sample_rate`, keeping at least MIN_SAMPLED_ROWS distinct rows of
+a table, all of a smaller one); a sampled cache has R_t times the slots, as ceil(sets * R_t) sets of
+round(32 * sets * R_t / those sets) ways (at most 32), so that a sampled row meets as much
+competition per slot as it would in the full cache. Where R_t = 1 the replay is exact. A long run's
+sample would outgrow the replay's budget: it is then replayed over the run's last steps only, the
+first WARMUP_SHARE of them warming the caches uncounted (a steady state; `compute` names those
+tables). `simulated_rows` is the sampled cache's size, `cache_rows` the real one.
 
 TorchRec (`torchrec.distributed.types.CacheStatistics`, passed as `CacheParams(stats=...)`):
 - expected_lookups = distinct rows per global training batch, the mean over training steps (each
@@ -69,10 +72,14 @@ import polars as pl
 from tracekit.files import write_text
 
 from analyses.context import Context, Result
-from analyses.skew import (SAMPLE_ROWS, Sample, access_sample, lookup_histogram, no_training_accesses,
-                           sampled_tables)
+from analyses.skew import (HASH_RANGE, SAMPLE_ROWS, Sample, merge_duplicates, access_sample, lookup_histogram,
+                           no_training_accesses, sampled_tables)
 
 LOAD_FACTORS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+MIN_SAMPLED_ROWS = 16384  # distinct rows a table's hashed sample keeps at least (all, for a smaller table)
+SAMPLE_BOOST = 4  # the replay samples this many times the accesses rows skew samples (sample_rows)
+WINDOW_AFTER = 4  # a table's sample longer than this many times sample_rows is replayed over a step window
+WARMUP_SHARE = 0.25  # of a step window: replayed to fill the caches, not counted
 WAYS = 32
 POLICIES = ("lru", "lfu", "oracle")
 STATS_FILE = "torchrec_cache_stats.json"
@@ -101,12 +108,18 @@ def set_of(rows: np.ndarray, sets: np.ndarray | int) -> np.ndarray:
 @dataclass
 class Stream:
     """Batches to replay: entry i is id `key[i]` of cache group `group[i]` at step `step[i]`, looked
-    up `count[i]` times; sorted by (step, group, key), one entry per (step, group, key)."""
+    up `count[i]` times; sorted by (step, group, key), one entry per (step, group, key). Entries not
+    `counted` only warm the caches: their hits and misses are not counted (None: every entry)."""
 
     step: np.ndarray
     group: np.ndarray
     key: np.ndarray
     count: np.ndarray
+    counted: np.ndarray | None = None
+
+    def tally(self, groups: int) -> np.ndarray:
+        """The counted entries of each group."""
+        return np.bincount(self.group, weights=self.counted, minlength=groups).astype(np.int64)
 
     @functools.cached_property
     def ids(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -138,7 +151,7 @@ def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) ->
     groups, variants = sets.shape
     uid, ugroup, ukey = stream.ids
     n_ids = len(ukey)
-    events = np.bincount(stream.group, minlength=groups).astype(np.int64)
+    events = stream.tally(groups)
     misses = np.zeros(groups * variants, dtype=np.int64)
     if n_ids == 0:
         return misses.reshape(groups, variants), events
@@ -167,7 +180,8 @@ def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) ->
         flat = (variant * n_ids + ids).ravel()  # variant-major, then stream order: keys ascend per cache
         slot = state.where[flat]
         missed = slot < 0
-        misses += np.bincount((ugroup[ids] * variants + variant).ravel()[missed], minlength=misses.size)
+        counted = missed if stream.counted is None else missed & np.tile(stream.counted[a:b], variants)
+        misses += np.bincount((ugroup[ids] * variants + variant).ravel()[counted], minlength=misses.size)
         if policy == "lru":
             state.stamp.ravel()[slot[~missed]] = step
         flat = flat[missed]
@@ -252,10 +266,12 @@ def oracle(stream: Stream, capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray
     batches always resident, and ids per group."""
     groups, variants = capacity.shape
     uid, ugroup, ukey = stream.ids
-    events = np.bincount(stream.group, minlength=groups).astype(np.int64)
-    appearances = np.bincount(uid, minlength=len(ukey))
+    events = stream.tally(groups)
+    appearances = np.bincount(uid, minlength=len(ukey))  # the rows kept: by every entry replayed, warm-up too
+    counted = appearances if stream.counted is None else \
+        np.bincount(uid, weights=stream.counted, minlength=len(ukey)).astype(np.int64)
     order = np.lexsort((-appearances, ugroup))
-    g, counts = ugroup[order], appearances[order]
+    g, counts = ugroup[order], counted[order]
     cumulative = np.cumsum(counts)
     start = np.searchsorted(g, np.arange(groups), side="left")
     end = np.searchsorted(g, np.arange(groups), side="right")
@@ -294,10 +310,11 @@ class Replay:
     """The caches replayed over one row sample: `mrc` is the `cache_mrc` table, `totals` per table
     its exact lookups, accesses rows and rows seen (skew's histogram), `steps` the steps replayed."""
 
-    sample: Sample
+    sample: Sample  # skew's row sample (analyses.skew.access_sample), for the planner's figures
     totals: dict[str, dict]
     steps: int
     mrc: pl.DataFrame
+    replayed: Windowed  # what the caches replayed
 
 
 def replay(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors: tuple[float, ...] = LOAD_FACTORS,
@@ -321,10 +338,67 @@ def miss_ratio_curves(ctx: Context) -> pl.DataFrame:
     return done.mrc
 
 
+@dataclass
+class Windowed:
+    """The caches' own row sample (`replay_sample`): `sample` (its rates R_t, at least
+    MIN_SAMPLED_ROWS distinct rows of each table), per table the first step replayed and the first
+    counted (`first`, `counted`; both the first training step where the whole run is replayed)."""
+
+    sample: Sample
+    first: np.ndarray
+    counted: np.ndarray
+
+    def windowed(self) -> list[str]:
+        return [name for name, f in zip(self.sample.names, self.first) if f > self.first.min()]
+
+
+def replay_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...] | None) -> Windowed:
+    """The accesses the caches replay: every one where `sample_rows` is None; else per table a
+    hashed row sample (SHARDS) at R_t = min(1, max(sample_rows / A_t, MIN_SAMPLED_ROWS / D_t)), A_t
+    its accesses rows and D_t its distinct rows: a sample of a few rows cannot stand for a cache of
+    hundreds. Where R_t · A_t exceeds WINDOW_AFTER · `sample_rows`, only the last steps whose share of
+    the run holds that many are replayed, the first WARMUP_SHARE of them filling the caches uncounted: a steady
+    state, in place of the run's every step."""
+    if sample_rows is None:
+        sample = access_sample(ctx, None, tables)
+        start = np.full(len(sample.names), sample.step.min(initial=0), dtype=np.int64)
+        return Windowed(sample, start, start)
+    per_table = lookup_histogram(ctx).group_by("table_name").agg(pl.col("accesses").sum(), pl.col("rows").sum()) \
+        .sort("table_name")
+    if tables is not None:
+        per_table = per_table.filter(pl.col("table_name").is_in(tables))
+    names = per_table["table_name"].to_list()
+    accesses = np.maximum(per_table["accesses"].to_numpy(), 1).astype(np.float64)
+    distinct = np.maximum(per_table["rows"].to_numpy(), 1).astype(np.float64)
+    rate = np.minimum(1.0, np.maximum(SAMPLE_BOOST * sample_rows / accesses, MIN_SAMPLED_ROWS / distinct))
+    first_step, last_step = ctx.sql("SELECT min(step), max(step) FROM train_accesses").fetchall()[0]
+    span = last_step - first_step + 1
+    share = np.minimum(1.0, WINDOW_AFTER * sample_rows / (rate * accesses))  # of the run's steps replayed
+    first = np.where(share < 1, last_step + 1 - np.ceil(share * span), first_step).astype(np.int64)
+    counted = np.where(share < 1, first + np.ceil(WARMUP_SHARE * (last_step + 1 - first)), first).astype(np.int64)
+    threshold = np.minimum(HASH_RANGE, np.ceil(rate * HASH_RANGE)).astype(np.int64)
+    ctx.con.register("tk_cache_sample_rates", pl.DataFrame(
+        {"table_name": names, "tid": np.arange(len(names), dtype=np.int32), "threshold": threshold,
+         "first": first}).to_arrow())
+    try:
+        frame = ctx.frame(f"""
+            SELECT a.step, a.rank, r.tid, a."row", a."count"
+            FROM train_accesses a JOIN tk_cache_sample_rates r USING (table_name)
+            WHERE hash(a."row") % {HASH_RANGE} < r.threshold AND a.step >= r.first
+            ORDER BY a.step, a.rank, r.tid, a."row" """)
+    finally:
+        ctx.con.unregister("tk_cache_sample_rates")
+    columns = [frame[c].to_numpy() for c in ("step", "rank", "tid", "row", "count")]
+    step, rank, table, row, count = merge_duplicates(*columns)
+    return Windowed(Sample(step, rank, table.astype(np.int64), row, count, names, threshold / HASH_RANGE),
+                    first, counted)
+
+
 def _replay(ctx: Context, sample_rows: int | None, load_factors: tuple[float, ...],
             tables: tuple[str, ...] | None) -> Replay:
     histogram = lookup_histogram(ctx)
-    sample = access_sample(ctx, sample_rows, tables)
+    replayed = replay_sample(ctx, sample_rows, tables)
+    sample = replayed.sample
     totals = histogram.group_by("table_name").agg(
         (pl.col("lookups") * pl.col("rows")).sum().alias("lookups"), pl.col("accesses").sum(),
         (pl.col("max_row").max() + 1).alias("seen_rows"))
@@ -338,17 +412,19 @@ def _replay(ctx: Context, sample_rows: int | None, load_factors: tuple[float, ..
     lf = np.asarray(load_factors, dtype=np.float64)
     full_sets = np.maximum(1, np.ceil(held[:, None] * lf[None, :] / WAYS)).astype(np.int64)
     sets, ways = geometry(full_sets, sample.rates[table_of])
-    stream = Stream(sample.step, group.ravel().astype(np.int64), sample.row, sample.count)
+    counted = sample.step >= replayed.counted[sample.table]
+    stream = Stream(sample.step, group.ravel().astype(np.int64), sample.row, sample.count,
+                    None if counted.all() else counted)
 
-    events = np.bincount(stream.group, minlength=len(pairs))
+    events = stream.tally(len(pairs))
     stream.ids  # computed once, before the replays share it
     with ThreadPoolExecutor(2) as pool:  # numpy releases the GIL in the replays' heavy calls
         lru, lfu = pool.map(lambda policy: simulate(policy, stream, sets, ways)[0], ("lru", "lfu"))
     misses = {"lru": lru, "lfu": lfu, "oracle": oracle(stream, sets * ways)[0]}
-    steps = len(np.unique(sample.step))
+    steps = len(np.unique(access_sample(ctx, sample_rows, tables).step))  # the run's, not the window's
     ids_per_step = np.array([totals[name]["accesses"] for name in sample.names]) / steps  # exact, unsampled
     mrc = mrc_table(sample, table_of, events, misses, full_sets, sets * ways, lf, ids_per_step)
-    return Replay(sample, totals, steps, mrc)
+    return Replay(access_sample(ctx, sample_rows, tables), totals, steps, mrc, replayed)
 
 
 def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors: tuple[float, ...] = LOAD_FACTORS,
@@ -364,8 +440,11 @@ def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors
     stats = ctx.memo((planner_stats, sample_rows, tuple(load_factors), tables),
                      lambda: planner_stats(ctx, sample, mrc, done.totals, done.steps, result.notes))
     path = write_json(ctx, stats) if tables is None else None
-    if (sample.rates < 1).any():
-        result.notes.append(f"miss ratios from a hashed row sample (SHARDS) for {sampled_tables(sample)}")
+    if (done.replayed.sample.rates < 1).any():
+        result.notes.append(f"miss ratios from a hashed row sample (SHARDS) for {sampled_tables(done.replayed.sample)}")
+    if windowed := done.replayed.windowed():
+        result.notes.append(f"miss ratios of {', '.join(windowed)} over the run's last steps only (a steady "
+                            f"state: its first {WARMUP_SHARE:.0%} warm the caches), to bound the replay")
     result.summary = {"phase": "train", "load_factors": list(load_factors), "policies": list(POLICIES),
                       "torchrec_cache_stats": path and str(path), "steps": done.steps,
                       "tables": {name: {**entry, "miss_ratio": curves(mrc, name)}

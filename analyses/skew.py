@@ -33,8 +33,8 @@ Passes over `accesses` (never a Python loop over rows; memory bounded by DuckDB'
    al., FAST '15): a row of table t is kept iff hash(row) mod 2^32 < R_t * 2^32 (DuckDB's hash, not
    the cache's set hash), every step and rank of a kept row alike, with R_t = min(1, SAMPLE_ROWS /
    accesses rows of t); ordered by step. The cache replays run on it; the hot sets are read from it.
-Both are computed once per context (ctx.memo) and shared with `analyses.cache`, which also shares
-the first check, `no_training_accesses`.
+Both are computed once per context (ctx.memo); `analyses.cache` reads the histogram (its replay
+draws a sample of its own) and shares the first check, `no_training_accesses`.
 """
 
 from __future__ import annotations
@@ -144,11 +144,11 @@ def _access_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...
     finally:
         ctx.con.unregister("tk_skew_sample_rates")
     columns = [frame[c].to_numpy() for c in ("step", "rank", "tid", "row", "count")]
-    step, rank, table, row, count = _merge_duplicates(*columns)
+    step, rank, table, row, count = merge_duplicates(*columns)
     return Sample(step, rank, table.astype(np.int64), row, count, names, threshold / HASH_RANGE)
 
 
-def _merge_duplicates(step, rank, table, row, count):
+def merge_duplicates(step, rank, table, row, count):
     """One entry per (step, rank, table, row), counts summed (a step written in two parts)."""
     if len(row) < 2:
         return step, rank, table, row, count.astype(np.int64)

@@ -110,7 +110,8 @@ def write_steps(run_dir: Path, steps: int) -> None:
         step = np.arange(steps, dtype=np.int64)
         t0 = step * 50_000_000
         data = pa.table({"step": step, "t_start_ns": t0, "t_end_ns": t0 + 45_000_000,
-                         "samples": np.full(steps, BATCH_PER_RANK, np.int32), "loss": pa.nulls(steps, pa.float64())},
+                         "samples": np.full(steps, BATCH_PER_RANK, np.int32), "loss": pa.nulls(steps, pa.float64()),
+                         "schedule": pa.nulls(steps, pa.string())},
                         schema=TABLES["steps"]).replace_schema_metadata(file_metadata("steps"))
         write_part(data, run_dir / "steps" / f"rank={rank}", 0)
 
