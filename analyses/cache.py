@@ -72,7 +72,7 @@ import polars as pl
 from tracekit.files import write_text
 
 from analyses.context import Context, Result
-from analyses.skew import (HASH_RANGE, SAMPLE_ROWS, Sample, merge_duplicates, access_sample, lookup_histogram,
+from analyses.skew import (HASH_RANGE, SAMPLE_ROWS, Sample, access_sample, lookup_histogram, merge_duplicates,
                            no_training_accesses, sampled_tables)
 
 LOAD_FACTORS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -354,11 +354,11 @@ class Windowed:
 
 def replay_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...] | None) -> Windowed:
     """The accesses the caches replay: every one where `sample_rows` is None; else per table a
-    hashed row sample (SHARDS) at R_t = min(1, max(sample_rows / A_t, MIN_SAMPLED_ROWS / D_t)), A_t
-    its accesses rows and D_t its distinct rows: a sample of a few rows cannot stand for a cache of
-    hundreds. Where R_t · A_t exceeds WINDOW_AFTER · `sample_rows`, only the last steps whose share of
-    the run holds that many are replayed, the first WARMUP_SHARE of them filling the caches uncounted: a steady
-    state, in place of the run's every step."""
+    hashed row sample (SHARDS) at R_t = min(1, max(SAMPLE_BOOST · sample_rows / A_t,
+    MIN_SAMPLED_ROWS / D_t)), A_t its accesses rows and D_t its distinct rows: a sample of a few rows
+    cannot stand for a cache of hundreds. Where R_t · A_t exceeds WINDOW_AFTER · `sample_rows`, only
+    the last steps whose share of the run holds that many are replayed, the first WARMUP_SHARE of
+    them filling the caches uncounted: a steady state, in place of the run's every step."""
     if sample_rows is None:
         sample = access_sample(ctx, None, tables)
         start = np.full(len(sample.names), sample.step.min(initial=0), dtype=np.int64)

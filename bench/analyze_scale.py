@@ -349,8 +349,8 @@ def main() -> int:
     if args.tiled:
         tiled(args.tiled, args.sizes.split(","), args.runs, args.run_dir)
         return 0
-    if "tiled" not in json.loads((args.run_dir / "manifest.json").read_text() if (args.run_dir / "manifest.json").is_file()
-                                 else "{}"):  # a run of bench/tile_run.py is used as it is
+    manifest = args.run_dir / "manifest.json"
+    if "tiled" not in (json.loads(manifest.read_text()) if manifest.is_file() else {}):  # tile_run.py's: as it is
         ensure(args.run_dir, int(args.rows))
     if args.accuracy:
         accuracy(args.run_dir, tuple(args.accuracy.split(",")))

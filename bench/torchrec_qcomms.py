@@ -80,12 +80,14 @@ def main() -> None:
     for seed in seeds:
         for name, path in plans.items():
             run_dir = args.out / f"seed{seed}-{name.replace('/', '-')}"
-            stdout = tracekit("record", "--force", "-o", str(run_dir), "--plan", str(path), "--", *job(args.steps, seed))
+            stdout = tracekit("record", "--force", "-o", str(run_dir), "--plan", str(path), "--",
+                              *job(args.steps, seed))
             printed = json.loads(next(line for line in stdout.splitlines()[::-1] if line.startswith("{")))
             results[name].append({"seed": seed, "auc": printed["eval_auc"], "logloss": printed["eval_logloss"],
                                   "a2a_bytes": a2a_bytes(run_dir)})
-            print(f"  seed {seed} {name:>10}: eval AUC {printed['eval_auc']:.4f}, logloss {printed['eval_logloss']:.4f}, "
-                  f"all-to-all bytes {results[name][-1]['a2a_bytes']:,}", flush=True)
+            print(f"  seed {seed} {name:>10}: eval AUC {printed['eval_auc']:.4f}, "
+                  f"logloss {printed['eval_logloss']:.4f}, all-to-all bytes {results[name][-1]['a2a_bytes']:,}",
+                  flush=True)
     base = results["fp32"]
     print(f"\nfp32 over seeds: AUC {min(r['auc'] for r in base):.4f}–{max(r['auc'] for r in base):.4f} "
           f"(the seed alone moves it by {max(r['auc'] for r in base) - min(r['auc'] for r in base):.4f})")
