@@ -324,7 +324,23 @@ def tiled(src: Path, sizes: list[str], runs: int, out: Path) -> None:
         if previous:
             slope = np.log(wall / previous[1]) / np.log(written["accesses"] / previous[0])
             print(f"|  | | | | slope from the size before: **{slope:.2f}** | | | |", flush=True)
-        previous = (written["accesses"], wall)
+            print(f"|  | | | | {same_results(previous[2], run)} | | | |", flush=True)
+        previous = (written["accesses"], wall, run)
+
+
+def same_results(a: Path, b: Path) -> str:
+    """How far two tilings of one run differ where they should not: every skew figure (copies of a
+    run have the same shares) and the miss-ratio curves (both steady states of one workload)."""
+    import polars as pl
+
+    skew_a, skew_b = (pl.read_parquet(r / "analysis" / "skew.parquet").sort("table_name") for r in (a, b))
+    numeric = [c for c in skew_a.columns if c.startswith(("top_", "gini", "zipf"))]
+    skew = max(float((skew_a[c] - skew_b[c]).abs().max()) for c in numeric)
+    keys = ["table_name", "policy", "load_factor"]
+    mrc = pl.read_parquet(a / "analysis" / "cache_mrc.parquet").join(
+        pl.read_parquet(b / "analysis" / "cache_mrc.parquet"), on=keys, suffix="_b")
+    return (f"against the size before: skew shares differ by at most {skew:.2g}, miss ratios by at most "
+            f"{float((mrc['miss_ratio'] - mrc['miss_ratio_b']).abs().max()):.2g}")
 
 
 def main() -> int:
