@@ -72,7 +72,7 @@ import polars as pl
 from tracekit.files import write_text
 
 from analyses.context import Context, Result
-from analyses.skew import (HASH_RANGE, SAMPLE_ROWS, Sample, access_sample, lookup_histogram, merge_duplicates,
+from analyses.skew import (SAMPLE_ROWS, Sample, access_sample, hashed_sample, lookup_histogram,
                            no_training_accesses, sampled_tables)
 
 LOAD_FACTORS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -376,22 +376,7 @@ def replay_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...]
     share = np.minimum(1.0, WINDOW_AFTER * sample_rows / (rate * accesses))  # of the run's steps replayed
     first = np.where(share < 1, last_step + 1 - np.ceil(share * span), first_step).astype(np.int64)
     counted = np.where(share < 1, first + np.ceil(WARMUP_SHARE * (last_step + 1 - first)), first).astype(np.int64)
-    threshold = np.minimum(HASH_RANGE, np.ceil(rate * HASH_RANGE)).astype(np.int64)
-    ctx.con.register("tk_cache_sample_rates", pl.DataFrame(
-        {"table_name": names, "tid": np.arange(len(names), dtype=np.int32), "threshold": threshold,
-         "first": first}).to_arrow())
-    try:
-        frame = ctx.frame(f"""
-            SELECT a.step, a.rank, r.tid, a."row", a."count"
-            FROM train_accesses a JOIN tk_cache_sample_rates r USING (table_name)
-            WHERE hash(a."row") % {HASH_RANGE} < r.threshold AND a.step >= r.first
-            ORDER BY a.step, a.rank, r.tid, a."row" """)
-    finally:
-        ctx.con.unregister("tk_cache_sample_rates")
-    columns = [frame[c].to_numpy() for c in ("step", "rank", "tid", "row", "count")]
-    step, rank, table, row, count = merge_duplicates(*columns)
-    return Windowed(Sample(step, rank, table.astype(np.int64), row, count, names, threshold / HASH_RANGE),
-                    first, counted)
+    return Windowed(hashed_sample(ctx, names, rate, first), first, counted)
 
 
 def _replay(ctx: Context, sample_rows: int | None, load_factors: tuple[float, ...],

@@ -132,23 +132,31 @@ def _access_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...
     names = per_table["table_name"].to_list()
     accesses = np.maximum(per_table["accesses"].to_numpy(), 1)
     rate = np.ones(len(names)) if sample_rows is None else np.minimum(1.0, sample_rows / accesses)
+    return hashed_sample(ctx, names, rate)
+
+
+def hashed_sample(ctx: Context, names: list[str], rate: np.ndarray, first: np.ndarray | None = None) -> Sample:
+    """The training accesses of table names[t]'s rows whose hash falls under rate[t] (from step
+    first[t] on, where given), ordered by (step, rank, table, row), one entry per such key."""
     threshold = np.minimum(HASH_RANGE, np.ceil(rate * HASH_RANGE)).astype(np.int64)
-    ctx.con.register("tk_skew_sample_rates", pl.DataFrame(
-        {"table_name": names, "tid": np.arange(len(names), dtype=np.int32), "threshold": threshold}).to_arrow())
+    first = np.zeros(len(names), dtype=np.int64) if first is None else first
+    ctx.con.register("tk_sample_rates", pl.DataFrame(
+        {"table_name": names, "tid": np.arange(len(names), dtype=np.int32), "threshold": threshold,
+         "first": first}).to_arrow())
     try:
         frame = ctx.frame(f"""
             SELECT a.step, a.rank, r.tid, a."row", a."count"
-            FROM train_accesses a JOIN tk_skew_sample_rates r USING (table_name)
-            WHERE hash(a."row") % {HASH_RANGE} < r.threshold
+            FROM train_accesses a JOIN tk_sample_rates r USING (table_name)
+            WHERE hash(a."row") % {HASH_RANGE} < r.threshold AND a.step >= r.first
             ORDER BY a.step, a.rank, r.tid, a."row" """)
     finally:
-        ctx.con.unregister("tk_skew_sample_rates")
+        ctx.con.unregister("tk_sample_rates")
     columns = [frame[c].to_numpy() for c in ("step", "rank", "tid", "row", "count")]
-    step, rank, table, row, count = merge_duplicates(*columns)
+    step, rank, table, row, count = _merge_duplicates(*columns)
     return Sample(step, rank, table.astype(np.int64), row, count, names, threshold / HASH_RANGE)
 
 
-def merge_duplicates(step, rank, table, row, count):
+def _merge_duplicates(step, rank, table, row, count):
     """One entry per (step, rank, table, row), counts summed (a step written in two parts)."""
     if len(row) < 2:
         return step, rank, table, row, count.astype(np.int64)

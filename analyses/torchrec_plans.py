@@ -253,7 +253,8 @@ def compute(ctx: Context) -> Result:
         write_plan(ctx.path / name, plans[name])
     plan = plans[PLAN_FILE]
     result.summary = {"torchrec_estimate": estimates, "recorded": base["tables"], "derived": derived,
-                      "baseline": baseline, "predicted": plan["predicted"], "recommended": plan["recommended"], "why": plan["why"],
+                      "baseline": baseline, "predicted": plan["predicted"], "recommended": plan["recommended"],
+                      "why": plan["why"],
                       "qcomms": {"qcomms": QCOMMS, "predicted": plans[QCOMMS_PLAN_FILE]["predicted"],
                                  "why": plans[QCOMMS_PLAN_FILE]["why"]},
                       "replay_matches": abs(recorded["a2a_bytes_per_step"] - s.base_out) < 1e-6 * max(s.base_out, 1.0),

@@ -150,8 +150,6 @@ def link_half(run_dir: Path, half: Path, writers: list[PartWriter], total_rows: 
     closest to half the rows."""
     import shutil
 
-    import pyarrow.parquet as pq
-
     shutil.rmtree(half, ignore_errors=True)
     parts = [(path, last, pq.ParquetFile(path).metadata.num_rows) for w in writers for path, last in w.parts]
     cuts = sorted({last + 1 for _, last, _ in parts})
@@ -298,16 +296,15 @@ def tiled(src: Path, sizes: list[str], runs: int, out: Path) -> None:
     """The whole analysis (`full_analyze`) of SRC repeated in time (bench/tile_run.py) to each of
     `sizes` accesses rows, `runs` times each: wall time, peak RSS, time per phase (medians), and the
     slope of log time against log rows between successive sizes (1: linear)."""
-    from tile_run import tile
+    from tile_run import copies_for, tile
 
-    base_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in (src / "accesses").rglob("*.parquet"))
     print(f"machine: {machine()}; {src} repeated in time; {runs} runs per size, medians")
     print("| accesses rows | lookups rows | comms rows | copies | wall s (median) | runs | peak RSS MiB | "
           "slowest phases (median s) |")
     print("|---:|---:|---:|---:|---:|---|---:|---|")
     previous = None
     for size in sizes:
-        copies = -(-int(float(size.upper().replace("M", "e6").replace("B", "e9"))) // base_rows)
+        copies = copies_for(src, size)
         run = out / f"tiled-{size}"
         manifest = run / "manifest.json"
         if not manifest.is_file() or json.loads(manifest.read_text()).get("tiled", {}).get("copies") != copies:

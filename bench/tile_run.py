@@ -71,16 +71,23 @@ def tile(src: Path, dst: Path, copies: int) -> None:
     (dst / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
+def copies_for(src: Path, size: str) -> int:
+    """Copies of SRC that hold at least `size` accesses rows ("100M", "1B", "2500000")."""
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in (src / "accesses").rglob("*.parquet"))
+    wanted = int(float(size.upper().replace("M", "e6").replace("B", "e9")))
+    return -(-wanted // rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
     p.add_argument("--accesses", default="100M", help="accesses rows wanted (at least): sets the copies")
     args = p.parse_args()
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in (args.src / "accesses").rglob("*.parquet"))
-    copies = -(-int(float(args.accesses.upper().replace("M", "e6").replace("B", "e9"))) // rows)
+    copies = copies_for(args.src, args.accesses)
     tile(args.src, args.dst, copies)
-    print(f"{args.dst}: {copies} copies of {args.src} ({rows:,} accesses rows each, {rows * copies:,} in all)")
+    rows = json.loads((args.dst / MANIFEST).read_text())["written_rows"]["accesses"]
+    print(f"{args.dst}: {copies} copies of {args.src}, {rows:,} accesses rows in all")
 
 
 if __name__ == "__main__":
