@@ -18,11 +18,13 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Any, Callable
+import time
+from typing import Any, Protocol
 
 from analyses.context import Context, Options, PolicyResult, Result, open_context
 from analyses.decision import decide
 from analyses.network import network
+from analyses.time_left import TimeLeft, expected_seconds
 from tracekit.policy import Policy, new_policy, write_policy
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -35,6 +37,12 @@ ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     "torchrec_plan": ("analyses.torchrec_plans", ("lookups", "comms")),  # a TorchRec run's plan (torchrec_plan.json)
 }
 COSTMODEL = ("analyses.costmodel", ("lookups", "comms"))
+
+
+class Progress(Protocol):
+    """Told as each phase begins: its name and the seconds expected from there to the end."""
+
+    def __call__(self, phase: str, left_s: float | None = None) -> None: ...
 """After the policies: its checks read what they derived."""
 POLICIES: dict[str, str] = {
     "replication": "analyses.policies.replication",
@@ -46,9 +54,9 @@ POLICIES: dict[str, str] = {
 
 
 def _analysis(ctx: Context, summary: dict, name: str, module: str, needs: tuple[str, ...],
-              progress: Callable[[str], None], **kwargs: Any) -> None:
+              progress: Progress, clock: TimeLeft, **kwargs: Any) -> None:
     """Run one analysis into `summary` and write its tables; a note where the run lacks its tables."""
-    progress(name)
+    progress(name, clock.start(name))
     missing = [t for t in needs if not ctx.has(t)]
     if missing:
         summary["notes"].append(f"{name}: not computed, the run has no {' or '.join(missing)} table")
@@ -75,6 +83,18 @@ def planner(path: str | os.PathLike) -> dict[str, Any]:
             "snippet": inputs.snippet(result.summary["constraints"]) if result.summary else None}
 
 
+def phases(ctx: Context) -> dict[str, float]:
+    """The phases `analyze` goes through on this run after opening it, in order, with the seconds each
+    is expected to take (analyses.time_left; 0 where the run lacks the tables it needs)."""
+    written = ctx.manifest.get("written_rows") or {}  # the recorder's count: no scan of the trace
+    rows = int(written.get("accesses", 0)) + int(written.get("lookups", 0))
+    needs = {name: needs for name, (_, needs) in ANALYSES.items()}
+    needs.update({f"policy: {name}": () for name in POLICIES if name in ctx.options.policies})
+    needs["costmodel"] = COSTMODEL[1]
+    return {name: expected_seconds(name, rows) if all(ctx.has(t) for t in tables) else 0.0
+            for name, tables in {"open": (), **needs}.items()}
+
+
 def _dropped_rows(manifest: dict) -> dict[str, int]:
     """Rows dropped per trace table, all ranks together (accesses: ids)."""
     total: dict[str, int] = {}
@@ -85,11 +105,13 @@ def _dropped_rows(manifest: dict) -> dict[str, int]:
 
 
 def analyze(path: str | os.PathLike, options: Options | None = None,
-            progress: Callable[[str], None] = lambda step: None) -> dict[str, Any]:
+            progress: Progress = lambda phase, left_s=None: None) -> dict[str, Any]:
     """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
     return the summary (JSON-able): run, warnings, analyses, policies, notes, written files."""
     options = options or Options()
+    started = time.perf_counter()
     with open_context(path, options, memory_limit=options.memory_limit) as ctx:
+        clock = TimeLeft(phases(ctx), started)
         summary: dict[str, Any] = {"run": str(ctx.path), "status": ctx.manifest.get("status"), "warnings": [],
                                    "analyses": {}, "policies": {}, "not_derived": {}, "notes": [], "written": []}
         if ctx.manifest.get("status") != "completed":
@@ -108,7 +130,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             summary["warnings"].append(f"accesses, lookups and comms were recorded on {ctx.window.describe()} "
                                        "(record --steps/--every): every figure is over those steps")
         for name, (module, needs) in ANALYSES.items():
-            _analysis(ctx, summary, name, module, needs, progress)
+            _analysis(ctx, summary, name, module, needs, progress, clock)
         net = network(ctx)
         summary["network"] = net.summary()
         baseline = {}
@@ -122,7 +144,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         for name, module in POLICIES.items():
             if name not in ctx.options.policies:
                 continue
-            progress(f"policy: {name}")
+            progress(f"policy: {name}", clock.start(f"policy: {name}"))
             derived: PolicyResult = importlib.import_module(module).derive(ctx)
             results[name] = derived
             for table, frame in derived.tables.items():
@@ -138,7 +160,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
                 summary["policies"][name] = {**policy[name], "evidence": derived.evidence}
         if "combined" in policy:
             summary["combined"] = policy["combined"]
-        _analysis(ctx, summary, "costmodel", *COSTMODEL, progress, policies=results)
+        _analysis(ctx, summary, "costmodel", *COSTMODEL, progress, clock, policies=results)
         if ctx.model.tables:
             target = write_policy(Path(ctx.path) / "policy.json", policy, rows)
             summary["written"].append(str(target))

@@ -28,7 +28,12 @@ At scale (SHARDS, Waldspurger et al., FAST '15): the replay runs on a hashed row
 (`replay_sample`: rate R_t per table, `sample_rate`, keeping at least MIN_SAMPLED_ROWS distinct rows of
 a table, all of a smaller one); a sampled cache has R_t times the slots, as ceil(sets * R_t) sets of
 round(32 * sets * R_t / those sets) ways (at most 32), so that a sampled row meets as much
-competition per slot as it would in the full cache. Where R_t = 1 the replay is exact. A long run's
+competition per slot as it would in the full cache. Where R_t = 1 the replay is exact. A sampled
+table's few hottest rows (HOT_ROWS, HOT_SHARE) are replayed whatever their hash, each standing for
+itself where a sampled row stands for 1/R_t rows (`Stream.weight`), and given their own slots in the
+sampled cache (R_t * slots + (1 - R_t) * hot rows): which of them a hash keeps would otherwise move
+the whole curve (stratified sampling; the slots assume the hot rows stay resident, which is why
+they are kept to a few percent of the smallest cache). A long run's
 sample would outgrow the replay's budget: it is then replayed over the run's last steps only, the
 first WARMUP_SHARE of them warming the caches uncounted (a steady state; `compute` names those
 tables). `simulated_rows` is the sampled cache's size, `cache_rows` the real one.
@@ -80,6 +85,8 @@ MIN_SAMPLED_ROWS = 16384  # distinct rows a table's hashed sample keeps at least
 SAMPLE_BOOST = 4  # the replay samples this many times the accesses rows skew samples (sample_rows)
 WINDOW_AFTER = 4  # a table's sample longer than this many times sample_rows is replayed over a step window
 WARMUP_SHARE = 0.25  # of a step window: replayed to fill the caches, not counted
+HOT_ROWS = 1024  # a sampled table's rows read most in the replayed steps are replayed whatever their hash ...
+HOT_SHARE = 0.0003  # ... at most this share of its distinct rows: 3% of the smallest cache (lf 0.01)
 WAYS = 32
 POLICIES = ("lru", "lfu", "oracle")
 STATS_FILE = "torchrec_cache_stats.json"
@@ -108,18 +115,19 @@ def set_of(rows: np.ndarray, sets: np.ndarray | int) -> np.ndarray:
 @dataclass
 class Stream:
     """Batches to replay: entry i is id `key[i]` of cache group `group[i]` at step `step[i]`, looked
-    up `count[i]` times; sorted by (step, group, key), one entry per (step, group, key). Entries not
-    `counted` only warm the caches: their hits and misses are not counted (None: every entry)."""
+    up `count[i]` times; sorted by (step, group, key), one entry per (step, group, key). Its hit or
+    miss counts `weight[i]` times (None: once): the entries of the run a sampled entry stands for,
+    0 for an entry that only warms the caches."""
 
     step: np.ndarray
     group: np.ndarray
     key: np.ndarray
     count: np.ndarray
-    counted: np.ndarray | None = None
+    weight: np.ndarray | None = None
 
     def tally(self, groups: int) -> np.ndarray:
-        """The counted entries of each group."""
-        return np.bincount(self.group, weights=self.counted, minlength=groups).astype(np.int64)
+        """The counted entries of each group (weighted)."""
+        return np.bincount(self.group, weights=self.weight, minlength=groups).astype(np.float64)
 
     @functools.cached_property
     def ids(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,7 +160,7 @@ def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) ->
     uid, ugroup, ukey = stream.ids
     n_ids = len(ukey)
     events = stream.tally(groups)
-    misses = np.zeros(groups * variants, dtype=np.int64)
+    misses = np.zeros(groups * variants, dtype=np.float64)
     if n_ids == 0:
         return misses.reshape(groups, variants), events
     cache = ugroup[None, :] * variants + np.arange(variants)[:, None]  # (variants, ids): each id's cache
@@ -180,8 +188,9 @@ def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) ->
         flat = (variant * n_ids + ids).ravel()  # variant-major, then stream order: keys ascend per cache
         slot = state.where[flat]
         missed = slot < 0
-        counted = missed if stream.counted is None else missed & np.tile(stream.counted[a:b], variants)
-        misses += np.bincount((ugroup[ids] * variants + variant).ravel()[counted], minlength=misses.size)
+        weight = None if stream.weight is None else np.tile(stream.weight[a:b], variants)[missed]
+        misses += np.bincount((ugroup[ids] * variants + variant).ravel()[missed], weights=weight,
+                              minlength=misses.size)
         if policy == "lru":
             state.stamp.ravel()[slot[~missed]] = step
         flat = flat[missed]
@@ -268,8 +277,7 @@ def oracle(stream: Stream, capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray
     uid, ugroup, ukey = stream.ids
     events = stream.tally(groups)
     appearances = np.bincount(uid, minlength=len(ukey))  # the rows kept: by every entry replayed, warm-up too
-    counted = appearances if stream.counted is None else \
-        np.bincount(uid, weights=stream.counted, minlength=len(ukey)).astype(np.int64)
+    counted = np.bincount(uid, weights=stream.weight, minlength=len(ukey)).astype(np.float64)
     order = np.lexsort((-appearances, ugroup))
     g, counts = ugroup[order], counted[order]
     cumulative = np.cumsum(counts)
@@ -294,12 +302,13 @@ def rows_held(ctx: Context, table: str, rank: int, fallback: int) -> int:
 
 
 def geometry(full_sets: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sets and ways of the sampled caches: R times the slots of `full_sets` x 32 (module docstring);
-    the full caches themselves where R = 1."""
-    scaled = full_sets * rate[:, None]
+    """Sets and ways of the sampled caches: `rate` (per cache, or per cache and load factor) times
+    the slots of `full_sets` x 32 (module docstring); the full caches themselves where it is 1."""
+    rate = rate if rate.ndim == 2 else rate[:, None]
+    scaled = full_sets * rate
     sets = np.maximum(1, np.ceil(scaled)).astype(np.int64)
     ways = np.maximum(1, np.round(WAYS * scaled / sets)).astype(np.int64)  # <= 32
-    exact = rate[:, None] >= 1
+    exact = rate >= 1
     return np.where(exact, full_sets, sets), np.where(exact, WAYS, ways)
 
 
@@ -358,7 +367,9 @@ def replay_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...]
     MIN_SAMPLED_ROWS / D_t)), A_t its accesses rows and D_t its distinct rows: a sample of a few rows
     cannot stand for a cache of hundreds. Where R_t · A_t exceeds WINDOW_AFTER · `sample_rows`, only
     the last steps whose share of the run holds that many are replayed, the first WARMUP_SHARE of
-    them filling the caches uncounted: a steady state, in place of the run's every step."""
+    them filling the caches uncounted: a steady state, in place of the run's every step. A sampled
+    table's `hot_rows` rows read in the most replayed steps are replayed whatever their hash, so that
+    the sample's error does not rest on which of the few hottest rows its hash happens to keep."""
     if sample_rows is None:
         sample = access_sample(ctx, None, tables)
         start = np.full(len(sample.names), sample.step.min(initial=0), dtype=np.int64)
@@ -376,7 +387,22 @@ def replay_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...]
     share = np.minimum(1.0, WINDOW_AFTER * sample_rows / (rate * accesses))  # of the run's steps replayed
     first = np.where(share < 1, last_step + 1 - np.ceil(share * span), first_step).astype(np.int64)
     counted = np.where(share < 1, first + np.ceil(WARMUP_SHARE * (last_step + 1 - first)), first).astype(np.int64)
-    return Windowed(hashed_sample(ctx, names, rate, first), first, counted)
+    hot = np.where(rate < 1, np.minimum(HOT_ROWS, np.floor(HOT_SHARE * distinct)), 0).astype(np.int64)
+    return Windowed(hashed_sample(ctx, names, rate, first, hot_rows(ctx, names, first, hot)), first, counted)
+
+
+def hot_rows(ctx: Context, names: list[str], first: np.ndarray, hot: np.ndarray) -> pl.DataFrame:
+    """(tid, row): the hot[t] rows of table names[t] in the most training steps from step first[t] on."""
+    ctx.con.register("tk_hot_counts", pl.DataFrame(
+        {"table_name": names, "tid": np.arange(len(names), dtype=np.int32), "first": first, "hot": hot})
+        .filter(pl.col("hot") > 0).to_arrow())
+    try:
+        return ctx.frame("""
+            SELECT r.tid, a."row" FROM train_accesses a JOIN tk_hot_counts r USING (table_name)
+            WHERE a.step >= r.first GROUP BY r.tid, a."row", r.hot
+            QUALIFY row_number() OVER (PARTITION BY r.tid ORDER BY count(*) DESC, a."row") <= r.hot""")
+    finally:
+        ctx.con.unregister("tk_hot_counts")
 
 
 def _replay(ctx: Context, sample_rows: int | None, load_factors: tuple[float, ...],
@@ -396,10 +422,18 @@ def _replay(ctx: Context, sample_rows: int | None, load_factors: tuple[float, ..
                      for p, t in zip(pairs, table_of)], dtype=np.int64)
     lf = np.asarray(load_factors, dtype=np.float64)
     full_sets = np.maximum(1, np.ceil(held[:, None] * lf[None, :] / WAYS)).astype(np.int64)
-    sets, ways = geometry(full_sets, sample.rates[table_of])
-    counted = sample.step >= replayed.counted[sample.table]
+    rate = sample.rates[sample.table]
+    weight = (sample.step >= replayed.counted[sample.table]) / rate
+    hot_slots = np.zeros(len(pairs))
+    if sample.hot is not None:  # hot rows stand for themselves only, and hold their own slots
+        weight[sample.hot] *= rate[sample.hot]
+        hot_slots = np.bincount(np.unique(group.ravel()[sample.hot] * (1 << 48) + sample.row[sample.hot]) >> 48,
+                                minlength=len(pairs))
     stream = Stream(sample.step, group.ravel().astype(np.int64), sample.row, sample.count,
-                    None if counted.all() else counted)
+                    None if (weight == 1).all() else weight)
+    cache_rate = sample.rates[table_of][:, None]
+    sets, ways = geometry(full_sets, np.minimum(1, cache_rate + (1 - cache_rate) * hot_slots[:, None]
+                                                / (full_sets * WAYS)))
 
     events = stream.tally(len(pairs))
     stream.ids  # computed once, before the replays share it

@@ -165,16 +165,20 @@ class Context:
             for table in self.present:
                 relation = run.relation(table, self.con)
                 self.con.register(f"{table}_rel", relation)
-                kept = ([self.window.sql("step")] if not self.window.everything else []) + \
-                    ([f"step <= {self.truncated_at}"] if self.truncated_at is not None else [])
-                where = f" WHERE {' AND '.join(kept)}" if kept and "step" in relation.columns else ""
                 kind = "VIEW" if table in STREAMED else "TEMP TABLE"
-                self.con.sql(f"CREATE {kind} {table} AS SELECT * FROM {table}_rel{where}")
+                self.con.sql(f"CREATE {kind} {table} AS SELECT * FROM {table}_rel{self.steps_kept(relation.columns)}")
                 if table in PHASED:
                     self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
         except BaseException:
             self.close()
             raise
+
+    def steps_kept(self, columns: list[str]) -> str:
+        """The WHERE clause (or "") that keeps a trace table's rows of the steps analysed: the
+        recorded window's, up to `truncated_at`."""
+        kept = ([self.window.sql("step")] if not self.window.everything else []) + \
+            ([f"step <= {self.truncated_at}"] if self.truncated_at is not None else [])
+        return f" WHERE {' AND '.join(kept)}" if kept and "step" in columns else ""
 
     def __enter__(self) -> Context:
         return self

@@ -47,6 +47,7 @@ import numpy as np
 import polars as pl
 
 from analyses.context import Context, Result
+from analyses.row_totals import row_totals
 
 TOP_SHARES = {"top_0_1pct_share": 0.001, "top_1pct_share": 0.01, "top_10pct_share": 0.1}
 ROWS_FOR = {"rows_for_50pct": 50, "rows_for_80pct": 80, "rows_for_90pct": 90, "rows_for_99pct": 99}
@@ -55,7 +56,6 @@ WINDOWS = 10
 COVERAGE_POINTS = 40
 SAMPLE_ROWS = 100_000  # accesses rows kept per table by the row sample: R_t = min(1, this / its accesses rows)
 HASH_RANGE = 1 << 32
-ROW_BITS = 48  # the per-row pass keys on (manifest table index << 48) + row: rows are in [0, 2^48)
 
 
 # ---------------------------------------------------------------------------------------------- passes
@@ -76,30 +76,9 @@ def no_training_accesses(ctx: Context) -> str | None:
 
 
 def _lookup_histogram(ctx: Context) -> pl.DataFrame:
-    names = [t.name for t in ctx.model.tables]
-    columns = ["table_name", "lookups", "rows", "accesses", "max_row"]
-    parts, unlisted = [], True
-    if names:
-        mask = (1 << ROW_BITS) - 1
-        keyed = ctx.frame(f"""
-            SELECT k >> {ROW_BITS} AS tid, lookups::BIGINT AS lookups, count(*) AS rows,
-                   sum(accesses)::BIGINT AS accesses, max(k & {mask}) AS max_row
-            FROM (SELECT (coalesce(list_position(?::VARCHAR[], table_name), 0)::BIGINT << {ROW_BITS}) + "row" AS k,
-                         sum("count"::DOUBLE) AS lookups, count(*) AS accesses
-                  FROM train_accesses GROUP BY k)
-            GROUP BY ALL""", [names])  # one integer key groups faster than (table_name, row)
-        parts.append(keyed.filter(pl.col("tid") > 0).with_columns(
-            pl.col("tid").replace_strict(range(1, len(names) + 1), names, return_dtype=pl.String)
-            .alias("table_name")).select(columns))
-        unlisted = bool((keyed["tid"] == 0).any())  # tables the manifest does not list: all under index 0
-    if unlisted:
-        parts.append(ctx.frame("""
-            SELECT table_name, lookups::BIGINT AS lookups, count(*) AS rows, sum(accesses)::BIGINT AS accesses,
-                   max("row") AS max_row
-            FROM (SELECT table_name, "row", sum("count"::DOUBLE) AS lookups, count(*) AS accesses
-                  FROM train_accesses WHERE NOT list_contains(?::VARCHAR[], table_name) GROUP BY ALL)
-            GROUP BY ALL""", [names]).select(columns))
-    return pl.concat(parts).sort("table_name", "lookups")
+    return ctx.frame(f"""SELECT table_name, lookups::BIGINT AS lookups, count(*) AS rows,
+                                sum(accesses)::BIGINT AS accesses, max("row") AS max_row
+                         FROM {row_totals(ctx)} GROUP BY ALL ORDER BY table_name, lookups""")
 
 
 @dataclass
@@ -114,6 +93,7 @@ class Sample:
     count: np.ndarray
     names: list[str]
     rates: np.ndarray
+    hot: np.ndarray | None = None  # entries of the rows kept whatever their hash (`hashed_sample`'s `hot`)
 
     def __len__(self) -> int:
         return len(self.row)
@@ -135,36 +115,46 @@ def _access_sample(ctx: Context, sample_rows: int | None, tables: tuple[str, ...
     return hashed_sample(ctx, names, rate)
 
 
-def hashed_sample(ctx: Context, names: list[str], rate: np.ndarray, first: np.ndarray | None = None) -> Sample:
+def hashed_sample(ctx: Context, names: list[str], rate: np.ndarray, first: np.ndarray | None = None,
+                  hot: pl.DataFrame | None = None) -> Sample:
     """The training accesses of table names[t]'s rows whose hash falls under rate[t] (from step
-    first[t] on, where given), ordered by (step, rank, table, row), one entry per such key."""
+    first[t] on, where given), ordered by (step, rank, table, row), one entry per such key; with
+    `hot` (tid, row), those rows' accesses too whatever their hash (`Sample.hot` marks them)."""
     threshold = np.minimum(HASH_RANGE, np.ceil(rate * HASH_RANGE)).astype(np.int64)
     first = np.zeros(len(names), dtype=np.int64) if first is None else first
     ctx.con.register("tk_sample_rates", pl.DataFrame(
         {"table_name": names, "tid": np.arange(len(names), dtype=np.int32), "threshold": threshold,
          "first": first}).to_arrow())
+    if hot is not None:
+        ctx.con.register("tk_sample_hot", hot.select(pl.col("tid").cast(pl.Int32), "row").to_arrow())
+    kept = "h.tid IS NOT NULL" if hot is not None else "false"
     try:
         frame = ctx.frame(f"""
-            SELECT a.step, a.rank, r.tid, a."row", a."count"
+            SELECT a.step, a.rank, r.tid, a."row", a."count", {kept} AS hot
             FROM train_accesses a JOIN tk_sample_rates r USING (table_name)
-            WHERE hash(a."row") % {HASH_RANGE} < r.threshold AND a.step >= r.first
+            {'LEFT JOIN tk_sample_hot h ON h.tid = r.tid AND h."row" = a."row"' if hot is not None else ''}
+            WHERE (hash(a."row") % {HASH_RANGE} < r.threshold OR {kept}) AND a.step >= r.first
             ORDER BY a.step, a.rank, r.tid, a."row" """)
     finally:
         ctx.con.unregister("tk_sample_rates")
-    columns = [frame[c].to_numpy() for c in ("step", "rank", "tid", "row", "count")]
-    step, rank, table, row, count = _merge_duplicates(*columns)
-    return Sample(step, rank, table.astype(np.int64), row, count, names, threshold / HASH_RANGE)
+        if hot is not None:
+            ctx.con.unregister("tk_sample_hot")
+    columns = [frame[c].to_numpy() for c in ("step", "rank", "tid", "row", "count", "hot")]
+    step, rank, table, row, count, is_hot = _merge_duplicates(*columns)
+    return Sample(step, rank, table.astype(np.int64), row, count, names, threshold / HASH_RANGE,
+                  is_hot if hot is not None else None)
 
 
-def _merge_duplicates(step, rank, table, row, count):
+def _merge_duplicates(step, rank, table, row, count, hot):
     """One entry per (step, rank, table, row), counts summed (a step written in two parts)."""
     if len(row) < 2:
-        return step, rank, table, row, count.astype(np.int64)
+        return step, rank, table, row, count.astype(np.int64), hot
     same = (step[1:] == step[:-1]) & (rank[1:] == rank[:-1]) & (table[1:] == table[:-1]) & (row[1:] == row[:-1])
     if not same.any():
-        return step, rank, table, row, count.astype(np.int64)
+        return step, rank, table, row, count.astype(np.int64), hot
     first = np.flatnonzero(np.r_[True, ~same])
-    return step[first], rank[first], table[first], row[first], np.add.reduceat(count.astype(np.int64), first)
+    return (step[first], rank[first], table[first], row[first], np.add.reduceat(count.astype(np.int64), first),
+            hot[first])
 
 
 # ---------------------------------------------------------------------------------------------- figures

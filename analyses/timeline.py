@@ -126,8 +126,8 @@ def _timeline_frame(ctx: Context) -> pl.DataFrame:
         FROM steps s LEFT JOIN timeline_clock o USING (rank)"""
     if not ctx.has("comms"):
         return ctx.frame(f"""
-            SELECT rank, step, w0 AS t_start_ns, w1 AS t_end_ns, (w1 - w0) / 1e9 AS step_s, 0.0 AS comm_s,
-                   (w1 - w0) / 1e9 AS compute_s, 0.0 AS wait_s
+            SELECT rank, step, w0 AS t_start_ns, w1 AS t_end_ns, (w1 - w0) / 1e9 AS step_s, 0.0::DOUBLE AS comm_s,
+                   (w1 - w0) / 1e9 AS compute_s, 0.0::DOUBLE AS wait_s
             FROM ({windows}) ORDER BY rank, step""")
     return ctx.frame(f"""
         WITH iv AS (SELECT rank, t0, t1 FROM timeline_calls WHERE phase = 'train' AND t1 IS NOT NULL AND t1 > t0),

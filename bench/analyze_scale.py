@@ -15,6 +15,7 @@ all children that `getrusage(RUSAGE_CHILDREN)` reports).
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --runs 3 --full
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --accuracy C2,C10,C24   # sampled vs exact
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-tiled --tiled runs/kaggle --runs 3   # 10M, 100M, 1B
+    .venv/bin/python bench/analyze_scale.py /tmp/tracekit-tiled --tiled runs/kaggle --sizes 100M --grow 0.1
 
 --tiled takes a real recorded run (e.g. `tracekit record -o runs/kaggle -- torchrun --standalone
 --nproc-per-node 2 train.py --preset criteo-kaggle --scale 0.01 --batch-size 1024 --steps 200
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -179,19 +181,23 @@ def ensure(run_dir: Path, target_rows: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- timing
 
-def full_analyze(run_dir: Path) -> None:
+def full_analyze(run_dir: Path, incremental: bool = False) -> None:
     """`tracekit analyze` in this process, each phase (analyze's progress names) timed; prints the
-    phase times and the peak RSS (MiB) reached by the end of each as JSON."""
+    phase times and the peak RSS (MiB) reached by the end of each as JSON. `incremental`: reusing
+    what an earlier analyze of the run kept (analyses.row_totals), else from nothing."""
     import resource
 
     from analyses.analyze import analyze
+    from analyses.row_totals import STATE_DIR
 
+    if not incremental:  # a full analysis: not the per-row totals an earlier analyze of the run kept
+        shutil.rmtree(run_dir / STATE_DIR, ignore_errors=True)
     times: dict[str, float] = {}
     peaks: dict[str, float] = {}
     current = ["open"]
     mark = [time.perf_counter()]
 
-    def progress(name: str) -> None:
+    def progress(name: str, left_s: float | None = None) -> None:
         now = time.perf_counter()
         times[current[0]] = round(times.get(current[0], 0.0) + now - mark[0], 3)
         peaks[current[0]] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -206,8 +212,8 @@ def full_analyze(run_dir: Path) -> None:
 
 def child(target: str, run_dir: Path) -> None:
     """Run `target` on `run_dir` in this process and print its phase times as JSON."""
-    if target == "full":
-        full_analyze(run_dir)
+    if target in ("full", "incremental"):
+        full_analyze(run_dir, incremental=target == "incremental")
         return
     from analyses import cache, skew
     from analyses.context import open_context
@@ -325,6 +331,44 @@ def tiled(src: Path, sizes: list[str], runs: int, out: Path) -> None:
         previous = (written["accesses"], wall, run)
 
 
+def grown(src: Path, size: str, share: float, runs: int, out: Path) -> None:
+    """Incremental analysis: SRC tiled to `size` accesses rows and analysed, then grown by `share`
+    more copies (new part files, as a recording that went on writes them) and analysed again,
+    reusing what the first analysis kept (`--child incremental`) against from nothing (`--child
+    full`), alternating, `runs` times each; the two must write the same results."""
+    from tile_run import copies_for, tile
+
+    base = copies_for(src, size)
+    run = out / f"grown-{size}"
+    times: dict[str, list[float]] = {"incremental": [], "full": []}
+    for _ in range(runs):
+        tile(src, run, base)
+        run_child([sys.executable, __file__, str(run), "--child", "full"])  # what the first analysis keeps
+        tile(src, run, base + max(1, round(share * base)), grow=True)
+        for mode in ("incremental", "full"):
+            if mode == "full":
+                keep = run.parent / f"{run.name}-incremental"
+                shutil.rmtree(keep, ignore_errors=True)
+                shutil.copytree(run / "analysis", keep)
+            got = run_child([sys.executable, __file__, str(run), "--child", mode])
+            times[mode].append(got["wall_s"])
+        print(f"incremental {times['incremental'][-1]:.1f} s, full {times['full'][-1]:.1f} s; "
+              f"{same_analysis(keep, run / 'analysis')}", flush=True)
+    written = json.loads((run / "manifest.json").read_text())["written_rows"]["accesses"]
+    print(f"grown to {written:,} accesses rows (+{share:.0%}): analyze reusing the first analysis "
+          f"{statistics.median(times['incremental']):.1f} s, from nothing {statistics.median(times['full']):.1f} s "
+          f"(medians of {runs})")
+
+
+def same_analysis(a: Path, b: Path) -> str:
+    """Whether two analyses of one run wrote equal skew and cache tables."""
+    import polars as pl
+
+    equal = all(pl.read_parquet(a / name).equals(pl.read_parquet(b / name))
+                for name in ("skew.parquet", "cache_mrc.parquet"))
+    return "skew and cache_mrc equal" if equal else "skew or cache_mrc DIFFER"
+
+
 def same_results(a: Path, b: Path) -> str:
     """How far two tilings of one run differ where they should not: every skew figure (copies of a
     run have the same shares) and the miss-ratio curves (both steady states of one workload)."""
@@ -354,10 +398,16 @@ def main() -> int:
                    help="instead: the whole analysis of the recorded run SRC repeated in time (bench/tile_run.py) "
                         "to --sizes accesses rows, written under RUN_DIR")
     p.add_argument("--sizes", default="10M,100M,1B", help="with --tiled: accesses rows of each size")
+    p.add_argument("--grow", type=float, metavar="SHARE",
+                   help="with --tiled: analyse the first size, grow it by SHARE (0.1: 10%% more steps) and "
+                        "time analyze reusing the first analysis against from nothing")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child, args.run_dir)
+        return 0
+    if args.tiled and args.grow:
+        grown(args.tiled, args.sizes.split(",")[0], args.grow, args.runs, args.run_dir)
         return 0
     if args.tiled:
         tiled(args.tiled, args.sizes.split(","), args.runs, args.run_dir)

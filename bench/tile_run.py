@@ -50,20 +50,25 @@ def shifted(table: pa.Table, k: int, n_steps: int, dt: int, dseq: int) -> pa.Tab
     return table
 
 
-def tile(src: Path, dst: Path, copies: int) -> None:
+def tile(src: Path, dst: Path, copies: int, grow: bool = False) -> None:
+    """DST: `copies` copies of SRC one after the other; `grow`: DST already holds some and gets the
+    copies after them in new part files (a recording that went on), the old parts left untouched."""
     n_steps, dt, dseq = span(src)
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True)
+    had = json.loads((dst / MANIFEST).read_text())["tiled"]["copies"] if grow else 0
+    if not grow:
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(parents=True)
     for folder in sorted(p for p in src.iterdir() if p.is_dir() and p.name not in ("analysis", "policy", "ranks")):
         for rank_dir in sorted(folder.glob("rank=*")):
-            out, n = dst / folder.name / rank_dir.name, 0
+            out = dst / folder.name / rank_dir.name
+            n = len(list(out.glob("*.parquet"))) if grow else 0
             parts = [pq.read_table(part) for part in sorted(rank_dir.glob("*.parquet"))]
-            for k in range(copies):  # in step order, as the recorder writes them
+            for k in range(had, copies):  # in step order, as the recorder writes them
                 for table in parts:
                     write_part(shifted(table, k, n_steps, dt, dseq), out, n, **PARQUET_OPTIONS.get(folder.name, {}))
                     n += 1
-    shutil.copytree(src / "ranks", dst / "ranks")
+    if not grow:
+        shutil.copytree(src / "ranks", dst / "ranks")
     manifest = json.loads((src / MANIFEST).read_text())
     manifest["steps"] = {r: s * copies for r, s in (manifest.get("steps") or {}).items()}
     manifest["written_rows"] = {t: n * copies for t, n in (manifest.get("written_rows") or {}).items()}

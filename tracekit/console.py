@@ -30,21 +30,24 @@ terminal = Console(width=shutil.get_terminal_size((120, 24)).columns)
 
 @contextlib.contextmanager
 def progress_lines(enabled: bool = True, *, keep: bool = True,
-                   prefix: str = "") -> Iterator[Callable[[str], None]]:
-    """A `progress(what)` callback (or a no-op where not `enabled`): each call starts a line on
-    stderr with a spinner and its elapsed time, ending the one before, except that `HEAD: detail`
-    after a line of the same HEAD updates that line (one line for the phases of one step); `keep`
-    False: the last line vanishes when the block ends (analyze's phases), True: every line stays."""
+                   prefix: str = "") -> Iterator[Callable[..., None]]:
+    """A `progress(what, left_s=None)` callback (or a no-op where not `enabled`): each call starts a
+    line on stderr with a spinner and its elapsed time (and `left_s`, the seconds expected to the
+    end, where given), ending the one before, except that `HEAD: detail` after a line of the same
+    HEAD updates that line (one line for the phases of one step); `keep` False: the last line
+    vanishes when the block ends (analyze's phases), True: every line stays."""
     if not enabled:
-        yield lambda what: None
+        yield lambda what, left_s=None: None
         return
     with Progress(SpinnerColumn(), TextColumn(prefix + "{task.description}"), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=not keep) as bar:
         tasks: list = []
         heads: list[str] = []
 
-        def show(what: str) -> None:
+        def show(what: str, left_s: float | None = None) -> None:
             head, detail, _ = what.partition(": ")
+            if left_s is not None:
+                what += f" [dim](about {format_duration(left_s)} left)[/dim]"
             if tasks and detail and heads[-1] == head:
                 return bar.update(tasks[-1], description=what)
             if tasks:
@@ -57,12 +60,21 @@ def progress_lines(enabled: bool = True, *, keep: bool = True,
             bar.update(tasks[-1], completed=1, total=1)
 
 
-def analysis_progress(enabled: bool) -> contextlib.AbstractContextManager[Callable[[str], None]]:
+def format_duration(seconds: float) -> str:
+    """A rough duration for a person: "5 s", "40 s", "3 min"."""
+    if seconds < 10:
+        return f"{max(1, round(seconds))} s"
+    if seconds < 90:
+        return f"{round(seconds / 5) * 5} s"
+    return f"{round(seconds / 60)} min"
+
+
+def analysis_progress(enabled: bool) -> contextlib.AbstractContextManager[Callable[..., None]]:
     """analyze's phase, one line that changes (`analysing skew`, ...), gone at the end."""
     return progress_lines(enabled, keep=False, prefix="analysing ")
 
 
-def run_progress(enabled: bool) -> contextlib.AbstractContextManager[Callable[[str], None]]:
+def run_progress(enabled: bool) -> contextlib.AbstractContextManager[Callable[..., None]]:
     """One line per run or phase of optimize and calibrate, each with its elapsed time, kept."""
     return progress_lines(enabled, keep=True)
 

@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     from analyses.context import Options
     from analyses.simulate import Target
 
-Progress = Callable[[str], None]
+Progress = Callable[..., None]  # progress(what, left_s=None): a phase begins, left_s seconds expected to the end
 
 
-def _silent(what: str) -> None:
+def _silent(what: str, left_s: float | None = None) -> None:
     return None
 
 

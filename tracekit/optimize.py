@@ -64,7 +64,7 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
     code = record(base, command, out_dir / "base.log", lookup_every=lookup_every, cluster=cluster, dct_replay=dct_replay)
     if code != 0:
         raise OptimizeError(f"the baseline run failed (exit code {code}); its output is in {out_dir / 'base.log'}")
-    analyze_run(base, options, report=False, progress=lambda step: progress(f"analysing the baseline: {step}"))
+    analyze_run(base, options, report=False, progress=lambda step, left_s=None: progress(f"analysing the baseline: {step}", left_s))
     if cluster is not None:  # the report's speedup against the link rate
         from analyses.simulate import Target, project
 

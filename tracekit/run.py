@@ -52,7 +52,7 @@ class Run:
 
     def tables(self) -> list[str]:
         """The trace tables that have at least one part file, in schema order."""
-        return [table for table in TABLES if self._parts(table)]
+        return [table for table in TABLES if self.parts(table)]
 
     def scan(self, table: str) -> pl.LazyFrame:
         """All ranks' rows of `table` as a Polars LazyFrame, with a `rank` column. Dictionary
@@ -66,14 +66,16 @@ class Run:
         widened = [pl.col("count").cast(pl.Int64)] if table == "accesses" else []
         return frame.with_columns(pl.col(dictionaries).cast(pl.String), *widened)
 
-    def relation(self, table: str, con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyRelation:
-        """All ranks' rows of `table` as a DuckDB relation on `con` (a new in-memory connection if
-        None), with a `rank` column."""
+    def relation(self, table: str, con: duckdb.DuckDBPyConnection | None = None,
+                 parts: list[Path] | None = None) -> duckdb.DuckDBPyRelation:
+        """All ranks' rows of `table` (of its part files `parts` only, where given) as a DuckDB
+        relation on `con` (a new in-memory connection if None), with a `rank` column."""
         import duckdb
 
         self._check(table)
         con = duckdb.connect() if con is None else con
-        relation = con.read_parquet(self._glob(table), hive_partitioning=True)
+        files = self._glob(table) if parts is None else [str(p) for p in parts]
+        relation = con.read_parquet(files, hive_partitioning=True)
         for column in self._filled[table]:
             value = LATER_COLUMNS[column]
             relation = relation.project(f"*, CAST({'NULL' if value is None else repr(value)} AS VARCHAR) AS {column}")
@@ -84,7 +86,8 @@ class Run:
     def _glob(self, table: str) -> str:
         return str(self.path / table / "**" / "*.parquet")
 
-    def _parts(self, table: str) -> list[Path]:
+    def parts(self, table: str) -> list[Path]:
+        """The part files of `table`, every rank's, in path order."""
         return sorted((self.path / table).glob("*/*.parquet"))
 
     def _check(self, table: str) -> None:
@@ -93,7 +96,7 @@ class Run:
             return
         if table not in TABLES:
             raise TracekitError(f"unknown trace table {table!r}; the trace tables are {', '.join(TABLES)}")
-        parts = self._parts(table)
+        parts = self.parts(table)
         if not parts:
             present = ", ".join(self.tables()) or "none"
             raise TracekitError(f"{self.path} has no {table} table (no {table} rows were recorded); it has: {present}")

@@ -60,6 +60,7 @@ import polars as pl
 from analyses import attribution, exchange, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
+from analyses.row_totals import row_totals
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, COMM_TIME, STEP_TIME, SYNC_BYTES
 from tracekit.policy import Prediction, Replication
 
@@ -175,10 +176,10 @@ def access_rows(ctx: Context, *, count_distinct: bool = False) -> None:
     only one rank recorded was read on exactly as many steps as it has accesses rows; only rows
     several ranks recorded (column-wise shards) need the costlier count of distinct steps (every row
     with `count_distinct`, which the tests compare)."""
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_access_rows AS
-               SELECT n.tid, x."row", sum(x.count)::DOUBLE AS n_all, count(*)::DOUBLE AS steps_all,
-                      min(x.rank) = max(x.rank) AS one_rank
-               FROM train_accesses x JOIN tk_names n USING (table_name) WHERE n.sharded GROUP BY ALL""")
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_access_rows AS
+                SELECT n.tid, x."row", x.lookups AS n_all, x.accesses::DOUBLE AS steps_all,
+                       x.min_rank = x.max_rank AS one_rank
+                FROM {row_totals(ctx)} x JOIN tk_names n USING (table_name) WHERE n.sharded""")
     several = f"NOT one_rank OR {count_distinct}"
     if ctx.sql(f"SELECT count(*) FROM tk_access_rows WHERE {several}").fetchall()[0][0]:
         ctx.sql(f"""UPDATE tk_access_rows r SET steps_all = m.steps_all

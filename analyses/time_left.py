@@ -1,0 +1,71 @@
+"""How long `analyze` has left: each phase's expected time from the trace's size, scaled by how the
+phases already done compared with their own expectation (a slower machine, a skewed trace).
+
+    clock = TimeLeft({"open": expected_seconds("open", rows), "skew": ...}, started)
+    clock.start("skew")      # seconds expected from here to the end, skew included
+
+A phase's expected time is interpolated (extrapolated beyond) in the trace's accesses + lookups
+rows between two measurements, PHASE_SECONDS, taken by `bench/analyze_scale.py --tiled` on this
+project's CPU box (2 cores): the Criteo Kaggle layout run repeated in time to 10M accesses rows
+(16.0M rows with its lookups) and to 100M (153.5M rows). The estimate is a guide: the cache replay's
+window caps its cost, so beyond 100M it runs faster than the line, and the correction catches up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+MEASURED_AT = (16.0e6, 153.5e6)  # accesses + lookups rows of the two measurements
+PHASE_SECONDS: dict[str, tuple[float, float]] = {
+    "open": (0.38, 2.15),
+    "skew": (0.97, 3.62),
+    "traffic": (0.05, 0.11),
+    "timeline": (0.04, 0.16),
+    "cache": (4.16, 7.95),
+    "planner": (0.07, 0.48),
+    "torchrec_plan": (0.05, 0.10),
+    "policy: replication": (2.08, 7.38),
+    "policy: tiers": (0.10, 0.48),
+    "policy: schedule": (0.39, 1.30),
+    "policy: compression": (0.08, 0.25),
+    "policy: lag": (0.03, 0.24),
+    "costmodel": (0.33, 1.03),
+}
+
+
+def expected_seconds(phase: str, rows: float) -> float:
+    """The phase's time on the bench machine at `rows` accesses + lookups rows (0 for a phase not measured)."""
+    low, high = PHASE_SECONDS.get(phase, (0.0, 0.0))
+    slope = (high - low) / (MEASURED_AT[1] - MEASURED_AT[0])
+    return max(min(low, high), low + slope * (rows - MEASURED_AT[0]))
+
+
+@dataclass
+class TimeLeft:
+    """The phases to run, in order, with their expected seconds, the first one begun at `started`
+    (now where None); `start(name)` as each of the others begins."""
+
+    expected: dict[str, float]
+    started: float | None = None
+    clock: Callable[[], float] = time.perf_counter
+    _done: list[tuple[float, float]] = field(default_factory=list)  # (expected, taken) of each phase ended
+
+    def __post_init__(self) -> None:
+        self._current = (next(iter(self.expected), ""), self.clock() if self.started is None else self.started)
+
+    def start(self, name: str) -> float:
+        """Seconds expected from now to the end, phase `name` (which begins now) included."""
+        now = self.clock()
+        previous, began = self._current
+        self._done.append((self.expected.get(previous, 0.0), now - began))
+        self._current = (name, now)
+        names = list(self.expected)
+        rest = names[names.index(name):] if name in self.expected else [name]
+        return self.pace() * sum(self.expected.get(n, 0.0) for n in rest)
+
+    def pace(self) -> float:
+        """Time taken over time expected by the phases done (1 before any, or when they expected none)."""
+        expected = sum(e for e, _ in self._done)
+        return sum(t for _, t in self._done) / expected if expected > 0.5 else 1.0
