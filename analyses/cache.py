@@ -77,6 +77,7 @@ import polars as pl
 from tracekit.files import write_text
 
 from analyses.context import Context, Result
+from analyses.row_totals import row_totals
 from analyses.skew import (SAMPLE_ROWS, Sample, access_sample, hashed_sample, lookup_histogram,
                            no_training_accesses, sampled_tables)
 
@@ -153,9 +154,12 @@ class State:
     n_ids: int
 
 
-def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray,
+             prior: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Replay `stream` through one cache per (group, variant): `sets[g, v]` sets of `ways[g, v]` ways,
-    policy "lru" or "lfu" (module docstring). Returns misses (groups x variants) and ids per group."""
+    policy "lru" or "lfu" (module docstring), LFU's counts starting at `prior` (per uid of
+    `stream.ids`: the lookups before the stream's first step). Returns misses (groups x variants)
+    and ids per group."""
     groups, variants = sets.shape
     uid, ugroup, ukey = stream.ids
     n_ids = len(ukey)
@@ -177,7 +181,8 @@ def simulate(policy: str, stream: Stream, sets: np.ndarray, ways: np.ndarray) ->
     state = State(tags=np.where(beyond, PAD, EMPTY).astype(np.int32),
                   stamp=np.where(beyond, LATEST, -1).astype(np.int32) if policy == "lru" else None,
                   where=np.full(variants * n_ids, -1, dtype=np.int64),
-                  freq=np.zeros(n_ids, dtype=np.int64) if policy == "lfu" else None, n_ids=n_ids)
+                  freq=(np.zeros(n_ids, dtype=np.int64) if prior is None else prior.astype(np.int64))
+                  if policy == "lfu" else None, n_ids=n_ids)
     variant = np.arange(variants, dtype=np.int64)[:, None]
     insert = _insert_lru if policy == "lru" else _insert_lfu
     bounds = np.flatnonzero(np.r_[True, stream.step[1:] != stream.step[:-1], True])
@@ -436,14 +441,70 @@ def _replay(ctx: Context, sample_rows: int | None, load_factors: tuple[float, ..
                                                 / (full_sets * WAYS)))
 
     events = stream.tally(len(pairs))
-    stream.ids  # computed once, before the replays share it
+    _, ugroup, ukey = stream.ids  # computed once, before the replays share it
+    prior = lfu_prior(ctx, sample.names, table_of[ugroup], ukey, stream)
     with ThreadPoolExecutor(2) as pool:  # numpy releases the GIL in the replays' heavy calls
-        lru, lfu = pool.map(lambda policy: simulate(policy, stream, sets, ways)[0], ("lru", "lfu"))
+        lru, lfu = pool.map(lambda policy: simulate(policy, stream, sets, ways, prior)[0], ("lru", "lfu"))
     misses = {"lru": lru, "lfu": lfu, "oracle": oracle(stream, sets * ways)[0]}
+    events = {policy: events for policy in misses}
+    whole, missed, counted = exact_oracle(ctx, sample.names, pairs // n_tables, table_of, full_sets * WAYS)
+    misses["oracle"] = np.where(whole[:, None], missed, misses["oracle"])  # caches the totals give exactly
+    events["oracle"] = np.where(whole, counted, events["oracle"])
     steps = len(np.unique(access_sample(ctx, sample_rows, tables).step))  # the run's, not the window's
     ids_per_step = np.array([totals[name]["accesses"] for name in sample.names]) / steps  # exact, unsampled
     mrc = mrc_table(sample, table_of, events, misses, full_sets, sets * ways, lf, ids_per_step)
     return Replay(access_sample(ctx, sample_rows, tables), totals, steps, mrc, replayed)
+
+
+def lfu_prior(ctx: Context, names: list[str], table: np.ndarray, key: np.ndarray, stream: Stream) -> np.ndarray | None:
+    """Per uid (of table names[table[u]], row key[u]), its lookups before the stream's first step:
+    the run's (analyses.row_totals) less the stream's own, so that LFU's counts over a window of
+    steps start where the whole run's stood; for tables whose every row one rank read (a count
+    per cache), else 0. None where the stream starts at the run's first step."""
+    first = ctx.sql("SELECT min(step) FROM train_accesses").fetchall()[0][0]
+    if not len(stream.step) or stream.step.min() <= first:
+        return None
+    uid = stream.ids[0]
+    seen = np.bincount(uid, weights=stream.count, minlength=len(key))
+    ctx.con.register("tk_lfu_keys", pl.DataFrame({"u": np.arange(len(key)), "table_name": np.asarray(names)[table],
+                                                  "row": key}).to_arrow())
+    try:
+        totals = ctx.frame(f"""SELECT k.u, t.lookups FROM tk_lfu_keys k JOIN {row_totals(ctx)} t USING (table_name, "row")
+                               WHERE k.table_name NOT IN (SELECT table_name FROM {row_totals(ctx)}
+                                                          WHERE min_rank <> max_rank)""")
+    finally:
+        ctx.con.unregister("tk_lfu_keys")
+    prior = np.zeros(len(key))
+    prior[totals["u"].to_numpy()] = totals["lookups"].to_numpy() - seen[totals["u"].to_numpy()]
+    return np.maximum(prior, 0).round()
+
+
+def exact_oracle(ctx: Context, names: list[str], rank: np.ndarray, table_of: np.ndarray,
+                 capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The oracle over the whole run, unsampled, from the per-row totals (analyses.row_totals), for
+    the caches (rank[c], names[table_of[c]]) of tables whose every row one rank read (so that a row's
+    accesses rows are its batches on that rank): (which caches, misses per cache and capacity
+    `capacity[c, v]`, ids per cache). The others' entries are 0: the replay's oracle stands there."""
+    caches = len(rank)
+    whole = np.zeros(caches, dtype=bool)
+    missed, counted = np.zeros(capacity.shape), np.zeros(caches)
+    runs = ctx.frame(f"""SELECT table_name, min_rank AS rank, accesses, count(*) AS rows FROM {row_totals(ctx)}
+                         WHERE table_name IN (SELECT unnest(?::VARCHAR[]))
+                           AND table_name NOT IN (SELECT table_name FROM {row_totals(ctx)} WHERE min_rank <> max_rank)
+                         GROUP BY ALL ORDER BY table_name, rank, accesses DESC""", [names])
+    where = {(name, r): c for c, (name, r) in enumerate(zip((names[t] for t in table_of), rank.tolist()))}
+    for (name, r), part in runs.group_by(["table_name", "rank"], maintain_order=True):
+        c = where.get((name, r))
+        if c is None:
+            continue
+        value, rows = part["accesses"].to_numpy().astype(np.float64), part["rows"].to_numpy()
+        rows_before, hits_before = np.r_[0, np.cumsum(rows)], np.r_[0, np.cumsum(value * rows)]
+        k = np.minimum(capacity[c], rows_before[-1])  # the capacity's most read rows
+        run = np.maximum(np.searchsorted(rows_before, k, side="right") - 1, 0)  # the run holding the k-th
+        tail = np.where(run < len(value), (k - rows_before[run]) * value[np.minimum(run, len(value) - 1)], 0)
+        whole[c], counted[c] = True, hits_before[-1]
+        missed[c] = counted[c] - (hits_before[run] + tail)
+    return whole, missed, counted
 
 
 def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors: tuple[float, ...] = LOAD_FACTORS,
@@ -471,18 +532,19 @@ def compute(ctx: Context, *, sample_rows: int | None = SAMPLE_ROWS, load_factors
     return result
 
 
-def mrc_table(sample: Sample, table_of: np.ndarray, events: np.ndarray, misses: dict[str, np.ndarray],
+def mrc_table(sample: Sample, table_of: np.ndarray, events: dict[str, np.ndarray], misses: dict[str, np.ndarray],
               full_sets: np.ndarray, slots: np.ndarray, lf: np.ndarray, ids_per_step: np.ndarray) -> pl.DataFrame:
-    """Per table, policy and load factor, the caches of every rank together; misses per batch are
-    the miss ratio times the table's (exact) ids per step, all ranks together."""
+    """Per table, policy and load factor, the caches of every rank together (misses over ids, each
+    policy's own per cache); misses per batch are the miss ratio times the table's (exact) ids per
+    step, all ranks together."""
     tables = len(sample.names)
     per_table = lambda x: np.stack([np.bincount(table_of, weights=x[:, v], minlength=tables)  # noqa: E731
                                     for v in range(x.shape[1])], axis=1)
-    ids = np.bincount(table_of, weights=events, minlength=tables)
     cache_rows, simulated = per_table(full_sets * WAYS), per_table(slots)
     frames = []
     for policy, m in misses.items():
         missed = per_table(m)
+        ids = np.bincount(table_of, weights=events[policy], minlength=tables)
         for t, name in enumerate(sample.names):
             if not ids[t]:
                 continue
