@@ -5,10 +5,10 @@ phases already done compared with their own expectation (a slower machine, a ske
     clock.start("skew")      # seconds expected from here to the end, skew included
 
 A phase's expected time is interpolated (extrapolated beyond) in the trace's accesses + lookups
-rows between two measurements, PHASE_SECONDS, taken by `bench/analyze_scale.py --tiled` on this
-project's CPU box (2 cores): the Criteo Kaggle layout run repeated in time to 10M accesses rows
-(16.0M rows with its lookups) and to 100M (153.5M rows). The estimate is a guide: the cache replay's
-window caps its cost, so beyond 100M it runs faster than the line, and the correction catches up.
+rows between three measurements, PHASE_SECONDS, taken by `bench/analyze_scale.py --child full` on
+this project's CPU box (2 cores, RESULTS §28): the Criteo Kaggle layout run repeated in time to 10M,
+100M and 1B accesses rows (16.0M, 153.5M and 1,535M rows with its lookups). Another machine or
+another trace's shape runs at another pace, which the phases done measure.
 """
 
 from __future__ import annotations
@@ -17,29 +17,38 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-MEASURED_AT = (16.0e6, 153.5e6)  # accesses + lookups rows of the two measurements
-PHASE_SECONDS: dict[str, tuple[float, float]] = {
-    "open": (0.38, 2.15),
-    "skew": (0.97, 3.62),
-    "traffic": (0.05, 0.11),
-    "timeline": (0.04, 0.16),
-    "cache": (4.16, 7.95),
-    "planner": (0.07, 0.48),
-    "torchrec_plan": (0.05, 0.10),
-    "policy: replication": (2.08, 7.38),
-    "policy: tiers": (0.10, 0.48),
-    "policy: schedule": (0.39, 1.30),
-    "policy: compression": (0.08, 0.25),
-    "policy: lag": (0.03, 0.24),
-    "costmodel": (0.33, 1.03),
+import numpy as np
+
+MEASURED_AT = (16.0e6, 153.5e6, 1535.4e6)  # accesses + lookups rows of the measurements
+PHASE_SECONDS: dict[str, tuple[float, ...]] = {  # at each of MEASURED_AT
+    "open": (0.38, 2.15, 21.91),
+    "skew": (0.97, 3.62, 26.77),
+    "traffic": (0.04, 0.11, 0.54),
+    "timeline": (0.04, 0.16, 1.13),
+    "cache": (4.16, 7.95, 27.77),
+    "planner": (0.07, 0.48, 4.15),
+    "torchrec_plan": (0.05, 0.10, 0.88),
+    "policy: replication": (2.08, 7.38, 15.92),
+    "policy: tiers": (0.10, 0.48, 0.49),
+    "policy: schedule": (0.39, 1.30, 1.48),
+    "policy: compression": (0.08, 0.25, 1.53),
+    "policy: lag": (0.03, 0.24, 2.27),
+    "costmodel": (0.33, 1.03, 1.74),
 }
 
 
 def expected_seconds(phase: str, rows: float) -> float:
-    """The phase's time on the bench machine at `rows` accesses + lookups rows (0 for a phase not measured)."""
-    low, high = PHASE_SECONDS.get(phase, (0.0, 0.0))
-    slope = (high - low) / (MEASURED_AT[1] - MEASURED_AT[0])
-    return max(min(low, high), low + slope * (rows - MEASURED_AT[0]))
+    """The phase's time on the bench machine at `rows` accesses + lookups rows: piecewise linear
+    between the measurements, the last segment's line beyond them, never below the smallest
+    measurement (0 for a phase not measured)."""
+    seconds = PHASE_SECONDS.get(phase)
+    if seconds is None:
+        return 0.0
+    at = np.asarray(MEASURED_AT)
+    if rows <= at[-1]:
+        return max(min(seconds), float(np.interp(rows, at, seconds)))
+    slope = (seconds[-1] - seconds[-2]) / (at[-1] - at[-2])
+    return max(min(seconds), seconds[-1] + slope * (rows - at[-1]))
 
 
 @dataclass

@@ -183,8 +183,9 @@ def ensure(run_dir: Path, target_rows: int) -> None:
 
 def full_analyze(run_dir: Path, incremental: bool = False) -> None:
     """`tracekit analyze` in this process, each phase (analyze's progress names) timed; prints the
-    phase times and the peak RSS (MiB) reached by the end of each as JSON. `incremental`: reusing
-    what an earlier analyze of the run kept (analyses.row_totals), else from nothing."""
+    phase times, the peak RSS (MiB) reached by the end of each, and the time left that analyze
+    told at each phase's start with the time that was in fact left, as JSON. `incremental`:
+    reusing what an earlier analyze of the run kept (analyses.row_totals), else from nothing."""
     import resource
 
     from analyses.analyze import analyze
@@ -194,6 +195,7 @@ def full_analyze(run_dir: Path, incremental: bool = False) -> None:
         shutil.rmtree(run_dir / STATE_DIR, ignore_errors=True)
     times: dict[str, float] = {}
     peaks: dict[str, float] = {}
+    told: list[tuple[str, float, float]] = []  # (phase, time left told, when)
     current = ["open"]
     mark = [time.perf_counter()]
 
@@ -202,12 +204,16 @@ def full_analyze(run_dir: Path, incremental: bool = False) -> None:
         times[current[0]] = round(times.get(current[0], 0.0) + now - mark[0], 3)
         peaks[current[0]] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         current[0], mark[0] = name, now
+        if left_s is not None:
+            told.append((name, left_s, now))
 
     started = time.perf_counter()
     analyze(run_dir, progress=progress)
     progress("end")
-    times["total"] = round(time.perf_counter() - started, 3)
-    print(json.dumps({"times": times, "peak_rss_mib": peaks}))
+    ended = time.perf_counter()
+    times["total"] = round(ended - started, 3)
+    left = {name: [round(said, 2), round(ended - when, 2)] for name, said, when in told}
+    print(json.dumps({"times": times, "peak_rss_mib": peaks, "time_left": left}))
 
 
 def child(target: str, run_dir: Path) -> None:
@@ -320,10 +326,14 @@ def tiled(src: Path, sizes: list[str], runs: int, out: Path) -> None:
         wall = statistics.median(g["wall_s"] for g in got)
         phases = {k: statistics.median(g["phases"]["times"][k] for g in got) for k in got[0]["phases"]["times"]}
         slowest = sorted(((v, k) for k, v in phases.items() if k != "total"), reverse=True)[:4]
+        told = {k: [statistics.median(g["phases"]["time_left"][k][i] for g in got) for i in (0, 1)]
+                for k in ("skew", "cache", "policy: replication")}
         print(f"| {written['accesses']:,} | {written.get('lookups', 0):,} | {written.get('comms', 0):,} | {copies} | "
               f"{wall:.1f} | {', '.join(f'{w:.1f}' for w in (g['wall_s'] for g in got))} | "
               f"{max(g['peak_rss_mib'] for g in got):.0f} | {', '.join(f'{k} {v:.1f}' for v, k in slowest)} |",
               flush=True)
+        print("|  | | | | time left, told against taken (medians): " + ", ".join(
+            f"at {k} {said:.0f} s / {taken:.0f} s" for k, (said, taken) in told.items()) + " | | | |", flush=True)
         if previous:
             slope = np.log(wall / previous[1]) / np.log(written["accesses"] / previous[0])
             print(f"|  | | | | slope from the size before: **{slope:.2f}** | | | |", flush=True)

@@ -26,11 +26,14 @@ def test_the_time_left_is_the_phases_left_at_the_pace_so_far() -> None:
 
 
 def test_expected_times_follow_the_measurements_between_and_beyond_them() -> None:
-    low, high = PHASE_SECONDS["cache"]
-    assert expected_seconds("cache", MEASURED_AT[0]) == pytest.approx(low)
-    assert expected_seconds("cache", MEASURED_AT[1]) == pytest.approx(high)
-    assert expected_seconds("cache", 2 * MEASURED_AT[1] - MEASURED_AT[0]) == pytest.approx(2 * high - low)
-    assert expected_seconds("cache", 0) == pytest.approx(low)  # never below the smaller measurement
+    seconds = PHASE_SECONDS["cache"]
+    for rows, measured in zip(MEASURED_AT, seconds):
+        assert expected_seconds("cache", rows) == pytest.approx(measured)
+    between = (MEASURED_AT[0] + MEASURED_AT[1]) / 2
+    assert expected_seconds("cache", between) == pytest.approx((seconds[0] + seconds[1]) / 2)
+    beyond = 2 * MEASURED_AT[-1] - MEASURED_AT[-2]  # the last segment's line
+    assert expected_seconds("cache", beyond) == pytest.approx(2 * seconds[-1] - seconds[-2])
+    assert expected_seconds("cache", 0) == pytest.approx(min(seconds))  # never below the smallest
     assert expected_seconds("no such phase", 1e9) == 0.0
 
 
