@@ -7,6 +7,7 @@ a fresh torchrun; medians and ratios are printed with the machine. On CPU: 2 ran
 core each. With `--device cuda`: 1 rank on NCCL, NVML sampled while traced. From the repo root:
 
     .venv/bin/python bench/record_overhead.py --runs 5
+    .venv/bin/python bench/record_overhead.py --workload proxy --quick --steps 1000 --runs 10   # ~7 ms steps
     python3 bench/record_overhead.py --device cuda --python python3 --workload kaggle --quick --runs 3
     python3 bench/record_overhead.py --device cuda --python python3 --runs 3      # on a GPU machine
 """
@@ -113,8 +114,11 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--workload", choices=["default", "kaggle"], default="default",
-                   help="kaggle: the criteo-kaggle preset at full size, batch 16384 on cuda (--scale on cpu)")
+    p.add_argument("--workload", choices=["default", "kaggle", "proxy", "proxy26"], default="default",
+                   help="kaggle: the criteo-kaggle preset at full size, batch 16384 on cuda (--scale on cpu); "
+                        "proxy: GPU-like short steps on CPU (8 tables x 100k rows, dim 16, batch 64, pooling 4, "
+                        "small MLPs); proxy26: the same with 26 tables")
+    p.add_argument("--ranks", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--scale", type=float, default=1.0, help="the kaggle workload's table scale")
     p.add_argument("--keep", type=Path, help="copy the last traced run directory here")
     p.add_argument("--outside-window", action="store_true",
@@ -127,7 +131,7 @@ def main() -> int:
     p.add_argument("--writer-not-idle", action="store_true",
                    help="also trace with the writer thread at nice +10 but never SCHED_IDLE (TRACEKIT_WRITER_IDLE=0)")
     args = p.parse_args()
-    ranks = 2 if args.device == "cpu" else 1
+    ranks = args.ranks or (2 if args.device == "cpu" else 1)
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     train = ["--pooling", "1", "--zipf", "0", "--eval-fraction", "0", "--json", "--steps", str(args.steps),
              "--device", args.device]
@@ -136,6 +140,11 @@ def main() -> int:
         train = ["--preset", "criteo-kaggle", "--scale", str(args.scale), "--pooling", "1", "--eval-fraction", "0",
                  "--json", "--steps", str(args.steps), "--device", args.device, "--batch-size", str(batch),
                  "--samples", str(batch * ranks * (args.steps + 1))]
+    elif args.workload.startswith("proxy"):
+        tables = "26" if args.workload == "proxy26" else "8"
+        train = ["--tables", tables, "--rows", "100000", "--dim", "16", "--bottom-mlp", "32,16", "--top-mlp", "32,1",
+                 "--batch-size", "64", "--pooling", "4", "--zipf", "0", "--eval-fraction", "0", "--json",
+                 "--steps", str(args.steps), "--device", args.device, "--samples", str(64 * ranks * (args.steps + 1))]
     elif args.device == "cuda":
         train += ["--batch-size", "8192", "--rows", "500000", "--samples", str(8192 * (args.steps + 1))]
 
@@ -189,7 +198,7 @@ def main() -> int:
               + "; ".join(f"{name} {n}" for name, n in rescues.items()))
         if args.keep:
             shutil.copytree(run_dir, args.keep, dirs_exist_ok=True)
-        if args.quick or args.workload == "kaggle":
+        if args.quick or args.workload != "default":
             return 0
 
         # bytes per lookup on the criteo-kaggle preset (26 tables, one id each)
