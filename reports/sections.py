@@ -452,8 +452,9 @@ def torchrec(run: RunInputs) -> Section | None:
         busiest = {label: max(estimate[label]["ranks"], key=lambda r: sum(r.values())) for label in ("recorded",
                                                                                                   "derived")}
         s.intro.append("<p>TorchRec's own planner (its EmbeddingPerfEstimator, with the measured pooling factors and "
-                       "the run's link) for the same two plans, its busiest rank term by term; beside tracekit's "
-                       "prediction above and, after <code>tracekit optimize</code>, the measured step:</p>")
+                       "the run's link) for the same two plans, its busiest rank term by term, to read beside "
+                       "tracekit's prediction above. The measured step of a re-run with the derived plan is in the "
+                       "compare section once <code>tracekit optimize</code> has made one.</p>")
         s.intro.append(table(["TorchRec's estimate (ms)", "recorded plan", "derived"],
                              [[term, f"{busiest['recorded'][term]:.2f}", f"{busiest['derived'][term]:.2f}"]
                               for term in terms] + [["busiest rank, all terms",
