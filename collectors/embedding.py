@@ -196,6 +196,8 @@ def count_rows(groups: list[list[Call]]) -> list[tuple[np.ndarray, np.ndarray, n
 
 def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(step, sample, pos, row) of every non-padding lookup of one table's sampled calls."""
+    if all(c.ids.dim() == 1 and c.offsets is not None and c.ids.device.type == "cpu" for c in calls):
+        return _bag_rows(calls)
     parts = []
     for c in calls:
         sample, pos = positions(c.ids, c.offsets)
@@ -206,6 +208,26 @@ def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         parts.append((np.full(rows.numel(), c.step, dtype=np.int64), *(t.cpu().numpy() for t in (sample, pos)),
                       rows.cpu().numpy() + c.table.first_row))
     return tuple(np.concatenate(column) for column in zip(*parts))
+
+
+def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`lookup_rows` of CPU bag calls (1-D ids, offsets from 0), in one pass over all of them: the
+    writer holds the GIL for a few numpy calls rather than for a few torch calls per call."""
+    rows = np.concatenate([c.ids.numpy() for c in calls]).astype(np.int64, copy=False)
+    sizes = np.array([c.ids.numel() for c in calls], dtype=np.int64)
+    bags = np.array([c.offsets.numel() for c in calls], dtype=np.int64)
+    id_base, bag_base = np.cumsum(sizes) - sizes, np.cumsum(bags) - bags
+    offsets = np.concatenate([c.offsets.numpy() for c in calls]).astype(np.int64) + np.repeat(id_base, bags)
+    index = np.arange(len(rows), dtype=np.int64)
+    bag = np.searchsorted(offsets, index, side="right") - 1  # later calls' bags start at or after their first id
+    pos = index - offsets[bag]
+    sample = bag - np.repeat(bag_base, sizes)
+    step = np.repeat(np.array([c.step for c in calls], dtype=np.int64), sizes)
+    table = calls[0].table
+    if table.padding_idx is not None:
+        keep = rows != table.padding_idx
+        step, sample, pos, rows = step[keep], sample[keep], pos[keep], rows[keep]
+    return step, sample, pos, rows + table.first_row
 
 
 def _rank_and_world() -> tuple[int, int]:

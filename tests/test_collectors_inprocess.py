@@ -261,6 +261,27 @@ def test_positions_of_bags_and_sequences():
     assert sample.tolist() == [0, 1] and pos.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("padding", [None, 3])
+def test_bag_lookups_of_many_calls_at_once_equal_each_calls_positions(padding):
+    """The writer's one pass over a table's sampled bag calls (`_bag_rows`) gives every lookup the
+    step, sample and pos that `positions` gives it call by call: empty bags (first, inner, last),
+    include_last_offset's closing offset, an empty call, int32 ids, padding left out, global rows."""
+    table = embedding.Table("t", 20, padding, 1000)
+    g = torch.Generator().manual_seed(5)
+    shapes = [(7, [0, 0, 3, 3, 7]), (0, [0]), (5, [0, 2, 5, 5]), (6, [0, 1, 6]), (4, [0, 4])]
+    calls = [embedding.Call(step, "train", table, torch.randint(0, 20, (n,), generator=g, dtype=dtype),
+                            torch.tensor(offsets), True)
+             for step, ((n, offsets), dtype) in enumerate(zip(shapes, [torch.int64, torch.int32] * 3))]
+    expected = []
+    for c in calls:
+        sample, pos = embedding.positions(c.ids, c.offsets)
+        expected += [(c.step, s, p, int(i) + 1000) for s, p, i in zip(sample.tolist(), pos.tolist(), c.ids.tolist())
+                     if int(i) != padding]
+    got = embedding.lookup_rows(calls)
+    assert list(zip(*(column.tolist() for column in got))) == expected
+    assert all(column.dtype == np.int64 for column in got)
+
+
 @pytest.mark.parametrize("num_rows", [50, 2**40], ids=["int32 keys", "int64 keys"])
 def test_one_count_of_many_tables_equals_counting_each_id(num_rows):
     """count_rows sorts every table's keys together: each table's (step, row, count) must still be
