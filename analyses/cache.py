@@ -77,7 +77,7 @@ import polars as pl
 from tracekit.files import write_text
 
 from analyses.context import Context, Result
-from analyses.row_totals import row_totals
+from analyses.row_totals import row_totals, shared_tables
 from analyses.skew import (SAMPLE_ROWS, Sample, access_sample, hashed_sample, lookup_histogram,
                            no_training_accesses, sampled_tables)
 
@@ -470,8 +470,7 @@ def lfu_prior(ctx: Context, names: list[str], table: np.ndarray, key: np.ndarray
                                                   "row": key}).to_arrow())
     try:
         totals = ctx.frame(f"""SELECT k.u, t.lookups FROM tk_lfu_keys k JOIN {row_totals(ctx)} t USING (table_name, "row")
-                               WHERE k.table_name NOT IN (SELECT table_name FROM {row_totals(ctx)}
-                                                          WHERE min_rank <> max_rank)""")
+                               WHERE k.table_name NOT IN ({shared_tables(ctx)})""")
     finally:
         ctx.con.unregister("tk_lfu_keys")
     prior = np.zeros(len(key))
@@ -490,7 +489,7 @@ def exact_oracle(ctx: Context, names: list[str], rank: np.ndarray, table_of: np.
     missed, counted = np.zeros(capacity.shape), np.zeros(caches)
     runs = ctx.frame(f"""SELECT table_name, min_rank AS rank, accesses, count(*) AS rows FROM {row_totals(ctx)}
                          WHERE table_name IN (SELECT unnest(?::VARCHAR[]))
-                           AND table_name NOT IN (SELECT table_name FROM {row_totals(ctx)} WHERE min_rank <> max_rank)
+                           AND table_name NOT IN ({shared_tables(ctx)})
                          GROUP BY ALL ORDER BY table_name, rank, accesses DESC""", [names])
     where = {(name, r): c for c, (name, r) in enumerate(zip((names[t] for t in table_of), rank.tolist()))}
     for (name, r), part in runs.group_by(["table_name", "rank"], maintain_order=True):

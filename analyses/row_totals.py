@@ -30,6 +30,12 @@ def row_totals(ctx: Context) -> str:
     return ctx.memo(row_totals, lambda: _row_totals(ctx))
 
 
+def shared_tables(ctx: Context) -> str:
+    """SQL for the names of the tables some row of which several ranks read (data-parallel or
+    column-wise): there a row's totals are not one rank's."""
+    return f"SELECT DISTINCT table_name FROM {row_totals(ctx)} WHERE min_rank <> max_rank"
+
+
 def _row_totals(ctx: Context) -> str:
     parts = ctx.run.parts("accesses")
     stamps = {str(p.relative_to(ctx.path)): _stamp(p) for p in parts}

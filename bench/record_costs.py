@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -106,8 +107,6 @@ def main() -> int:
             print(f"run {i + 1}/{args.runs}: " + ", ".join(
                 f"{part} {got['untraced'][-1][part] / 1e3:.1f} -> {got['traced'][-1][part] / 1e3:.1f} us"
                 for part in PARTS), file=sys.stderr, flush=True)
-    import platform
-
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; one rank on gloo; "
           f"{args.tables} tables x {args.batch} x {args.pooling} ids a step, {args.steps} steps, {args.runs} "
           f"alternating runs, medians; record {args.record or '(defaults)'}")
