@@ -15,7 +15,7 @@ after it without nesting, and goes to the first extra lane where it fits (tid 2,
 Each steps or comms row is one complete event ("ph": "X"):
 - ts = (t_start_ns + offset_ns(rank) − origin_ns) / 1000 and dur = (t_end_ns − t_start_ns) / 1000,
   in microseconds. offset_ns aligns the ranks' monotonic clocks: 0 on one host (they share the
-  clock), the manifest's clock anchors on several (analyses.timeline.clock_offsets); origin_ns is
+  clock), the manifest's clock anchors on several (analyses.clocks.clock_offsets); origin_ns is
   the earliest aligned start, so the trace begins at 0 and keeps nanosecond precision in a float.
 - a step: name "step N", cat "step", args step, samples, loss, schedule;
 - a collective: name "op tag", cat "comm", args op, tag, phase, bytes_out, bytes_in, splits_out,
@@ -43,7 +43,7 @@ import math
 import os
 from pathlib import Path
 
-from analyses.timeline import clock_offsets
+from analyses.clocks import clock_offsets
 from tracekit.errors import TracekitError
 from tracekit.files import write_text
 from tracekit.run import open_run

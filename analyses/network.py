@@ -3,8 +3,13 @@
 policy adds on the rank from a calibration, and one baseline step time.
 
 Collectives (an α–β model per process group). A synchronous training call, matched across ranks
-(step, op, group, order), takes its transfer time: the least duration a rank saw (the others also
-waited for the last rank to arrive). Its wire size x is what the busiest link carries one way:
+(step, op, group, order), takes its transfer time: from the last rank's entry to the last rank's
+exit, on the ranks' common clock (analyses.clocks). Before the last entry the others waited, and
+data from the early ranks was already on the wire, so no single rank's duration is the transfer:
+the least one undercounts it by the early ranks' head start (measured on `tracekit cluster` at
+50mbit, a backward exchange whose ranks entered apart showed 60% of its wire time). A call that
+misses a rank's row takes its least duration. Its wire size x is what the busiest link carries
+one way:
 
     all_to_all   max over ranks of max(remote bytes out, remote bytes in)   (lopsided exchanges)
     all_reduce   2(n−1)/n · S      (ring, S the buffer)
@@ -12,8 +17,10 @@ waited for the last rank to arrive). Its wire size x is what the busiest link ca
     other        bytes_out
 
 and time = α_op + β · x, fitted by least squares over every call of the group (one β: one link;
-one α per op: each op's fixed cost on the wire and on the rank), then refitted without the calls
-whose residual exceeds RESIDUAL_CLIP robust deviations (waits the least duration did not remove).
+one α ≥ 0 per op: each op's fixed cost on the wire and on the rank; an α the fit puts below 0, as a
+token bucket's burst does by moving small calls faster than the link, is held at 0 and the rest
+refitted), then refitted without the calls
+whose residual exceeds RESIDUAL_CLIP robust deviations (waits the rule did not remove).
 `residual_s` is the robust spread (1.4826 · MAD) of the residuals. Where the calls' sizes do not
 spread enough to tell β (x_max < MIN_SPREAD · x_min), β comes from the options' link rate or
 stays 0 and says so. Options `--intra-bw`/`--inter-bw` fix β (1 / rate) and fit α alone.
@@ -45,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
+from analyses.clocks import clock_offsets, offset_sql
 from analyses.context import Context
 from tracekit.figures import STEP_TIME
 from tracekit.schema import CALIBRATION_PATH
@@ -287,20 +295,23 @@ def exposed_async(ctx: Context, where: str) -> float:
 def calls_frame(ctx: Context, where: str = "true") -> pl.DataFrame:
     """One row per synchronous training collective (of those matching the SQL `where`) matched
     across ranks: op, group_size, x (wire bytes on its busiest link, module docstring), time_s
-    (least duration over the ranks)."""
+    (the last rank's entry to the last exit, module docstring)."""
     schema = {"op": pl.String, "group_size": pl.Int64, "x": pl.Float64, "time_s": pl.Float64}
     if not ctx.has("comms"):
         return pl.DataFrame(schema=schema)
+    offset = offset_sql(clock_offsets(ctx.manifest)[0])
     return ctx.frame(f"""
         WITH c AS (
             SELECT step, op, "group", group_size AS n, rank, bytes_out, bytes_in, splits_out,
-                   (t_end_ns - t_start_ns) / 1e9 AS time_s,
+                   (t_end_ns - t_start_ns) / 1e9 AS time_s, t_start_ns + {offset} AS t0, t_end_ns + {offset} AS t1,
                    row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
             FROM train_comms
             WHERE t_end_ns > t_start_ns AND group_size >= 2 AND op <> 'barrier' AND NOT "async"
                   AND greatest(bytes_out, bytes_in) > 0 AND ({where})),
         calls AS (
-            SELECT step, op, "group", nth, any_value(n) AS n, min(time_s) AS time_s,
+            SELECT step, op, "group", nth, any_value(n) AS n,
+                   CASE WHEN count(DISTINCT rank) = any_value(n) THEN (max(t1) - max(t0)) / 1e9
+                        ELSE min(time_s) END AS time_s,
                    max(bytes_out)::DOUBLE AS bytes_out, max(bytes_in)::DOUBLE AS bytes_in,
                    -- the splits make the whole matrix: every rank of the group once, each with n splits
                    count(*) = any_value(n) AND count(DISTINCT rank) = any_value(n) AND min(rank) = 0
@@ -362,8 +373,14 @@ def _lstsq(x: np.ndarray, t: np.ndarray, op: np.ndarray, n_ops: int, beta: float
     onehot = np.zeros((len(t), n_ops))
     onehot[np.arange(len(t)), op] = 1.0
     if beta is None:
-        coef, *_ = np.linalg.lstsq(np.column_stack([onehot, x]), t, rcond=None)
-        alpha, beta = coef[:n_ops], float(coef[n_ops])
+        free = np.ones(n_ops, dtype=bool)
+        for _ in range(n_ops + 1):  # an α below 0 is held at 0 and the rest refitted (least squares with α ≥ 0)
+            coef, *_ = np.linalg.lstsq(np.column_stack([onehot[:, free], x]), t, rcond=None)
+            alpha = np.zeros(n_ops)
+            alpha[free], beta = coef[:-1], float(coef[-1])
+            if (alpha >= 0).all():
+                break
+            free &= alpha > 0
         if beta < 0:  # sizes that do not explain time: every call its op's median
             beta = 0.0
             alpha = np.array([np.median(t[op == i]) if (op == i).any() else 0.0 for i in range(n_ops)])

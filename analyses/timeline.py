@@ -1,10 +1,7 @@
 """Timeline: where each rank's steps went (computing, communicating, waiting for the others) and
 which rank the others waited for.
 
-Clocks. Times are each rank's `time.monotonic_ns()`. Ranks on one host share that clock and are
-compared as recorded; ranks on several hosts (manifest `hosts`) are put on one clock with their
-manifest `clock_anchors` (`monotonic_ns` and `wall_ns` read together): t + (wall_ns − monotonic_ns)
-of the rank, less the smallest such offset. Every time below is on that common clock.
+Clocks: every time below is on the ranks' common clock (analyses.clocks.clock_offsets).
 
 Per rank and training step (table `timeline`, from `steps` and `train_comms`):
 - step_s = t_end_ns − t_start_ns of the step (a step runs from the end of the previous one);
@@ -42,24 +39,12 @@ from __future__ import annotations
 
 import polars as pl
 
+from analyses.clocks import clock_offsets
 from analyses.context import Context, Result
 from analyses.network import warmup_steps
 from analyses.traffic import RECV_OPS, SEND_OPS, sql_list
 
 P2P_OPS = SEND_OPS + RECV_OPS
-
-
-def clock_offsets(manifest: dict) -> tuple[dict[int, int], str]:
-    """{rank: ns to add to its times} and how the clocks were aligned (see the module docstring)."""
-    anchors = {int(rank): a for rank, a in (manifest.get("clock_anchors") or {}).items()}
-    if len(manifest.get("hosts") or []) <= 1:
-        return {rank: 0 for rank in anchors}, "one host: the ranks' monotonic clocks compared as recorded"
-    if not anchors:
-        return {}, "several hosts but no clock anchors in the manifest: clocks compared as recorded (unaligned)"
-    raw = {rank: int(a["wall_ns"]) - int(a["monotonic_ns"]) for rank, a in anchors.items()}
-    base = min(raw.values())
-    offsets = {rank: value - base for rank, value in raw.items()}
-    return offsets, "several hosts: aligned with the manifest's clock anchors"
 
 
 def compute(ctx: Context) -> Result:

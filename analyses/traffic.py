@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from analyses.clocks import clock_offsets, offset_sql
 from analyses.context import Context, Result
 from tracekit.figures import A2A_BYTES, ALLREDUCE_BYTES, STEP_TIME
 
@@ -177,7 +178,7 @@ def matrix(ctx: Context, steps: int, notes: list[str]) -> pl.DataFrame:
 
 _CALLS = f"""
     SELECT op, group_size, {SIZE_SQL} AS size_bytes, (t_end_ns - t_start_ns) / 1e9 AS time_s,
-           {BUS_FACTOR_SQL} AS bus_factor, rank, step, "group", seq, "async"
+           {BUS_FACTOR_SQL} AS bus_factor, rank, step, "group", seq, "async", t_start_ns, t_end_ns
     FROM train_comms
     WHERE t_end_ns >= 0 AND t_end_ns > t_start_ns AND group_size >= 2 AND op <> 'barrier'
       AND {SIZE_SQL} > 0"""
@@ -198,30 +199,34 @@ def measured_bandwidth(ctx: Context) -> dict[str, float | None]:
     calls of at least MIN_BANDWIDTH_BYTES (median over each op's largest quarter of them), None for an
     op the run did not time so.
 
-    A call's time is its transfer time: the least duration any rank saw for it (calls matched across
-    ranks by step, op, group and order), since every other rank also waited for the last one to
-    arrive, which says nothing about the link. Async calls are left out: from issue to completion
-    they wait behind the computation they overlap (DDP's bucket all-reduce during backward)."""
+    A call's time is its transfer time, as analyses.network takes it: from the last rank's entry to
+    the last exit (calls matched across ranks by step, op, group and order), since the ranks before
+    the last waited, which says nothing about the link. Async calls are left out: from issue to
+    completion they wait behind the computation they overlap (DDP's bucket all-reduce during backward)."""
     measured = {op: None for op in BANDWIDTH_OPS}
     if not ctx.has("comms"):
         return measured
     rows = ctx.sql(f"""
         WITH c AS (SELECT *, size_bytes >= quantile_cont(size_bytes, {LARGE_QUANTILE}) OVER (PARTITION BY op) AS large
-                   FROM ({transfers_sql()})
+                   FROM ({transfers_sql(ctx)})
                    WHERE op IN ({sql_list(BANDWIDTH_OPS)}) AND size_bytes >= {MIN_BANDWIDTH_BYTES})
         SELECT op, median(size_bytes / time_s * bus_factor) FROM c WHERE large GROUP BY op""").fetchall()
     measured.update({op: float(bw) for op, bw in rows})
     return measured
 
 
-def transfers_sql() -> str:
+def transfers_sql(ctx: Context) -> str:
     """SQL: one row per synchronous training collective (matched across ranks by step, op, group and
-    order within them): op, group_size, size_bytes (the largest rank's), bus_factor and time_s, the
-    least duration a rank saw (its transfer time, without waiting for late ranks)."""
+    order within them): op, group_size, size_bytes (the largest rank's), bus_factor and time_s, its
+    transfer time (measured_bandwidth; a call missing a rank's row: the least duration a rank saw)."""
+    offset = offset_sql(clock_offsets(ctx.manifest)[0])
     return f"""
-        SELECT op, any_value(group_size) AS group_size, max(size_bytes) AS size_bytes, min(time_s) AS time_s,
+        SELECT op, any_value(group_size) AS group_size, max(size_bytes) AS size_bytes,
+               CASE WHEN count(DISTINCT rank) = any_value(group_size) THEN (max(t1) - max(t0)) / 1e9
+                    ELSE min(time_s) END AS time_s,
                any_value(bus_factor) AS bus_factor
-        FROM (SELECT *, row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
+        FROM (SELECT *, t_start_ns + {offset} AS t0, t_end_ns + {offset} AS t1,
+                     row_number() OVER (PARTITION BY rank, step, op, "group" ORDER BY seq) AS nth
               FROM ({_CALLS} AND NOT "async"))
         GROUP BY step, op, "group", nth"""
 

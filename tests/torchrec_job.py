@@ -17,6 +17,7 @@ and its training losses to `--out`/losses-rank=R.json.
 """
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -142,6 +143,7 @@ def main() -> None:
     # init distributed
     dist.init_process_group(backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = optimizer = None
     try:
         # build model (meta-device tables unless left unsharded), fuse the tables' SGD into backward
         torch.manual_seed(0)
@@ -172,7 +174,11 @@ def main() -> None:
         (args.out / f"rank={rank}.json").write_text(json.dumps(fed))
         (args.out / f"losses-rank={rank}.json").write_text(json.dumps(losses))
     finally:
-        dist.barrier()  # before destroying the group: avoids the intermittent SIGABRT at exit after DDP
+        # DDP (inside DMP) gone and a barrier, before destroying the group: each avoids the intermittent
+        # SIGABRT at exit after DDP (research/env.md); the barrier alone still aborted once in a test suite
+        del model, optimizer
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
