@@ -2,10 +2,13 @@
 
 `install(writer, clock)` hooks every `nn.Embedding` / `nn.EmbeddingBag` instance, those that exist
 and those created later (a global parameter-registration hook sees each one's `weight` arrive),
-with a forward hook of its own: no other module pays for it. The hook keeps a copy of the call's
-ids (and offsets on sampled steps) with the current step; nothing else happens on the training
-thread. The writer thread drains the calls of finished steps at every flush (`RunWriter.add_source`)
-and turns them into
+with a forward hook of its own: no other module pays for it. The hook copies the call's ids into
+a staging chunk, one call after another, and notes the call in one tuple beside them (its step,
+table, phase, where its ids end, and on sampled steps its shape and offsets); nothing else happens
+on the training thread. The writer thread reads the calls of finished steps out of the chunks in
+bulk at every flush (`RunWriter.add_source`), with numpy passes over the calls rather than Python
+per call, hands read chunks back for refilling (and keeps one spare, its pages touched, so the
+training thread does not fault them in), and turns the calls into
 - `accesses`: exact counts per (step, table_name, row), one sort per table per flush; ids equal to
   the module's `padding_idx` are not lookups and are left out, weighted lookups
   (`per_sample_weights`) count like any other;
@@ -74,6 +77,7 @@ from collectors import phase
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
+from tracekit.phases import EVAL, TRAIN
 from tracekit.shards import Shard, shard_of
 from tracekit.store import RunWriter
 from tracekit.window import Window
@@ -90,6 +94,28 @@ class Table:
     num_rows: int  # the module's own rows: ids are below it
     padding_idx: int | None  # a module row
     first_row: int  # the table's row that the module's row 0 holds
+    index: int = 0  # its place in the handle's tables (kept calls name their table by it)
+
+
+CHUNK_IDS = 1 << 20  # ids per staging chunk (8 MB of int64)
+
+
+class Chunk:
+    """A buffer the training thread copies calls' ids into, one after another, with one tuple per
+    call: (step, table index, phase, end of its ids in the buffer, offsets from 0 or None). The
+    writer reads the calls of finished steps out of it in bulk; once read, and no longer the one being
+    filled, it is reused."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.ids = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.array = self.ids.numpy() if device.type == "cpu" else None  # numpy copies cost less per call
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.used = 0  # ids copied in (training thread)
+        self.calls: list[tuple] = []  # appended by the training thread
+        self.taken = 0  # calls read by the writer
 
 
 @dataclass
@@ -138,7 +164,7 @@ def lookup_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tens
     offsets = None
     if isinstance(module, nn.EmbeddingBag):
         offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
-    return ids.detach(), offsets
+    return ids, offsets  # integer ids: no autograd history to leave behind
 
 
 def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,40 +183,72 @@ def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Te
     return sample, torch.arange(length, device=device).repeat(batch)
 
 
-def count_rows(groups: list[list[Call]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """For each group of calls (one table's, in step order), (step, row, count) with unique (step, row),
-    sorted. One sort per device for all the groups: of `base + (step - first step) * num_rows + row`,
-    each group's keys above the bases of those before it, int32 keys where they fit. On CPU, torch
-    sorts arrays of over 32k elements by radix (3.5x less time per element than smaller ones here,
-    int32 keys half of int64's; bench/RESULTS.md §19), so one sort of a flush beats one per table."""
-    counted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [None] * len(groups)  # type: ignore[list-item]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, calls in enumerate(groups):
-        by_device.setdefault(calls[0].ids.device, []).append(i)
-    for device, which in by_device.items():
-        calls = [call for i in which for call in groups[i]]
-        bases, call_keys = [0], []
-        for i in which:
-            table, first = groups[i][0].table, groups[i][0].step
-            call_keys += [bases[-1] + (c.step - first) * table.num_rows for c in groups[i]]
-            bases.append(bases[-1] + (groups[i][-1].step - first + 1) * table.num_rows)
-        ids = torch.cat([c.ids.reshape(-1) for c in calls]).to(torch.int64)
-        sizes = torch.tensor([c.ids.numel() for c in calls], device=device)
-        key = ids + torch.repeat_interleave(torch.tensor(call_keys, device=device), sizes, output_size=ids.numel())
-        if any(c.table.padding_idx is not None for c in calls):
-            padding = [-1 if c.table.padding_idx is None else c.table.padding_idx for c in calls]
-            key = key[ids != torch.repeat_interleave(torch.tensor(padding, device=device), sizes,
-                                                     output_size=ids.numel())]
-        unique, counts = (t.cpu().numpy() for t in torch.unique(key.int() if bases[-1] <= 2**31 else key,
-                                                                return_counts=True))
-        unique = unique.astype(np.int64, copy=False)
-        cuts = np.searchsorted(unique, bases)
-        for j, i in enumerate(which):
-            table, first = groups[i][0].table, groups[i][0].step
-            local = unique[cuts[j]:cuts[j + 1]] - bases[j]  # (step - first) * num_rows + row
-            step = local // table.num_rows  # np.divmod: 10x slower
-            row = local - step * table.num_rows + table.first_row
-            counted[i] = step + first, row, counts[cuts[j]:cuts[j + 1]].astype(np.int32)
+PHASES = (TRAIN, EVAL)  # a kept call's phase code is its index here
+
+
+@dataclass
+class Kept:
+    """Calls one drain took, on one device: their ids end to end, and per call its step, table
+    (`Table.index`), phase (index in PHASES) and number of ids."""
+
+    ids: torch.Tensor  # 1-D int64
+    step: np.ndarray
+    table: np.ndarray
+    phase: np.ndarray
+    size: np.ndarray
+
+    @staticmethod
+    def of_calls(calls: list[Call]) -> Kept:
+        """The calls one after another (a TBE call's split, a test's calls)."""
+        return Kept(torch.cat([c.ids.reshape(-1).to(torch.int64) for c in calls]),
+                    np.array([c.step for c in calls], dtype=np.int64),
+                    np.array([c.table.index for c in calls], dtype=np.int64),
+                    np.array([PHASES.index(c.phase) for c in calls], dtype=np.int64),
+                    np.array([c.ids.numel() for c in calls], dtype=np.int64))
+
+    @staticmethod
+    def joined(parts: list[Kept]) -> Kept:
+        if len(parts) == 1:
+            return parts[0]
+        device = parts[0].ids.device
+        return Kept(torch.cat([k.ids.to(device) for k in parts]),
+                    *(np.concatenate([getattr(k, f) for k in parts]) for f in ("step", "table", "phase", "size")))
+
+
+def count_rows(kept: Kept, tables: list[Table]) -> list[tuple[Table, str, np.ndarray, np.ndarray, np.ndarray]]:
+    """(table, phase, step, row, count) for each (table, phase) of the kept calls, unique (step, row),
+    sorted. One sort on the ids' device for all of them: of `base + (step - first step) * num_rows +
+    row`, each group's keys above the bases of those before it, int32 keys where they fit. On CPU,
+    torch sorts arrays of over 32k elements by radix (3.5x less time per element than smaller ones
+    here, int32 keys half of int64's; bench/RESULTS.md §19), so one sort of a flush beats one per
+    table. Every per-call step is a numpy pass over the calls: no Python per call."""
+    if not len(kept.size):
+        return []
+    group, inverse = np.unique(kept.table * len(PHASES) + kept.phase, return_inverse=True)
+    first = np.full(len(group), np.iinfo(np.int64).max)
+    last = np.full(len(group), np.iinfo(np.int64).min)
+    np.minimum.at(first, inverse, kept.step)
+    np.maximum.at(last, inverse, kept.step)
+    which = [tables[g // len(PHASES)] for g in group]
+    num_rows = np.array([t.num_rows for t in which], dtype=np.int64)
+    bases = np.concatenate([[0], np.cumsum((last - first + 1) * num_rows)])
+    device, n = kept.ids.device, kept.ids.numel()
+    sizes = torch.from_numpy(kept.size).to(device)
+    call_key = bases[inverse] + (kept.step - first[inverse]) * num_rows[inverse]
+    key = kept.ids + torch.repeat_interleave(torch.from_numpy(call_key).to(device), sizes, output_size=n)
+    padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in tables], dtype=np.int64)[kept.table]
+    if (padding >= 0).any():
+        key = key[kept.ids != torch.repeat_interleave(torch.from_numpy(padding).to(device), sizes, output_size=n)]
+    unique, counts = (t.cpu().numpy() for t in torch.unique(key.int() if bases[-1] <= 2**31 else key,
+                                                            return_counts=True))
+    unique = unique.astype(np.int64, copy=False)
+    cuts = np.searchsorted(unique, bases)
+    counted = []
+    for j, (table, g) in enumerate(zip(which, group)):
+        local = unique[cuts[j]:cuts[j + 1]] - bases[j]  # (step - first) * num_rows + row
+        step = local // table.num_rows  # np.divmod: 10x slower
+        row = local - step * table.num_rows + table.first_row
+        counted.append((table, PHASES[g % len(PHASES)], step + first[j], row, counts[cuts[j]:cuts[j + 1]].astype(np.int32)))
     return counted
 
 
@@ -289,7 +347,12 @@ class EmbeddingHandle:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # name_table()
         self._bags: weakref.WeakKeyDictionary[nn.Module, collections.deque] = weakref.WeakKeyDictionary()
         self._module_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-        self._calls: collections.deque[Call | TablesCall] = collections.deque()  # appended here, popped by the writer
+        self._table_list: list[Table] = []  # by Table.index
+        self._chunk: Chunk | None = None  # the one being filled (training thread)
+        self._chunks: collections.deque[Chunk] = collections.deque()  # with calls the writer has not all read
+        self._free: collections.deque[Chunk] = collections.deque()  # read and reset, for the training thread
+        self._read: list[Chunk] = []  # all read by the last drain: reset at the next (its rows are written then)
+        self._tables_calls: collections.deque[TablesCall] = collections.deque()  # appended here, popped by the writer
         self._ids_added = 0  # written by the training thread only
         self._ids_drained = 0  # written by the writer thread only
         self._hooks = [
@@ -330,7 +393,7 @@ class EmbeddingHandle:
         if offsets is None and self._bags:
             expected = self._bags.get(module)
             offsets = expected.popleft() if expected else None
-        self.record_call(table, ids, offsets, phase.of_call(module))
+        self._stage(table, ids, offsets, phase.of_call(module))
 
     def sampled(self) -> bool:
         """Whether the step now running writes its lookups (those need `record_call`'s offsets)."""
@@ -340,41 +403,68 @@ class EmbeddingHandle:
         """Keep one lookup call of `table` made now: `ids` are module rows (below `table.num_rows`),
         `offsets` (bags of a 1-D `ids`, or None) are read on sampled steps only. Copies both, so the
         caller may reuse them."""
-        if not self.window.on(self.clock.step) or self._held_full(ids):
+        if self.window.on(self.clock.step):
+            self._stage(table, ids, offsets, call_phase)
+
+    def _stage(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str) -> None:
+        """Copy the call's ids into the chunk being filled and note the call beside them (Chunk): the
+        training thread's whole share of recording a lookup call."""
+        n = ids.numel()
+        if self._held_full(n):
             return
-        step, sampled = self.clock.step, self.sampled()
-        keep_offsets = offsets - offsets[:1] if sampled and offsets is not None else None  # a copy from 0
-        self._keep(Call(step, call_phase, table, ids.detach().clone(), keep_offsets, sampled))
+        step, chunk = self.clock.step, self._chunk
+        if chunk is None or chunk.used + n > chunk.ids.numel() or chunk.device != ids.device:
+            chunk = self._next_chunk(n, ids.device)
+        end = chunk.used + n
+        if chunk.array is not None:
+            chunk.array[chunk.used:end] = ids.numpy().reshape(-1)
+        else:
+            chunk.ids[chunk.used:end].copy_(ids.reshape(-1))
+        layout = None
+        if self.lookup_every and step % self.lookup_every == 0:  # sampled: the lookups need the bags or the shape
+            layout = (ids.shape, None if offsets is None else offsets - offsets[:1])  # offsets: a copy from 0
+        chunk.calls.append((step, table.index, call_phase, end, layout))
+        chunk.used = end
+        self._ids_added += n
+        if self._ids_added - self._ids_drained > self.writer.flush_rows:
+            self.writer.wake()
+
+    def _next_chunk(self, n: int, device: torch.device) -> Chunk:
+        chunk = self._free.popleft() if self._free else None
+        if chunk is None or chunk.ids.numel() < n or chunk.device != device:
+            chunk = Chunk(max(CHUNK_IDS, n), device)
+        self._chunks.append(chunk)
+        self._chunk = chunk
+        return chunk
 
     def record_tables(self, tables: list[Table | None], cuts: list[int], ids: torch.Tensor, offsets: torch.Tensor,
                       bounds: list[int], call_phase: str) -> None:
         """Keep one call looking up several tables made now (a `TablesCall`; `ids` already a copy of the
         collector's own): the per-table work is left to the writer."""
-        if not self.window.on(self.clock.step) or self._held_full(ids):
+        if not self.window.on(self.clock.step) or self._held_full(ids.numel()):
             return
-        self._keep(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
-                              offsets.clone() if self.sampled() else None, bounds))
-
-    def _held_full(self, ids: torch.Tensor) -> bool:
-        """Whether keeping `ids` would hold more than `max_pending_ids` for the writer: they are then
-        counted as dropped `accesses`."""
-        if self._ids_added - self._ids_drained + ids.numel() > self.max_pending_ids:
-            self.writer.count_dropped("accesses", ids.numel())
-            return True
-        return False
-
-    def _keep(self, call: Call | TablesCall) -> None:
-        self._calls.append(call)
-        self._ids_added += call.ids.numel()
+        self._tables_calls.append(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
+                                             offsets.clone() if self.sampled() else None, bounds))
+        self._ids_added += ids.numel()
         if self._ids_added - self._ids_drained > self.writer.flush_rows:
             self.writer.wake()
+
+    def _held_full(self, n: int) -> bool:
+        """Whether keeping `n` more ids would hold more than `max_pending_ids` for the writer: they are
+        then counted as dropped `accesses`."""
+        if self._ids_added - self._ids_drained + n > self.max_pending_ids:
+            self.writer.count_dropped("accesses", n)
+            return True
+        return False
 
     def add_table(self, entry: dict, *, num_rows: int, first_row: int, padding_idx: int | None = None) -> Table:
         """List `entry` (the keys of `table_entry`, `placement`, and any more) in `tables`, and return
         the `Table` whose calls `record_call` keeps: `num_rows` module rows holding the table's rows
         from `first_row` on."""
         self.tables.append(entry)
-        return Table(entry["table"], num_rows, padding_idx, first_row)
+        table = Table(entry["table"], num_rows, padding_idx, first_row, len(self._table_list))
+        self._table_list.append(table)
+        return table
 
     def expect_bags(self, module: nn.Module, offsets: list[torch.Tensor]) -> None:
         """The bags of `module`'s next calls, one offsets tensor each, where a 1-D input holds several
@@ -405,31 +495,74 @@ class EmbeddingHandle:
     def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         """The calls of steps the clock has left (all of them if `final`, or if too many are held) as
         `accesses` and `lookups` columns."""
-        taken = self._take(final)
-        if not taken:
+        for chunk in self._read:  # the last drain's rows are written by now: its chunks may be refilled
+            chunk.reset()
+            self._free.append(chunk)
+        self._read = []
+        everything = final or self._ids_added - self._ids_drained > self.writer.flush_rows
+        kept, sampled = self._take_chunks(everything)
+        for call in self._take_tables_calls(everything):
+            kept.append(Kept.of_calls([call]))
+            if call.sampled:
+                sampled.append(call)
+        if not kept:
             return
-        self._ids_drained += sum(c.ids.numel() for c in taken)
-        calls = [call for c in taken for call in (c.split() if isinstance(c, TablesCall) else (c,))]
-        if final:
-            for call in calls:
+        devices = {k.ids.device for k in kept}
+        if len(devices) > 1:  # one sort per flush, so that each (step, phase, table, row) is one row
+            kept = [Kept(k.ids.cpu(), k.step, k.table, k.phase, k.size) for k in kept]
+        kept = Kept.joined(kept)
+        self._ids_drained += kept.ids.numel()
+        if final:  # the calls after the last step, which no step end followed, are `eval`
+            kept.phase[(kept.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
+            for call in sampled:
                 call.phase = self.clock.phase_after_close(call.step, call.phase)
-        groups = _by_table(calls)
-        counted = count_rows(list(groups.values()))
-        yield "accesses", _columns(list(groups), [c[0] for c in counted],
-                                   row=[c[1] for c in counted], count=[c[2] for c in counted])
-        sampled = _by_table([c for c in calls if c.sampled])
-        if sampled:
-            found = [lookup_rows(group_calls) for group_calls in sampled.values()]
-            yield "lookups", _columns(list(sampled), [f[0] for f in found],
+        counted = count_rows(kept, self._table_list)
+        yield "accesses", _columns([(c[0], c[1]) for c in counted], [c[2] for c in counted],
+                                   row=[c[3] for c in counted], count=[c[4] for c in counted])
+        if not self._free and self._chunk is not None:
+            spare = Chunk(CHUNK_IDS, self._chunk.device)
+            spare.ids.zero_()
+            self._free.append(spare)
+        groups = _by_table(sampled)
+        if groups:
+            found = [lookup_rows(group_calls) for group_calls in groups.values()]
+            yield "lookups", _columns(list(groups), [f[0] for f in found],
                                       sample=[f[1].astype(np.int32) for f in found],
                                       pos=[f[2].astype(np.int32) for f in found], row=[f[3] for f in found])
 
-    def _take(self, final: bool) -> list[Call | TablesCall]:
-        everything = final or self._ids_added - self._ids_drained > self.writer.flush_rows
-        current = self.clock.step
-        calls = []
-        while self._calls and (everything or self._calls[0].step < current):
-            calls.append(self._calls.popleft())
+    def _take_chunks(self, everything: bool) -> tuple[list[Kept], list[Call]]:
+        """The staged calls of the steps the clock has left (all if `everything`): one `Kept` per chunk,
+        and the sampled ones as `Call`s over the chunk's ids."""
+        current, kept, sampled = self.clock.step, [], []
+        for chunk in list(self._chunks):
+            retired = chunk is not self._chunk  # the training thread has moved on: its calls are final
+            calls, lo = chunk.calls, chunk.taken
+            hi = len(calls)
+            if not everything:  # a chunk's calls are in step order
+                while hi > lo and calls[hi - 1][0] >= current:
+                    hi -= 1
+            if hi > lo:
+                start = calls[lo - 1][3] if lo else 0
+                step, table, call_phase, end, layout = zip(*calls[lo:hi])
+                ends = np.array(end, dtype=np.int64)
+                codes = np.array([p == EVAL for p in call_phase], dtype=np.int64)
+                kept.append(Kept(chunk.ids[start:int(ends[-1])], np.array(step, dtype=np.int64),
+                                 np.array(table, dtype=np.int64), codes, np.diff(ends, prepend=start)))
+                for i in (i for i, shape in enumerate(layout) if shape is not None):
+                    first = int(ends[i - 1]) if i else start
+                    shape, offsets = layout[i]
+                    sampled.append(Call(step[i], PHASES[codes[i]], self._table_list[table[i]],
+                                                    chunk.ids[first:int(ends[i])].reshape(shape), offsets, True))
+                chunk.taken = hi
+            if retired and chunk.taken == len(chunk.calls):
+                self._chunks.remove(chunk)
+                self._read.append(chunk)
+        return kept, sampled
+
+    def _take_tables_calls(self, everything: bool) -> list[Call]:
+        current, calls = self.clock.step, []
+        while self._tables_calls and (everything or self._tables_calls[0].step < current):
+            calls += self._tables_calls.popleft().split()
         return calls
 
 

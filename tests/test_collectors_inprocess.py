@@ -148,6 +148,38 @@ def test_a_step_is_written_once_it_has_ended_and_lookups_after_the_last_step_at_
         {("tables.b", r): 2 * n for r, n in Counter(b_ids.flatten().tolist()).items() if r != 0})
 
 
+def test_calls_across_many_small_chunks_reused_between_flushes_are_written_exactly(tmp_path, monkeypatch):
+    """The training thread copies ids into chunks (embedding.Chunk) the writer reads in bulk and hands
+    back: with 8-id chunks, calls fill several, some are larger than one, and read chunks are
+    refilled after a flush. Every access and lookup is still the fed ids'."""
+    monkeypatch.setattr(embedding, "CHUNK_IDS", 8)
+    writer = RunWriter(tmp_path, rank=0, flush_interval_s=3600)
+    clock = StepClock()
+    handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=2)]
+    resets, reset = Counter(), embedding.Chunk.reset
+
+    def counted_reset(chunk: embedding.Chunk) -> None:  # at creation, and when read and handed back
+        resets[id(chunk)] += 1
+        reset(chunk)
+
+    monkeypatch.setattr(embedding.Chunk, "reset", counted_reset)
+    try:
+        batches = make_batches(12)
+        model = Model()
+        for i in range(0, 12, 3):
+            train(model, batches[i:i + 3])
+            writer.flush()
+    finally:
+        for handle in reversed(handles):
+            handle.uninstall()
+        writer.close()
+    counts, lookups = expected_rows(batches, lookup_every=2)
+    accesses = read(tmp_path, "accesses")
+    assert Counter({(s, t, r): c for s, t, r, c in accesses}) == counts and len(accesses) == len(counts)
+    assert read(tmp_path, "lookups") == lookups
+    assert max(resets.values()) > 1, "no chunk was handed back for reuse"
+
+
 def test_lookups_are_written_on_sampled_steps_only(recording, tmp_path):
     writer, _, _ = recording
     batches = make_batches(5)
@@ -287,13 +319,16 @@ def test_one_count_of_many_tables_equals_counting_each_id(num_rows):
     """count_rows sorts every table's keys together: each table's (step, row, count) must still be
     exactly its own ids counted, padding left out, shard rows made global, dtypes as the schema."""
     g = torch.Generator().manual_seed(3)
-    tables = [embedding.Table("a", num_rows, None, 0), embedding.Table("b", 7, 2, 100),
-              embedding.Table("c", num_rows, 0, 10**12)]
+    tables = [embedding.Table("a", num_rows, None, 0, 0), embedding.Table("b", 7, 2, 100, 1),
+              embedding.Table("c", num_rows, 0, 10**12, 2)]
     groups = [[embedding.Call(step, "train", t, torch.randint(0, min(t.num_rows, 50), (n,), generator=g,
                                                               dtype=dtype), None, False)
                for step, n in [(4, 30), (4, 5), (6, 0), (9, 40)]]
               for t, dtype in zip(tables, [torch.int64, torch.int32, torch.int64])]
-    for table, calls, (step, row, count) in zip(tables, groups, embedding.count_rows(groups)):
+    interleaved = [call for calls in zip(*groups) for call in calls]  # as kept: in step order, tables mixed
+    counted = embedding.count_rows(embedding.Kept.of_calls(interleaved), tables)
+    assert [(table, phase) for table, phase, *_ in counted] == [(t, "train") for t in tables]
+    for table, calls, (_, _, step, row, count) in zip(tables, groups, counted):
         expected = Counter((c.step, int(i) + table.first_row) for c in calls for i in c.ids
                            if int(i) != table.padding_idx)
         assert list(zip(step.tolist(), row.tolist())) == sorted(expected)
