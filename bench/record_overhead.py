@@ -8,6 +8,7 @@ core each. With `--device cuda`: 1 rank on NCCL, NVML sampled while traced. From
 
     .venv/bin/python bench/record_overhead.py --runs 5
     .venv/bin/python bench/record_overhead.py --workload proxy --quick --steps 1000 --runs 10   # ~7 ms steps
+    .venv/bin/python bench/record_overhead.py --workload proxy --ranks 1 --batch 1536 --quick --steps 1000 --runs 8
     python3 bench/record_overhead.py --device cuda --python python3 --workload kaggle --quick --runs 3
     python3 bench/record_overhead.py --device cuda --python python3 --runs 3      # on a GPU machine
 """
@@ -119,6 +120,8 @@ def main() -> int:
                         "proxy: GPU-like short steps on CPU (8 tables x 100k rows, dim 16, batch 64, pooling 4, "
                         "small MLPs); proxy26: the same with 26 tables")
     p.add_argument("--ranks", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
+    p.add_argument("--batch", type=int, default=64,
+                   help="the proxy workloads' batch per rank (one rank: 1536 gives ~5.7 ms steps here)")
     p.add_argument("--scale", type=float, default=1.0, help="the kaggle workload's table scale")
     p.add_argument("--keep", type=Path, help="copy the last traced run directory here")
     p.add_argument("--outside-window", action="store_true",
@@ -143,8 +146,9 @@ def main() -> int:
     elif args.workload.startswith("proxy"):
         tables = "26" if args.workload == "proxy26" else "8"
         train = ["--tables", tables, "--rows", "100000", "--dim", "16", "--bottom-mlp", "32,16", "--top-mlp", "32,1",
-                 "--batch-size", "64", "--pooling", "4", "--zipf", "0", "--eval-fraction", "0", "--json",
-                 "--steps", str(args.steps), "--device", args.device, "--samples", str(64 * ranks * (args.steps + 1))]
+                 "--batch-size", str(args.batch), "--pooling", "4", "--zipf", "0", "--eval-fraction", "0", "--json",
+                 "--steps", str(args.steps), "--device", args.device,
+                 "--samples", str(args.batch * ranks * (args.steps + 1))]
     elif args.device == "cuda":
         train += ["--batch-size", "8192", "--rows", "500000", "--samples", str(8192 * (args.steps + 1))]
 

@@ -215,15 +215,29 @@ class Kept:
                     *(np.concatenate([getattr(k, f) for k in parts]) for f in ("step", "table", "phase", "size")))
 
 
-def count_rows(kept: Kept, tables: list[Table]) -> list[tuple[Table, str, np.ndarray, np.ndarray, np.ndarray]]:
-    """(table, phase, step, row, count) for each (table, phase) of the kept calls, unique (step, row),
-    sorted. One sort on the ids' device for all of them: of `base + (step - first step) * num_rows +
+@dataclass
+class Counted:
+    """`accesses` rows of several (table, phase) groups, whole: the first sizes[0] rows are groups[0]'s,
+    and so on; within a group, unique (step, row), sorted."""
+
+    groups: list[tuple[Table, str]]
+    sizes: np.ndarray
+    step: np.ndarray
+    row: np.ndarray
+    count: np.ndarray
+
+    def columns(self) -> dict[str, Any]:
+        return _columns(self.groups, self.sizes, step=self.step, row=self.row, count=self.count)
+
+
+def count_rows(kept: Kept, tables: list[Table]) -> Counted:
+    """The `accesses` rows of each (table, phase) of the kept calls. One sort on the ids' device for all of them: of `base + (step - first step) * num_rows +
     row`, each group's keys above the bases of those before it, int32 keys where they fit. On CPU,
     torch sorts arrays of over 32k elements by radix (3.5x less time per element than smaller ones
     here, int32 keys half of int64's; bench/RESULTS.md §19), so one sort of a flush beats one per
     table. Every per-call step is a numpy pass over the calls: no Python per call."""
     if not len(kept.size):
-        return []
+        return Counted([], np.zeros(0, dtype=np.int64), *(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.int32)))
     group, inverse = np.unique(kept.table * len(PHASES) + kept.phase, return_inverse=True)
     first = np.full(len(group), np.iinfo(np.int64).max)
     last = np.full(len(group), np.iinfo(np.int64).min)
@@ -243,13 +257,15 @@ def count_rows(kept: Kept, tables: list[Table]) -> list[tuple[Table, str, np.nda
                                                             return_counts=True))
     unique = unique.astype(np.int64, copy=False)
     cuts = np.searchsorted(unique, bases)
-    counted = []
-    for j, (table, g) in enumerate(zip(which, group)):
-        local = unique[cuts[j]:cuts[j + 1]] - bases[j]  # (step - first) * num_rows + row
-        step = local // table.num_rows  # np.divmod: 10x slower
-        row = local - step * table.num_rows + table.first_row
-        counted.append((table, PHASES[g % len(PHASES)], step + first[j], row, counts[cuts[j]:cuts[j + 1]].astype(np.int32)))
-    return counted
+    step, row = np.empty(len(unique), dtype=np.int64), np.empty(len(unique), dtype=np.int64)
+    for j, table in enumerate(which):  # written in place: no copy of a group's rows into the whole
+        part = slice(cuts[j], cuts[j + 1])
+        local = unique[part] - bases[j]  # (step - first) * num_rows + row
+        step[part] = local // table.num_rows  # np.divmod: 10x slower
+        row[part] = local - step[part] * table.num_rows + table.first_row
+        step[part] += first[j]
+    return Counted([(t, PHASES[g % len(PHASES)]) for t, g in zip(which, group)], np.diff(cuts[:len(group) + 1]),
+                   step, row, counts.astype(np.int32))
 
 
 def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -320,13 +336,11 @@ def _dictionary(values: list[str], sizes: list[int], index_type: pa.DataType) ->
     return pa.DictionaryArray.from_arrays(pa.array(which, index_type), pa.array(unique, pa.string()))
 
 
-def _columns(groups: list[tuple[Table, str]], step: list[np.ndarray], **columns: list[np.ndarray]) -> dict[str, Any]:
-    """Columns of several (table, phase) groups' rows at once: `step[i]` and `columns[key][i]` hold
-    `groups[i]`'s."""
-    sizes = [len(s) for s in step]
-    return {"step": np.concatenate(step), "table_name": _dictionary([t.name for t, _ in groups], sizes, pa.int32()),
-            "phase": _dictionary([p for _, p in groups], sizes, pa.int8()),
-            **{key: np.concatenate(parts) for key, parts in columns.items()}}
+def _columns(groups: list[tuple[Table, str]], sizes: Any, **columns: np.ndarray) -> dict[str, Any]:
+    """Columns of several (table, phase) groups' rows, whole: the first sizes[0] rows are groups[0]'s,
+    and so on."""
+    return {"table_name": _dictionary([t.name for t, _ in groups], sizes, pa.int32()),
+            "phase": _dictionary([p for _, p in groups], sizes, pa.int8()), **columns}
 
 
 class EmbeddingHandle:
@@ -516,9 +530,7 @@ class EmbeddingHandle:
             kept.phase[(kept.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
             for call in sampled:
                 call.phase = self.clock.phase_after_close(call.step, call.phase)
-        counted = count_rows(kept, self._table_list)
-        yield "accesses", _columns([(c[0], c[1]) for c in counted], [c[2] for c in counted],
-                                   row=[c[3] for c in counted], count=[c[4] for c in counted])
+        yield "accesses", count_rows(kept, self._table_list).columns()
         if not self._free and self._chunk is not None:
             spare = Chunk(CHUNK_IDS, self._chunk.device)
             spare.ids.zero_()
@@ -526,9 +538,9 @@ class EmbeddingHandle:
         groups = _by_table(sampled)
         if groups:
             found = [lookup_rows(group_calls) for group_calls in groups.values()]
-            yield "lookups", _columns(list(groups), [f[0] for f in found],
-                                      sample=[f[1].astype(np.int32) for f in found],
-                                      pos=[f[2].astype(np.int32) for f in found], row=[f[3] for f in found])
+            step, sample, pos, row = (np.concatenate(column) for column in zip(*found))
+            yield "lookups", _columns(list(groups), [len(f[0]) for f in found], step=step,
+                                      sample=sample.astype(np.int32), pos=pos.astype(np.int32), row=row)
 
     def _take_chunks(self, everything: bool) -> tuple[list[Kept], list[Call]]:
         """The staged calls of the steps the clock has left (all if `everything`): one `Kept` per chunk,

@@ -148,11 +148,21 @@ def test_a_step_is_written_once_it_has_ended_and_lookups_after_the_last_step_at_
         {("tables.b", r): 2 * n for r, n in Counter(b_ids.flatten().tolist()).items() if r != 0})
 
 
-def test_calls_across_many_small_chunks_reused_between_flushes_are_written_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copy", ["numpy", "torch"])
+def test_calls_across_many_small_chunks_reused_between_flushes_are_written_exactly(tmp_path, monkeypatch, copy):
     """The training thread copies ids into chunks (embedding.Chunk) the writer reads in bulk and hands
     back: with 8-id chunks, calls fill several, some are larger than one, and read chunks are
-    refilled after a flush. Every access and lookup is still the fed ids'."""
+    refilled after a flush. Every access and lookup is still the fed ids'. `torch`: the copy a GPU's
+    chunk takes (Tensor.copy_ rather than a numpy view), here on CPU."""
     monkeypatch.setattr(embedding, "CHUNK_IDS", 8)
+    if copy == "torch":
+        init = embedding.Chunk.__init__
+
+        def torch_copy(chunk: embedding.Chunk, capacity: int, device: torch.device) -> None:
+            init(chunk, capacity, device)
+            chunk.array = None
+
+        monkeypatch.setattr(embedding.Chunk, "__init__", torch_copy)
     writer = RunWriter(tmp_path, rank=0, flush_interval_s=3600)
     clock = StepClock()
     handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=2)]
@@ -327,8 +337,10 @@ def test_one_count_of_many_tables_equals_counting_each_id(num_rows):
               for t, dtype in zip(tables, [torch.int64, torch.int32, torch.int64])]
     interleaved = [call for calls in zip(*groups) for call in calls]  # as kept: in step order, tables mixed
     counted = embedding.count_rows(embedding.Kept.of_calls(interleaved), tables)
-    assert [(table, phase) for table, phase, *_ in counted] == [(t, "train") for t in tables]
-    for table, calls, (_, _, step, row, count) in zip(tables, groups, counted):
+    assert counted.groups == [(t, "train") for t in tables]
+    cuts = np.cumsum([0, *counted.sizes])
+    for j, (table, calls) in enumerate(zip(tables, groups)):
+        step, row, count = (column[cuts[j]:cuts[j + 1]] for column in (counted.step, counted.row, counted.count))
         expected = Counter((c.step, int(i) + table.first_row) for c in calls for i in c.ids
                            if int(i) != table.padding_idx)
         assert list(zip(step.tolist(), row.tolist())) == sorted(expected)
