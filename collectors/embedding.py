@@ -188,31 +188,48 @@ PHASES = (TRAIN, EVAL)  # a kept call's phase code is its index here
 
 @dataclass
 class Kept:
-    """Calls one drain took, on one device: their ids end to end, and per call its step, table
+    """Calls one drain took, on one device: their ids end to end (a numpy array on CPU, where the
+    writer counts with numpy; a tensor on an accelerator), and per call its step, table
     (`Table.index`), phase (index in PHASES) and number of ids."""
 
-    ids: torch.Tensor  # 1-D int64
+    ids: np.ndarray | torch.Tensor  # 1-D int64
     step: np.ndarray
     table: np.ndarray
     phase: np.ndarray
     size: np.ndarray
 
+    @property
+    def device(self) -> torch.device:
+        return self.ids.device if isinstance(self.ids, torch.Tensor) else CPU
+
+    @staticmethod
+    def of_ids(ids: torch.Tensor, step: np.ndarray, table: np.ndarray, phase: np.ndarray, size: np.ndarray) -> Kept:
+        return Kept(ids.numpy() if ids.device.type == "cpu" else ids, step, table, phase, size)
+
     @staticmethod
     def of_calls(calls: list[Call]) -> Kept:
         """The calls one after another (a TBE call's split, a test's calls)."""
-        return Kept(torch.cat([c.ids.reshape(-1).to(torch.int64) for c in calls]),
-                    np.array([c.step for c in calls], dtype=np.int64),
-                    np.array([c.table.index for c in calls], dtype=np.int64),
-                    np.array([PHASES.index(c.phase) for c in calls], dtype=np.int64),
-                    np.array([c.ids.numel() for c in calls], dtype=np.int64))
+        return Kept.of_ids(torch.cat([c.ids.reshape(-1).to(torch.int64) for c in calls]),
+                           np.array([c.step for c in calls], dtype=np.int64),
+                           np.array([c.table.index for c in calls], dtype=np.int64),
+                           np.array([PHASES.index(c.phase) for c in calls], dtype=np.int64),
+                           np.array([c.ids.numel() for c in calls], dtype=np.int64))
 
     @staticmethod
     def joined(parts: list[Kept]) -> Kept:
+        """The parts end to end, on CPU if they are on different devices (one sort per flush, so that
+        each (step, phase, table, row) is one row)."""
         if len(parts) == 1:
             return parts[0]
-        device = parts[0].ids.device
-        return Kept(torch.cat([k.ids.to(device) for k in parts]),
-                    *(np.concatenate([getattr(k, f) for k in parts]) for f in ("step", "table", "phase", "size")))
+        devices = {k.device for k in parts}
+        if len(devices) == 1 and CPU not in devices:
+            ids = torch.cat([k.ids for k in parts])
+        else:
+            ids = np.concatenate([k.ids.cpu().numpy() if isinstance(k.ids, torch.Tensor) else k.ids for k in parts])
+        return Kept(ids, *(np.concatenate([getattr(k, f) for k in parts]) for f in ("step", "table", "phase", "size")))
+
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -231,11 +248,11 @@ class Counted:
 
 
 def count_rows(kept: Kept, tables: list[Table]) -> Counted:
-    """The `accesses` rows of each (table, phase) of the kept calls. One sort on the ids' device for all of them: of `base + (step - first step) * num_rows +
-    row`, each group's keys above the bases of those before it, int32 keys where they fit. On CPU,
-    torch sorts arrays of over 32k elements by radix (3.5x less time per element than smaller ones
-    here, int32 keys half of int64's; bench/RESULTS.md §19), so one sort of a flush beats one per
-    table. Every per-call step is a numpy pass over the calls: no Python per call."""
+    """The `accesses` rows of each (table, phase) of the kept calls. One sort on the ids' device for
+    all of them: of `base + (step - first step) * num_rows + row`, each group's keys above the bases
+    of those before it, int32 keys where they fit (half the time of int64's; bench/RESULTS.md §19),
+    so one sort of a flush beats one per table. Every per-call step is a numpy pass over the calls:
+    no Python per call."""
     if not len(kept.size):
         return Counted([], np.zeros(0, dtype=np.int64), *(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.int32)))
     group, inverse = np.unique(kept.table * len(PHASES) + kept.phase, return_inverse=True)
@@ -246,15 +263,9 @@ def count_rows(kept: Kept, tables: list[Table]) -> Counted:
     which = [tables[g // len(PHASES)] for g in group]
     num_rows = np.array([t.num_rows for t in which], dtype=np.int64)
     bases = np.concatenate([[0], np.cumsum((last - first + 1) * num_rows)])
-    device, n = kept.ids.device, kept.ids.numel()
-    sizes = torch.from_numpy(kept.size).to(device)
     call_key = bases[inverse] + (kept.step - first[inverse]) * num_rows[inverse]
-    key = kept.ids + torch.repeat_interleave(torch.from_numpy(call_key).to(device), sizes, output_size=n)
     padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in tables], dtype=np.int64)[kept.table]
-    if (padding >= 0).any():
-        key = key[kept.ids != torch.repeat_interleave(torch.from_numpy(padding).to(device), sizes, output_size=n)]
-    unique, counts = (t.cpu().numpy() for t in torch.unique(key.int() if bases[-1] <= 2**31 else key,
-                                                            return_counts=True))
+    unique, counts = _unique_keys(kept, call_key, padding if (padding >= 0).any() else None, bases[-1] <= 2**31)
     unique = unique.astype(np.int64, copy=False)
     cuts = np.searchsorted(unique, bases)
     step, row = np.empty(len(unique), dtype=np.int64), np.empty(len(unique), dtype=np.int64)
@@ -266,6 +277,25 @@ def count_rows(kept: Kept, tables: list[Table]) -> Counted:
         step[part] += first[j]
     return Counted([(t, PHASES[g % len(PHASES)]) for t, g in zip(which, group)], np.diff(cuts[:len(group) + 1]),
                    step, row, counts.astype(np.int32))
+
+
+def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, small: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys `id + call_key of its call` (ids equal to their call's `padding` left out) and
+    their counts, sorted; int32 keys where `small`. On CPU in numpy: its sort is 2-3x torch's here
+    (AVX-512), and torch's CPU ops would start an OpenMP team on the writer thread whose spinning
+    takes the cores from a rank that computes with several threads (bench/RESULTS.md §30)."""
+    if isinstance(kept.ids, np.ndarray):
+        key = kept.ids + np.repeat(call_key, kept.size)
+        if padding is not None:
+            key = key[kept.ids != np.repeat(padding, kept.size)]
+        return np.unique(key.astype(np.int32) if small else key, return_counts=True)
+    device, n = kept.ids.device, kept.ids.numel()
+    sizes = torch.from_numpy(kept.size).to(device)
+    key = kept.ids + torch.repeat_interleave(torch.from_numpy(call_key).to(device), sizes, output_size=n)
+    if padding is not None:
+        key = key[kept.ids != torch.repeat_interleave(torch.from_numpy(padding).to(device), sizes, output_size=n)]
+    unique, counts = torch.unique(key.int() if small else key, return_counts=True)
+    return unique.cpu().numpy(), counts.cpu().numpy()
 
 
 def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -367,6 +397,7 @@ class EmbeddingHandle:
         self._free: collections.deque[Chunk] = collections.deque()  # read and reset, for the training thread
         self._read: list[Chunk] = []  # all read by the last drain: reset at the next (its rows are written then)
         self._tables_calls: collections.deque[TablesCall] = collections.deque()  # appended here, popped by the writer
+        self._woken = False  # the writer was woken for held ids and has not drained since
         self._ids_added = 0  # written by the training thread only
         self._ids_drained = 0  # written by the writer thread only
         self._hooks = [
@@ -440,8 +471,7 @@ class EmbeddingHandle:
         chunk.calls.append((step, table.index, call_phase, end, layout))
         chunk.used = end
         self._ids_added += n
-        if self._ids_added - self._ids_drained > self.writer.flush_rows:
-            self.writer.wake()
+        self._wake_if_full()
 
     def _next_chunk(self, n: int, device: torch.device) -> Chunk:
         chunk = self._free.popleft() if self._free else None
@@ -460,7 +490,14 @@ class EmbeddingHandle:
         self._tables_calls.append(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
                                              offsets.clone() if self.sampled() else None, bounds))
         self._ids_added += ids.numel()
-        if self._ids_added - self._ids_drained > self.writer.flush_rows:
+        self._wake_if_full()
+
+    def _wake_if_full(self) -> None:
+        """Wake the writer once more than `flush_rows` ids wait, and not again until it has drained:
+        a wake on every call while it has not run yet (under SCHED_IDLE, on a busy core) would hand
+        it the GIL and a lock call by call (bench/RESULTS.md §30)."""
+        if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
+            self._woken = True
             self.writer.wake()
 
     def _held_full(self, n: int) -> bool:
@@ -514,18 +551,16 @@ class EmbeddingHandle:
             self._free.append(chunk)
         self._read = []
         everything = final or self._ids_added - self._ids_drained > self.writer.flush_rows
+        self._woken = False
         kept, sampled = self._take_chunks(everything)
+        self._ids_drained += sum(int(k.size.sum()) for k in kept)
         for call in self._take_tables_calls(everything):
             kept.append(Kept.of_calls([call]))
             if call.sampled:
                 sampled.append(call)
         if not kept:
             return
-        devices = {k.ids.device for k in kept}
-        if len(devices) > 1:  # one sort per flush, so that each (step, phase, table, row) is one row
-            kept = [Kept(k.ids.cpu(), k.step, k.table, k.phase, k.size) for k in kept]
         kept = Kept.joined(kept)
-        self._ids_drained += kept.ids.numel()
         if final:  # the calls after the last step, which no step end followed, are `eval`
             kept.phase[(kept.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
             for call in sampled:
@@ -533,7 +568,10 @@ class EmbeddingHandle:
         yield "accesses", count_rows(kept, self._table_list).columns()
         if not self._free and self._chunk is not None:
             spare = Chunk(CHUNK_IDS, self._chunk.device)
-            spare.ids.zero_()
+            if spare.array is not None:
+                spare.array.fill(0)  # numpy: no OpenMP team on this thread
+            else:
+                spare.ids.zero_()
             self._free.append(spare)
         groups = _by_table(sampled)
         if groups:
@@ -558,8 +596,8 @@ class EmbeddingHandle:
                 step, table, call_phase, end, layout = zip(*calls[lo:hi])
                 ends = np.array(end, dtype=np.int64)
                 codes = np.array([p == EVAL for p in call_phase], dtype=np.int64)
-                kept.append(Kept(chunk.ids[start:int(ends[-1])], np.array(step, dtype=np.int64),
-                                 np.array(table, dtype=np.int64), codes, np.diff(ends, prepend=start)))
+                kept.append(Kept.of_ids(chunk.ids[start:int(ends[-1])], np.array(step, dtype=np.int64),
+                                        np.array(table, dtype=np.int64), codes, np.diff(ends, prepend=start)))
                 for i in (i for i, shape in enumerate(layout) if shape is not None):
                     first = int(ends[i - 1]) if i else start
                     shape, offsets = layout[i]
@@ -574,7 +612,9 @@ class EmbeddingHandle:
     def _take_tables_calls(self, everything: bool) -> list[Call]:
         current, calls = self.clock.step, []
         while self._tables_calls and (everything or self._tables_calls[0].step < current):
-            calls += self._tables_calls.popleft().split()
+            taken = self._tables_calls.popleft()
+            self._ids_drained += taken.ids.numel()  # as added: features of no recorded table too
+            calls += taken.split()
         return calls
 
 
