@@ -98,6 +98,7 @@ class Table:
 
 
 CHUNK_IDS = 1 << 20  # ids per staging chunk (8 MB of int64)
+PIECE_IDS = 1 << 18  # ids the writer counts at once (bench/RESULTS.md §30)
 
 
 class Chunk:
@@ -214,6 +215,22 @@ class Kept:
                            np.array([c.table.index for c in calls], dtype=np.int64),
                            np.array([PHASES.index(c.phase) for c in calls], dtype=np.int64),
                            np.array([c.ids.numel() for c in calls], dtype=np.int64))
+
+    def pieces(self, ids: int) -> Iterator[Kept]:
+        """The calls in runs of whole steps of about `ids` ids each (one run if the steps are not in
+        order): counted apart, no (step, table, row) is split between two, and each run's sort and
+        passes stay in cache."""
+        ends = np.cumsum(self.size)
+        if len(ends) < 2 or ends[-1] <= ids or (np.diff(self.step) < 0).any():
+            yield self
+            return
+        new_step = np.flatnonzero(np.diff(self.step)) + 1  # calls that open a step
+        cuts = np.unique(new_step[np.minimum(np.searchsorted(ends[new_step - 1], np.arange(ids, ends[-1], ids)),
+                                             len(new_step) - 1)])
+        bounds = [0, *cuts.tolist(), len(ends)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            first, last = (int(ends[lo - 1]) if lo else 0), int(ends[hi - 1])
+            yield Kept(self.ids[first:last], self.step[lo:hi], self.table[lo:hi], self.phase[lo:hi], self.size[lo:hi])
 
     @staticmethod
     def joined(parts: list[Kept]) -> Kept:
@@ -560,12 +577,13 @@ class EmbeddingHandle:
                 sampled.append(call)
         if not kept:
             return
-        kept = Kept.joined(kept)
         if final:  # the calls after the last step, which no step end followed, are `eval`
-            kept.phase[(kept.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
+            for k in kept:
+                k.phase[(k.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
             for call in sampled:
                 call.phase = self.clock.phase_after_close(call.step, call.phase)
-        yield "accesses", count_rows(kept, self._table_list).columns()
+        for piece in Kept.joined(kept).pieces(PIECE_IDS):
+            yield "accesses", count_rows(piece, self._table_list).columns()
         if not self._free and self._chunk is not None:
             spare = Chunk(CHUNK_IDS, self._chunk.device)
             if spare.array is not None:

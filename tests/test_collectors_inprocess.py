@@ -152,9 +152,10 @@ def test_a_step_is_written_once_it_has_ended_and_lookups_after_the_last_step_at_
 def test_calls_across_many_small_chunks_reused_between_flushes_are_written_exactly(tmp_path, monkeypatch, copy):
     """The training thread copies ids into chunks (embedding.Chunk) the writer reads in bulk and hands
     back: with 8-id chunks, calls fill several, some are larger than one, and read chunks are
-    refilled after a flush. Every access and lookup is still the fed ids'. `torch`: the copy a GPU's
-    chunk takes (Tensor.copy_ rather than a numpy view), here on CPU."""
+    refilled after a flush, and each flush is counted in pieces. Every access and lookup is still the
+    fed ids'. `torch`: the copy a GPU's chunk takes (Tensor.copy_ rather than a numpy view), on CPU."""
     monkeypatch.setattr(embedding, "CHUNK_IDS", 8)
+    monkeypatch.setattr(embedding, "PIECE_IDS", 16)  # flushes counted in several pieces of whole steps
     if copy == "torch":
         init = embedding.Chunk.__init__
 
@@ -346,6 +347,28 @@ def test_one_count_of_many_tables_equals_counting_each_id(num_rows):
         assert list(zip(step.tolist(), row.tolist())) == sorted(expected)
         assert count.tolist() == [expected[k] for k in sorted(expected)]
         assert (step.dtype, row.dtype, count.dtype) == (np.int64, np.int64, np.int32)
+
+
+def test_a_flush_counted_in_pieces_of_whole_steps_equals_one_count():
+    """The writer counts a large flush in runs of whole steps (Kept.pieces): together they are the
+    one count of the whole, no (step, table, row) in two pieces; out-of-order steps stay one piece."""
+    g = torch.Generator().manual_seed(7)
+    tables = [embedding.Table("a", 30, None, 0, 0), embedding.Table("b", 30, 5, 0, 1)]
+    calls = [embedding.Call(step, "train", tables[t], torch.randint(0, 30, (n,), generator=g), None, False)
+             for step in range(40) for t, n in ((0, 7), (1, 3), (0, 0), (1, 11))]
+    kept = embedding.Kept.of_calls(calls)
+
+    def rows(counted):
+        names = np.repeat([t.name for t, _ in counted.groups], counted.sizes)
+        return list(zip(names.tolist(), counted.step.tolist(), counted.row.tolist(), counted.count.tolist()))
+
+    pieces = list(kept.pieces(50))
+    assert len(pieces) > 5 and sum(int(p.size.sum()) for p in pieces) == int(kept.size.sum())
+    together = [row for piece in pieces for row in rows(embedding.count_rows(piece, tables))]
+    assert sorted(together) == sorted(rows(embedding.count_rows(kept, tables)))
+    assert len({r[:3] for r in together}) == len(together)
+    shuffled = embedding.Kept.of_calls(calls[4:] + calls[:4])  # step 0 after the others
+    assert len(list(shuffled.pieces(50))) == 1
 
 
 def test_tables_outside_a_model_get_a_fallback_name(tmp_path):
