@@ -125,6 +125,19 @@ def brute(tables: list[dict], steps: list, world: int, g: int, pos: dict, k1: in
 SCENARIOS = [(4, Topology(2, 2)), (4, Topology(4, 1)), (2, Topology(2, 1))]
 
 
+def test_one_rank_a_node_leaves_no_intra_node_bytes_below_zero_after_rounding(tmp_path: Path) -> None:
+    """With one rank a node every remote byte is between nodes: intra-node bytes are the remote bytes
+    less the inter-node ones, 0 up to rounding. A sampled run's float figures once made that −1e-10,
+    and analyze refused its own interval for it (low > high)."""
+    world = 2
+    build_run(tmp_path / "run", tables_for(world), world, skewed_steps(world, seed=world))
+    with open_context(tmp_path / "run", Options(topology=Topology(2, 1), budget_bytes=96, intra_bw=1e9,
+                                                inter_bw=1e6)) as ctx:
+        m = tiers.model(ctx)
+        m.curve.a2a_rem[:] = m.curve.a2a_rem.astype(float) * (1 - 1e-15)  # the rounding of sampled figures
+        assert all(m.figures(k1, 0)[INTRA_BYTES] >= 0 for k1 in range(len(m.curve.a2a_rem)))
+
+
 @pytest.mark.parametrize(("world", "shape"), SCENARIOS, ids=[s.name for _, s in SCENARIOS])
 def test_tiers_across_nodes_match_a_brute_force_replay(tmp_path: Path, world: int, shape: Topology) -> None:
     tables, steps = tables_for(world), skewed_steps(world, seed=world)

@@ -131,7 +131,9 @@ class TierModel:
         collectives = self.t2.exchange(k1, k12)
         t2_out = sum(out for out, _ in collectives.values())
         t2_remote = sum(rem for _, rem in collectives.values())
-        intra = float(c.a2a_rem[k12]) - inter + t2_remote
+        # with one rank a node every remote byte is between nodes: the difference is 0 up to rounding,
+        # which must not leave a byte figure (and its interval) below 0
+        intra = max(float(c.a2a_rem[k12]) - inter, 0.0) + t2_remote
 
         def tier1(kind: str) -> tuple[float, float]:  # (intra, inter): the module docstring's shares
             total = float(c.dense[k1] if kind == "dense_allreduce" else c.sparse[k1])
