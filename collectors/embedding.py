@@ -103,7 +103,8 @@ PIECE_IDS = 1 << 18  # ids the writer counts at once (bench/RESULTS.md §30)
 
 class Chunk:
     """A buffer the training thread copies calls' ids into, one after another, with one tuple per
-    call: (step, table index, phase, end of its ids in the buffer, offsets from 0 or None). The
+    call: (step, table index, phase, end of its ids in the buffer, layout). `layout` is None except on
+    sampled steps, where it is (the ids' shape, their bag offsets from 0 or None). The
     writer reads the calls of finished steps out of it in bulk; once read, and no longer the one being
     filled, it is reused."""
 
@@ -474,7 +475,7 @@ class EmbeddingHandle:
         n = ids.numel()
         if self._held_full(n):
             return
-        step, chunk = self.clock.step, self._chunk
+        chunk = self._chunk
         if chunk is None or chunk.used + n > chunk.ids.numel() or chunk.device != ids.device:
             chunk = self._next_chunk(n, ids.device)
         end = chunk.used + n
@@ -483,9 +484,9 @@ class EmbeddingHandle:
         else:
             chunk.ids[chunk.used:end].copy_(ids.reshape(-1))
         layout = None
-        if self.lookup_every and step % self.lookup_every == 0:  # sampled: the lookups need the bags or the shape
+        if self.sampled():  # the lookups need the bags or the shape
             layout = (ids.shape, None if offsets is None else offsets - offsets[:1])  # offsets: a copy from 0
-        chunk.calls.append((step, table.index, call_phase, end, layout))
+        chunk.calls.append((self.clock.step, table.index, call_phase, end, layout))
         chunk.used = end
         self._ids_added += n
         self._wake_if_full()
