@@ -478,7 +478,7 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
     for label, body in checked:
         intervals = predicted_intervals(body, base.figures)
         rows += [row(m.name, label, figure, value, measured.get(figure), intervals.get(figure))
-                 for figure, value in predicted_figures(body["predicted"], base.figures).items()]
+                 for figure, value in predicted_figures(body.get("predicted") or {}, base.figures).items()]
     baseline = {A2A_BYTES: A2A_BYTES, ALLREDUCE_BYTES: ALLREDUCE_BYTES,
                 STEP_TIME: STEP_TIME}
     rows += [row(m.name, "baseline", key, policy["baseline"][key], base.figures.get(ours))
@@ -525,8 +525,9 @@ def predicted_intervals(body: dict, base: dict) -> dict[str, tuple[float, float]
     ordered (every derived figure moves one way with all the estimates it sums). Figures left out are
     exact."""
     intervals = body.get("intervals") or {}
-    ends = [predicted_figures(body["predicted"] | {k: pair[i] for k, pair in intervals.items()}, base) for i in (0, 1)]
-    unknown = predicted_figures(body["predicted"] | {k: math.nan for k in intervals}, base)
+    predicted = body.get("predicted") or {}  # a hand-written section may predict nothing
+    ends = [predicted_figures(predicted | {k: pair[i] for k, pair in intervals.items()}, base) for i in (0, 1)]
+    unknown = predicted_figures(predicted | {k: math.nan for k in intervals}, base)
     return {k: (min(ends[0][k], ends[1][k]), max(ends[0][k], ends[1][k])) for k, v in unknown.items() if math.isnan(v)}
 
 

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from tracekit.errors import PolicyMismatch
-from tracekit.policy import PolicyError, check_model, load_policy, new_policy, recommended, sections, write_policy
+from tracekit.policy import Policy, PolicyError, check_model, load_policy, new_policy, recommended, sections, write_policy
 
 MODEL = {"tables": [{"name": "t0", "num_rows": 1000, "dim": 8}, {"name": "t1", "num_rows": 500, "dim": 8}],
          "world_size": 2}
@@ -126,3 +126,23 @@ def test_a_policy_for_another_model_is_refused_with_every_difference() -> None:
     for part in ("table t1 is in the policy but not in the model", "table t2 is in the model but not in the policy",
                  "table t0: num_rows 1000 in the policy, 999 in the model", "world size 2 in the policy, 4 here"):
         assert part in text, text
+
+
+def test_a_hand_written_section_needs_only_what_the_trainer_applies(tmp_path: Path) -> None:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"compression": {"dp": {"keep_ratio": 0.001, "refresh_every": 20}}}))
+    policy = Policy.from_json(load_policy(path))
+    dp = policy.sections["compression.dp"]
+    assert (dp.keep_ratio, dp.refresh_every, dp.recommended, dp.prediction.figures, policy.model) == (
+        0.001, 20, True, {}, None)
+    check_model(load_policy(path), tables=[{"name": "t0", "num_rows": 10, "dim": 4}], world_size=2)  # no model: passes
+    written = policy.to_json()
+    assert written["compression"] == {"dp": {"keep_ratio": 0.001, "refresh_every": 20, "recommended": True}}
+    assert "model" not in written
+    # what analyze adds must be whole where it is there
+    path.write_text(json.dumps({"compression": {"dp": {"keep_ratio": 0.001, "predicted": {"dp_bytes_per_step": 1.0}}}}))
+    with pytest.raises(PolicyError, match="compression.dp.why: expected a one-line explanation"):
+        load_policy(path)
+    path.write_text(json.dumps({"compression": {"dp": {"refresh_every": 20}}}))
+    with pytest.raises(PolicyError, match=r"compression.dp.keep_ratio: expected a number in \(0, 1\]"):
+        load_policy(path)

@@ -197,3 +197,26 @@ def test_compare_prints_an_estimate_with_its_interval_and_an_exact_figure_alone(
     assert "~12.00 ms [10.00 ms, 15.00 ms]" in printed and "│ 1.00 kB " in printed, printed
     assert "~1.00 kB" not in printed, printed
     assert "an estimate is ~value [low, high]" in " ".join(printed.split()), printed
+
+
+@pytest.mark.slow
+def test_a_hand_written_section_of_trainer_fields_alone_applies(tmp_path: Path) -> None:
+    """The issue's file, as a user writes it: no schema, no model, no prediction. The trainer applies
+    DCT-DP (its all-gathers are in the trace), and compare measures the run without predicted rows."""
+    policy = tmp_path / "dct_dp.json"
+    policy.write_text(json.dumps({"compression": {"dp": {"keep_ratio": 0.001, "refresh_every": 20}}}))
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "tracekit", "record", "-o", str(run), "--",
+                        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(REPO / "train.py"), *TINY, "--policy", str(policy)],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    output = f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert r.returncode == 0, output
+    assert _policy_lines(r.stdout) == [f"policy {policy}: applying compression.dp"], output
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["policy"]["applied"] == ["compression.dp"]
+    tags = set(pl.read_parquet(run / "comms" / "**" / "*.parquet", hive_partitioning=True)["tag"].to_list())
+    assert any(t.startswith("dct_dp") for t in tags), tags
+    summary = compare(run, []).summary
+    assert [row for row in summary["rows"] if row["section"] == "compression.dp"] == []
+    assert summary["runs"][0]["run"] == str(run)

@@ -8,10 +8,13 @@ and neither imports the other.
     policy = load_policy("runs/base/policy.json")                              # validated
     check_model(policy, tables=[{"name": "t0", "num_rows": 100000, "dim": 32}], world_size=2)
 
-Every section is optional; each present carries a `predicted` object of numbers, a one-line `why`,
-`recommended` (true or false; absent means true, so hand-written files keep working) with a one-line
-`reason` where it is false, and `intervals` ({figure: [low, high]}) for the figures of `predicted`
-that are estimates (a figure without one is exact). The optional top-level `combined` holds the
+Every section is optional. Each present holds what the trainer applies (`keep_ratio`, `rows`...) and,
+as analyze writes it, a `predicted` object of numbers, a one-line `why`, `recommended` (true or false)
+with a one-line `reason` where it is false, and `intervals` ({figure: [low, high]}) for the figures of
+`predicted` that are estimates (a figure without one is exact). A hand-written file needs only what
+the trainer applies: `predicted`, `why` and `recommended` (true where absent) are optional in a
+section, and so are `schema` and `model` (without a model the trainer checks the rows it is given
+against its own tables, and nothing else). The optional top-level `combined` holds the
 prediction for the recommended training sections applied together: {"sections": [labels],
 "predicted", "intervals", "why"}. Byte figures are per training step, summed over all ranks'
 `bytes_out`. Row lists are Parquet files whose paths are relative to the JSON file. A file that
@@ -84,11 +87,14 @@ class Prediction:
 
     @classmethod
     def from_json(cls, body: dict) -> Prediction:
-        return cls(dict(body["predicted"]), body["why"],
+        return cls(dict(body.get("predicted") or {}), body.get("why") or "",
                    {figure: (low, high) for figure, (low, high) in body.get("intervals", {}).items()})
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"predicted": dict(self.figures), "why": self.why}
+        """The prediction's fields; none of them for a hand-written section that has none."""
+        out: dict[str, Any] = {}
+        if self.figures or self.why:
+            out = {"predicted": dict(self.figures), "why": self.why}
         if self.intervals:
             out["intervals"] = {figure: list(pair) for figure, pair in self.intervals.items()}
         return out
@@ -214,7 +220,7 @@ class Policy:
     `to_json()` gives back what `write_policy` writes."""
 
     source_run: str
-    model: dict
+    model: dict | None  # None: a hand-written file that names no model
     baseline: dict[str, float] = field(default_factory=dict)
     sections: dict[str, Section] = field(default_factory=dict)
     combined: Combined | None = None
@@ -222,13 +228,13 @@ class Policy:
 
     @classmethod
     def from_json(cls, policy: dict) -> Policy:
-        return cls(policy.get("source_run", ""), policy["model"], dict(policy.get("baseline", {})),
+        return cls(policy.get("source_run", ""), policy.get("model"), dict(policy.get("baseline", {})),
                    {label: KINDS[label].from_json(body) for label, body in sections(policy)},
                    Combined.from_json(policy["combined"]) if "combined" in policy else None, policy.get("created_at"))
 
     def to_json(self) -> dict:
         out = {"schema": SCHEMA, "source_run": self.source_run, "created_at": self.created_at or _now(),
-               "model": self.model, "baseline": self.baseline}
+               **({} if self.model is None else {"model": self.model}), "baseline": self.baseline}
         for label in LABELS:
             if label in self.sections:
                 section, _, part = label.partition(".")
@@ -312,19 +318,10 @@ def validate(policy: Any, path: str | os.PathLike) -> None:
 
     if not isinstance(policy, dict):
         fail("the top level", "a JSON object")
-    if policy.get("schema") != SCHEMA:
-        fail("schema", f'"{SCHEMA}", got {policy.get("schema")!r}')
-    model = policy.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("tables"), list) or not model["tables"]:
-        fail("model.tables", "a non-empty list of tables")
-    for i, table in enumerate(model["tables"]):
-        if not isinstance(table, dict) or not isinstance(table.get("name"), str):
-            fail(f"model.tables[{i}].name", "a string")
-        for key in ("num_rows", "dim"):
-            if not _positive_int(table.get(key)):
-                fail(f"model.tables[{i}].{key}", f"a positive integer, got {table.get(key)!r}")
-    if not _positive_int(model.get("world_size")):
-        fail("model.world_size", f"a positive integer, got {model.get('world_size')!r}")
+    if policy.get("schema", SCHEMA) != SCHEMA:
+        fail("schema", f'"{SCHEMA}" (or no schema field), got {policy.get("schema")!r}')
+    if "model" in policy:
+        _check_model_field(policy["model"], fail)
     unknown = set(policy) - {"schema", "source_run", "created_at", "model", "baseline", "combined", *SECTIONS}
     if unknown:
         fail(", ".join(sorted(unknown)), f"no such field; the sections are {', '.join(SECTIONS)} (and combined)")
@@ -341,7 +338,8 @@ def validate(policy: Any, path: str | os.PathLike) -> None:
                 fail(where, "compression holds only dp and mp")
             if not isinstance(body, dict):
                 fail(where, "an object")
-            _check_prediction(body, where, fail)
+            if "predicted" in body or "why" in body or "intervals" in body:  # analyze's; a hand-written section may omit them
+                _check_prediction(body, where, fail)
             if not isinstance(body.get("recommended", True), bool):
                 fail(f"{where}.recommended", f"true or false, got {body['recommended']!r}")
             reason = body.get("reason")
@@ -373,6 +371,20 @@ def validate(policy: Any, path: str | os.PathLike) -> None:
         _check_prediction(combined, "combined", fail)
 
 
+def _check_model_field(model: Any, fail: Callable[[str, str], None]) -> None:
+    """`model`: {"tables": [{"name", "num_rows", "dim"}...], "world_size"}."""
+    if not isinstance(model, dict) or not isinstance(model.get("tables"), list) or not model["tables"]:
+        fail("model.tables", "a non-empty list of tables")
+    for i, table in enumerate(model["tables"]):
+        if not isinstance(table, dict) or not isinstance(table.get("name"), str):
+            fail(f"model.tables[{i}].name", "a string")
+        for key in ("num_rows", "dim"):
+            if not _positive_int(table.get(key)):
+                fail(f"model.tables[{i}].{key}", f"a positive integer, got {table.get(key)!r}")
+    if not _positive_int(model.get("world_size")):
+        fail("model.world_size", f"a positive integer, got {model.get('world_size')!r}")
+
+
 def _check_prediction(body: dict, where: str, fail: Callable[[str, str], None]) -> None:
     """`predicted` (numbers), `why` (one line) and `intervals` ({figure of predicted: [low, high]})."""
     if not isinstance(body.get("predicted"), dict) or not _numbers(body["predicted"]):
@@ -394,7 +406,9 @@ def _check_prediction(body: dict, where: str, fail: Callable[[str, str], None]) 
 
 def check_model(policy: dict, *, tables: list[dict], world_size: int, path: str | os.PathLike = "policy.json") -> None:
     """Refuse (PolicyMismatch) a policy written for another model: every difference in tables (names,
-    row counts, dims) or world size is named."""
+    row counts, dims) or world size is named. A policy that names no model (hand-written) passes."""
+    if "model" not in policy:
+        return
     differences = []
     ours = {t["name"]: t for t in tables}
     theirs = {t["name"]: t for t in policy["model"]["tables"]}
