@@ -154,7 +154,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
                 continue
             policy[name] = derived.section
             rows.update(derived.rows)
-        policy = decide(Policy.from_json(policy), net).to_json()
+        policy = decide(Policy.from_json(policy), net, ctx.options.quality_budget).to_json()
         for name, derived in results.items():
             if derived.section is not None:
                 summary["policies"][name] = {**policy[name], "evidence": derived.evidence}

@@ -95,13 +95,13 @@ from typing import Any, Sequence
 import duckdb
 import polars as pl
 
-from analyses import attribution, traffic
+from analyses import attribution, quality, traffic
 from analyses.context import Context, Result, open_context
 from analyses.network import warmup_steps
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.errors import PolicyMismatch, RunMismatch, TracekitError
-from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, INTER_BYTES, INTRA_BYTES,
-                              STEP_TIME, SYNC_BYTES)
+from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, AUC_CHANGE, DP_BYTES, INTER_BYTES,
+                              INTRA_BYTES, LOGLOSS_CHANGE, STEP_TIME, SYNC_BYTES)
 from tracekit.policy import PolicyError, check_model, load_policy, sections
 from tracekit.schema import STATUS_COMPLETED
 from tracekit.tags import DDP_BUCKET, DP_TAGS, SYNC_TAGS
@@ -460,7 +460,8 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
     policy's baseline (module docstring)."""
     measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, DP_BYTES, STEP_TIME, INTRA_BYTES, INTER_BYTES)},
                 "makespan_s": (m.manifest.get("metrics") or {}).get("makespan_s"),  # inference runs
-                **savings(m.figures, base.figures)}
+                **savings(m.figures, base.figures),
+                **quality.changes(m.figures["metrics"], base.figures["metrics"])}
     bodies, applied = dict(sections(policy)), m.figures["policy"]["sections"]
     checked = [(label, bodies[label]) for label in applied if label in bodies]
     notes += [f"{m.name} skipped {label}: {why}" for label, why in m.figures["policy"]["skipped"].items()]
@@ -509,7 +510,7 @@ def plan_rows(m: Measured, base: Measured) -> list[dict]:
 def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
     """The figures a section predicts, with totals and savings derived as the module docstring says."""
     out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], INTRA_BYTES, INTER_BYTES, DP_BYTES, STEP_TIME,
-                                            "makespan_s") if _number(predicted.get(k))}
+                                            "makespan_s", AUC_CHANGE, LOGLOSS_CHANGE) if _number(predicted.get(k))}
     sync = out.get(SYNC_BYTES, 0.0)
     if A2A_BYTES in out:
         out["total_bytes_per_step"] = out[A2A_BYTES] + sync
@@ -542,7 +543,8 @@ def savings(figures: dict, base: dict) -> dict[str, float]:
 
 def row(run: str, section: str, figure: str, predicted: float, measured: float | None,
         interval: tuple[float, float] | None = None) -> dict:
-    unit = "bytes" if figure.endswith("bytes_per_step") else "s" if figure.endswith("_s") else "fraction"
+    unit = ("bytes" if figure.endswith("bytes_per_step") else "s" if figure.endswith("_s")
+            else "auc" if figure == AUC_CHANGE else "fraction")
     diff = None if measured is None else measured - predicted
     diff_pct = None if diff is None else diff / predicted if predicted else 0.0 if diff == 0 else None
     low, high = interval or (None, None)

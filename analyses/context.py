@@ -34,6 +34,7 @@ from typing import Any, Callable, Hashable, TypeVar
 import duckdb
 import polars as pl
 
+from analyses.quality import Budget
 from tracekit.errors import TracekitError
 from tracekit.files import replacing, write_text
 from tracekit.run import Run, open_run
@@ -110,6 +111,7 @@ class Options:
     objective: str = "time"  # a replica budget's figure of merit: predicted step "time", or network "bytes"
     replay_steps: int = 256  # the lookups' sampled steps the exchange replays use, evenly spaced (0: all)
     memory_limit: str = MEMORY_LIMIT  # DuckDB's cap (it spills to disk past it): "1GB", "512MiB"
+    quality_budget: Budget = Budget()  # the most a lossy section may cost the model (analyses.quality)
 
 
 @dataclass

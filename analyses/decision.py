@@ -6,7 +6,9 @@ error) lies below the measured baseline step time (analyses.network's rule). A s
 interval takes ± (the fit's residual + the baseline's drift). Otherwise it is written with
 `recommended: false` and the reason, and neither `optimize` nor the trainer applies it. Also not
 recommended: a section that changes nothing (no hot row), one without a measured step time, tiers
-on nodes of one rank (replication by another name).
+on nodes of one rank (replication by another name), and a lossy section (analyses.quality.LOSSY)
+whose model-quality cost is not measured or is beyond the quality budget: it must harm neither speed
+nor the model.
 
 The trainer unions the rows of replication, tiers and schedule when they are applied together,
 so at most one of them is recommended: the one of least predicted step time. `combined` is the
@@ -21,19 +23,21 @@ import math
 from dataclasses import replace
 
 from analyses.network import Network
+from analyses.quality import LOSSY, Budget
 from tracekit.figures import A2A_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
 from tracekit.policy import TRAINING, Combined, Policy, Prediction, Section, Tiers, nothing_to_apply
 
 EXCHANGE = ("replication", "tiers", "schedule")
 
 
-def decide(policy: Policy, net: Network) -> Policy:
+def decide(policy: Policy, net: Network, budget: Budget = Budget()) -> Policy:
     """`policy` with `recommended` (and the `reason` where false) set on every section, and its
     `combined` prediction where more than one training section is recommended."""
     base = net.step.median_s
     decided: dict[str, Section] = {}
     for label, section in policy.sections.items():
-        reason = nothing_to_apply(section) or _replication_by_another_name(section) or no_gain(label, section, base, net)
+        reason = (nothing_to_apply(section) or _replication_by_another_name(section) or no_gain(label, section, base, net)
+                  or (budget.exceeded_by(section.prediction.figures) if label in LOSSY else None))
         decided[label] = replace(section, recommended=reason is None, reason=reason)
     chosen = [label for label in EXCHANGE if label in decided and decided[label].recommended]
     if len(chosen) > 1:

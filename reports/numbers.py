@@ -23,6 +23,8 @@ def number(value: float) -> str:
 
 
 UNITS: tuple[tuple[str, Callable[[float], str]], ...] = (
+    (r"rel_change$", lambda v: f"{v:+.2%}"),
+    (r"_change$", lambda v: f"{v:+.4f}"),
     (r"bytes_per_s$|_bw$", format_rate),
     (r"bytes", format_bytes),
     (r"fraction|share|coverage|saving|gain|(keep|miss)_ratio", format_percent),

@@ -379,7 +379,10 @@ def _interval(row: dict) -> str:
 
 
 def _diff(row: dict) -> str:
-    """Measured against predicted as `tracekit compare` prints it: a share's in points, others in %."""
+    """Measured against predicted as `tracekit compare` prints it: a share's in points, an AUC change's
+    as a difference, others in %."""
+    if row["unit"] == "auc":
+        return "–" if row["diff"] is None else f"{row['diff']:+.4f}"
     if row["unit"] == "fraction":
         return "–" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
     return "–" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"

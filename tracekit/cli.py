@@ -80,7 +80,8 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
                    "RUN, run `tracekit calibrate RUN` first (~5-20 s).")
 @JSON
 def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-            policies: str | None, objective: str, replay_steps: int, memory_limit: str, with_report: bool,
+            policies: str | None, objective: str, replay_steps: int, quality_budget: str, memory_limit: str,
+            with_report: bool,
             calibrate_first: bool, as_json: bool) -> None:
     """Derive skew, traffic, timeline, cache and cost figures and the policies of a recorded run.
 
@@ -94,7 +95,8 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
     from tracekit.console import analysis_progress, print_analysis
     from tracekit.loop import analyze_run
 
-    options = analysis_options(budget, topology, intra_bw, inter_bw, policies, objective, replay_steps, memory_limit)
+    options = analysis_options(budget, topology, intra_bw, inter_bw, policies, objective, replay_steps, memory_limit,
+                               quality_budget)
     with analysis_progress(enabled=not as_json) as progress:
         summary = analyze_run(run_dir, options, calibrate=calibrate_first, report=with_report, progress=progress)
     show(summary, as_json, print_analysis, report=with_report)
@@ -257,7 +259,8 @@ def report(runs: tuple[Path, ...], output: Path | None, plotly_js: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print compare's JSON document at the end instead of tables.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str | None, intra_bw: str | None,
-             inter_bw: str | None, policies: str | None, objective: str, replay_steps: int, memory_limit: str,
+             inter_bw: str | None, policies: str | None, objective: str, replay_steps: int, quality_budget: str,
+             memory_limit: str,
              cluster_shape: str | None,
              link: str | None, check_all: bool, dct_replay: bool, as_json: bool, command: tuple[str, ...]) -> None:
     """Record COMMAND, analyse it, re-run it with each policy and their combination, and compare.
@@ -275,7 +278,8 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
     from tracekit.optimize import optimize as run_loop
 
     command = list(command)[1:] if command[:1] == ("--",) else list(command)
-    options = analysis_options(budget, topology, intra_bw, inter_bw, policies, objective, replay_steps, memory_limit)
+    options = analysis_options(budget, topology, intra_bw, inter_bw, policies, objective, replay_steps, memory_limit,
+                               quality_budget)
     on_cluster = cluster_topology(cluster_shape, link)
     with run_progress(enabled=not as_json) as progress:
         result = run_loop(command, out_dir, options, lookup_every=lookup_every, cluster=on_cluster,

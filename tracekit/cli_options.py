@@ -84,6 +84,10 @@ ANALYSIS = _options_of(  # what analyze and optimize derive
     click.option("--replay-steps", type=click.IntRange(min=0), default=256, show_default=True,
                  help="Recorded lookup steps the exchange replays use, evenly spaced (0: all); a replay of fewer "
                       "steps than the run's states its error."),
+    click.option("--quality-budget", default="0.002", show_default=True,
+                 help="The most a lossy section (DCT compression) may cost the model: an eval AUC loss (0.002), or "
+                      "a relative rise of eval log loss (0.5%). One whose measured cost is over it, or not "
+                      "measured, is not recommended; `optimize` measures it with calibration runs."),
     click.option("--memory-limit", default="1GB", show_default=True,
                  help="Memory the analysis's DuckDB may hold (it spills to a temporary folder past it), e.g. 4GiB; "
                       "the process holds about 0.5 GiB more."))
@@ -115,10 +119,12 @@ def job_settings(hang_after: float | None, max_size: str | None, window_steps: s
 
 
 def analysis_options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
-                      policies: str | None, objective: str, replay_steps: int = 256, memory_limit: str = "1GB"):
+                      policies: str | None, objective: str, replay_steps: int = 256, memory_limit: str = "1GB",
+                      quality_budget: str = "0.002"):
     """The ANALYSIS options as analyses.context.Options."""
     from analyses.analyze import POLICIES
     from analyses.context import Options
+    from analyses.quality import Budget
     from tracekit.topology import Topology
     from tracekit.units import parse_budget, parse_bytes, parse_rate
 
@@ -128,7 +134,8 @@ def analysis_options(budget: str | None, topology: str | None, intra_bw: str | N
     options = Options(objective=objective, replay_steps=replay_steps, memory_limit=f"{limit // 2**20}MiB",
                       topology=parsed(Topology.parse, topology, "--topology"),
                       intra_bw=parsed(parse_rate, intra_bw, "--intra-bw"),
-                      inter_bw=parsed(parse_rate, inter_bw, "--inter-bw"))
+                      inter_bw=parsed(parse_rate, inter_bw, "--inter-bw"),
+                      quality_budget=parsed(Budget.parse, quality_budget, "--quality-budget"))
     if budget is not None:
         options.budget_bytes, options.budget_fraction = parsed(parse_budget, budget, "--budget")
     if policies is not None:

@@ -254,8 +254,10 @@ def _value(key: str, value: Any) -> str:
         return format_bytes(value)
     if key.endswith("_s"):
         return f"{value * 1e3:.1f} ms"
-    if "fraction" in key or key == "gain":
-        return f"{value:.1%}"
+    if "fraction" in key or key == "gain" or key.endswith("rel_change"):
+        return f"{value:+.2%}" if key.endswith("rel_change") else f"{value:.1%}"
+    if key.endswith("_change"):
+        return f"{value:+.4f}"
     return _cell(value)
 
 
@@ -387,7 +389,8 @@ def _compare_policies(rows: list[dict], base: str) -> None:
 def _policy_value(row: dict, value: float | None) -> str:
     if value is None:
         return "n/a"
-    shown = {"bytes": format_bytes, "s": lambda v: f"{v * 1e3:,.2f} ms", "fraction": lambda v: f"{v:.1%}"}
+    shown = {"bytes": format_bytes, "s": lambda v: f"{v * 1e3:,.2f} ms", "fraction": lambda v: f"{v:.1%}",
+             "auc": lambda v: f"{v:+.4f}"}
     return shown[row["unit"]](value)
 
 
@@ -400,6 +403,8 @@ def _policy_predicted(row: dict) -> str:
 
 
 def _policy_diff(row: dict) -> str:
+    if row["unit"] == "auc":
+        return "n/a" if row["diff"] is None else f"{row['diff']:+.4f}"
     if row["unit"] == "fraction":
         return "n/a" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
     return "n/a" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"

@@ -18,7 +18,9 @@ COMM_TIME = "comm_time_s"
 HOT_ROWS = "hot_rows"
 HOT_SAMPLE_FRACTION = "hot_sample_fraction"
 GAIN = "gain"  # BLS: the share of the gap to the ideal makespan recovered
+AUC_CHANGE = "eval_auc_change"  # a lossy section's eval AUC against the baseline's (analyses.quality)
+LOGLOSS_CHANGE = "eval_logloss_rel_change"  # ... and its eval log loss, relative to the baseline's
 
 SHOWN = (A2A_BYTES, ALLREDUCE_BYTES, A2A_REMOTE_BYTES, SYNC_BYTES, INTRA_BYTES, INTER_BYTES, DP_BYTES,
-         OUTPUT_A2A_BYTES, HOT_SAMPLE_FRACTION, GAIN, STEP_TIME)
+         OUTPUT_A2A_BYTES, HOT_SAMPLE_FRACTION, GAIN, STEP_TIME, AUC_CHANGE)
 """What `tracekit analyze` prints of each section's prediction, in this order."""

@@ -1,6 +1,10 @@
 """`tracekit optimize`: the whole loop in one library call (DESIGN.md §1).
 
     DIR/base            the command recorded as given (lookups on every step, so predictions are exact)
+    DIR/quality-*       a lossy section (DCT compression) alone at a keep ratio, where analyze would
+                        recommend it on time but its model-quality cost is not measured: the
+                        calibration runs of tracekit/quality_runs.py, after which the baseline is
+                        analysed again with what they measured (BASE/analysis/quality.json)
     DIR/base/policy.json and one file per recommended training section: policy.<section>.json
     DIR/<section>       the command re-run with `--policy DIR/base/policy.<section>.json`
     DIR/combined        ... with every one re-run together, where there are several (policy.combined.json,
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tracekit import cluster as emulated
-from tracekit import recording
+from tracekit import quality_runs, recording
 from tracekit.console import describe_record
 from tracekit.errors import TracekitError
 from tracekit.loop import analyze_run, compare_runs, write_report
@@ -70,11 +74,21 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
 
         progress("analysing the baseline: simulate")
         project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), base / "policy.json")
+    calibrated = []
+    if not (base / PLAN_FILE).exists():
+        calibrated = quality_runs.calibrate(
+            command, base, out_dir, options.quality_budget, progress=progress,
+            record=lambda run_dir, run_command, log: record(run_dir, run_command, log, lookup_every=lookup_every,
+                                                            cluster=cluster, dct_replay=dct_replay))
+        if calibrated:
+            analyze_run(base, options, report=False,
+                        progress=lambda step, left_s=None: progress(f"analysing the baseline again: {step}", left_s))
     progress("analysing the baseline: done")
     if (base / PLAN_FILE).exists():
         plans, notes = torchrec_reruns(base, from_manifest(recording.read_manifest(base)), checked=check_all)
     else:
         plans, notes = reruns(base / "policy.json", checked=check_all)
+    notes = [*calibrated, *notes]
     result = Optimized(base, notes=notes)
     for i, rerun in enumerate(plans, 1):
         log = out_dir / f"{rerun.name}.log"

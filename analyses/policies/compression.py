@@ -33,8 +33,10 @@ ring all-reduce, so the sparse exchange loses its edge as W grows (`dp_wire_byte
 Caveats said in the evidence: the statistics are of the gradient the optimizer steps, after DDP's
 all-reduce (DCT thresholds each rank's local gradient before it), and without error feedback.
 
-compression.mp. The trace holds no activation statistics, so the keep ratio is the paper's
-(MP_KEEP_RATIO = 5% per sample, its 20× fewer elements), not measured. The boundary tensor is the
+compression.mp. The trace holds no activation statistics. The keep ratio is the most compressive
+one whose measured model-quality cost keeps the budget (analyses.quality: calibration runs that
+`tracekit optimize` makes); without them it is the paper's (MP_KEEP_RATIO = 5% per sample, its 20×
+fewer elements), with its cost stated as not measured, so not recommended. The boundary tensor is the
 embedding output all-to-all: training all-to-all calls whose dtype is floating point (the input
 dist sends integer lengths and ids; the reference trainer tags the rest `_AllToAll.forward` and
 `.backward`, TorchRec `DefaultAll2AllSingle.__call__` and `All2All_Pooled_Wait.backward`: a tag
@@ -47,6 +49,9 @@ is fewer bytes; backward only the K gradient values:
 evidence, what TorchRec-style quantized payloads would send instead (`--a2a-dtype`): bf16 and fp16
 half the fp32 bytes, fp8 D + 4 bytes a row (e4m3 values and an fp32 scale). Table `dct_mp`, per
 tag and dtype: calls, bytes_per_step, predicted_bytes_per_step.
+
+Model quality, both parts: `eval_auc_change` and `eval_logloss_rel_change` as measured at the keep
+ratio applied (null where not measured; analyses.quality), in `predicted` beside bytes and time.
 
 Predicted step times (`step_time`, both parts) come from analyses.network: dp swaps DDP's bucket
 all-reduces (their ring bytes at β: asynchronous, their calls' α overlaps backward) for the hook's
@@ -67,11 +72,11 @@ import math
 
 import polars as pl
 
-from analyses import network, traffic
+from analyses import network, quality, traffic
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
 from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
-from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
+from tracekit.figures import A2A_BYTES, AUC_CHANGE, DP_BYTES, LOGLOSS_CHANGE, OUTPUT_A2A_BYTES, STEP_TIME
 from tracekit.policy import DctDp, DctMp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
 
@@ -89,11 +94,13 @@ def derive(ctx: Context) -> PolicyResult:
     result = PolicyResult("compression")
     world = ctx.model.world_size
     steps = traffic.training_steps(ctx)
+    calibration = quality.load(ctx.path)
     dp, dp_reason = _derive_dp(ctx, world, steps, result)
-    mp, mp_reason = _derive_mp(ctx, world, steps, result)
+    mp, mp_reason = _derive_mp(ctx, world, steps, result, calibration)
     for name, body in (("dp", dp), ("mp", mp)):
         if body is not None:
             step_time(ctx, name, body)
+            _quality(body, f"compression.{name}", calibration, result)
     section = {name: body for name, body in (("dp", dp), ("mp", mp)) if body is not None}
     reasons = {name: why for name, why in (("dp", dp_reason), ("mp", mp_reason)) if why}
     result.evidence["not_derived"] = reasons
@@ -219,6 +226,20 @@ def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
                  prediction=Prediction(predicted, why)).to_json(), None
 
 
+def _quality(body: dict, label: str, calibration: quality.Calibration | None, result: PolicyResult) -> None:
+    """Set the section's predicted model-quality change from the calibration run at its keep ratio
+    (null where none ran), and say where it came from in `why` and the evidence."""
+    point = None if calibration is None else calibration.at(label, body["keep_ratio"])
+    body["predicted"].update(point.figures() if point else {AUC_CHANGE: None, LOGLOSS_CHANGE: None})
+    source = (f"model quality: {point.describe()}" if point else
+              "model quality: not measured (the trace cannot say; `tracekit optimize` measures it with calibration runs)")
+    body["why"] += f"; {source}"
+    measured = [] if calibration is None else calibration.of(label)
+    result.evidence.setdefault(label.partition(".")[2], {})["quality"] = {
+        "source": "analysis/quality.json (calibration runs of the recorded command)" if measured else "not measured",
+        "points": [{"keep_ratio": p.keep_ratio, **p.figures(), "run": p.run, "steps": p.steps} for p in measured]}
+
+
 def _common_dim(ctx: Context) -> int | None:
     dims = {t.dim for t in ctx.model.tables}
     return dims.pop() if len(dims) == 1 else None
@@ -239,7 +260,8 @@ def _dp_baseline(ctx: Context, steps: int) -> float | None:
     return total / steps
 
 
-def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tuple[dict | None, str | None]:
+def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
+               calibration: quality.Calibration | None) -> tuple[dict | None, str | None]:
     if not ctx.has("comms") or not steps:
         return None, "no training comms: no embedding output all-to-all to compress"
     calls = ctx.frame(f"""
@@ -254,7 +276,10 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
     dim = _common_dim(ctx)
     if dim is None:
         return None, "the tables have different dims: the output rows' width is unknown"
-    k = max(1, min(dim, math.ceil(MP_KEEP_RATIO * dim - 1e-9)))
+    chosen = None if calibration is None else calibration.choose("compression.mp", ctx.options.quality_budget)
+    keep = MP_KEEP_RATIO if chosen is None else chosen.keep_ratio
+    within = chosen is not None and ctx.options.quality_budget.exceeded_by(chosen.figures()) is None
+    k = max(1, min(dim, math.ceil(keep * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
     rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)
     forward = ~pl.col("tag").str.ends_with("backward")  # TorchRec's forward is DefaultAll2AllSingle.__call__
@@ -278,12 +303,18 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
         "kept_values_per_row": k, "dim": dim,
         "rows": "comms: training all-to-all calls of a floating-point dtype (embedding outputs and their "
                 f"gradients; tags {', '.join(sorted(set(output['tag'])))})",
-        "keep_ratio_source": "the DCT paper's 20x fewer elements (5% per sample); the trace has no activation "
-                             "statistics, so it is not measured",
+        "keep_ratio_source": (f"the most compressive keep ratio measured within {ctx.options.quality_budget.describe()}"
+                              " (analysis/quality.json)" if within else
+                              "the least compressive keep ratio measured (none kept the quality budget)"
+                              if chosen is not None else
+                              "the DCT paper's 20x fewer elements (5% per sample); the trace has no activation "
+                              "statistics, so it is not measured"),
         "formula": "rows n = bytes_out / (value_bytes * D); forward n * (K * value_bytes + min(K * position_bytes, "
                    "ceil(D / 8))), backward n * K * value_bytes, K = ceil(keep_ratio * D)",
     }
-    why = (f"keep the largest {MP_KEEP_RATIO:.0%} of each sample's embedding outputs (the paper's ratio; the trace "
-           f"has no activation statistics): {measured:,.0f} -> {predicted_out:,.0f} output all-to-all bytes per step "
-           f"(the top {k} of {dim} values a row, with their positions forward)")
-    return DctMp(keep_ratio=MP_KEEP_RATIO, prediction=Prediction(predicted, why)).to_json(), None
+    source = ("the paper's ratio" if chosen is None else "the most compressive measured within the quality budget"
+              if within else "the least compressive measured; none kept the quality budget")
+    why = (f"keep the largest {keep:.1%} of each sample's embedding outputs ({source}): {measured:,.0f} -> "
+           f"{predicted_out:,.0f} output all-to-all bytes per step (the top {k} of {dim} values a row, with their "
+           "positions forward)")
+    return DctMp(keep_ratio=keep, prediction=Prediction(predicted, why)).to_json(), None

@@ -1,0 +1,177 @@
+"""The model-quality cost of the lossy sections (DCT's compression.dp and compression.mp), and the
+budget a recommended one must keep.
+
+A trace holds bytes and times, not what sparsifying gradients or embedding outputs does to the
+model, so the cost is measured: `tracekit optimize` (tracekit/quality_runs.py) re-runs the recorded
+command with each lossy section alone, at keep ratios from the most compressive up, and writes what
+the runs' eval AUC and log loss did against the baseline's to RUN/analysis/quality.json:
+
+    {"schema": "tracekit.quality/1",
+     "points": [{"section": "compression.mp", "keep_ratio": 0.0625, "run": ..., "steps": 200,
+                 "eval_auc", "eval_logloss", "baseline_eval_auc", "baseline_eval_logloss",
+                 "eval_auc_change", "eval_logloss_rel_change"}, ...]}
+
+(`eval_logloss_rel_change` is relative to the baseline's log loss; a point's baseline is the recorded
+run, or the command re-run at the point's steps where the calibration ran fewer). `analyze` reads
+the file: a lossy section takes the most compressive measured keep ratio within the budget, and
+predicts the change measured there.
+Without a measurement a lossy section states that its cost is not known and is not recommended;
+one whose measured cost exceeds the budget is not recommended either (analyses.decision).
+
+The budget (`analyze --quality-budget`): an eval AUC loss of at most 0.002 by default, or, given as
+a percentage ("0.5%"), a relative rise of eval log loss; where the runs have no eval AUC, the log
+loss's rise of 0.5% is the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tracekit.errors import TracekitError
+from tracekit.figures import AUC_CHANGE, LOGLOSS_CHANGE
+from tracekit.files import write_text
+
+SCHEMA = "tracekit.quality/1"
+FILE = "quality.json"  # in RUN/analysis/
+LOSSY = ("compression.dp", "compression.mp")
+"""The sections that change what the model computes, whose cost is measured here."""
+NOT_MEASURED = "its model-quality cost is not measured"
+AUC_BUDGET = 0.002
+LOSS_BUDGET = 0.005
+
+
+class QualityError(TracekitError):
+    """A quality budget or a quality.json that cannot be read."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The most a lossy section may cost: an eval AUC loss (`auc`), else a relative rise of eval log
+    loss (`loss`, used where the runs have no AUC, or alone when the budget is given that way)."""
+
+    auc: float | None = AUC_BUDGET
+    loss: float = LOSS_BUDGET
+
+    @staticmethod
+    def parse(text: str) -> Budget:
+        """'0.002' (eval AUC) or '0.5%' (eval log loss, relative); ValueError saying what was expected."""
+        try:
+            value = float(text.rstrip("%"))
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"expected an eval AUC loss such as 0.002, or a relative log-loss rise such as 0.5%, "
+                             f"got {text!r}")
+        return Budget(auc=None, loss=value / 100) if text.endswith("%") else Budget(auc=value)
+
+    def describe(self) -> str:
+        return (f"an eval AUC loss of at most {self.auc:g}" if self.auc is not None
+                else f"an eval log-loss rise of at most {self.loss:.2%}")
+
+    def exceeded_by(self, figures: dict[str, Any]) -> str | None:
+        """Why a predicted change (AUC_CHANGE; LOGLOSS_CHANGE, relative) is beyond the budget; None
+        within it."""
+        auc, loss = figures.get(AUC_CHANGE), figures.get(LOGLOSS_CHANGE)
+        if self.auc is not None and auc is not None:
+            return None if auc >= -self.auc else f"eval AUC {auc:+.4f}, beyond the quality budget's -{self.auc:g}"
+        if loss is not None:
+            return None if loss <= self.loss else f"eval log loss {loss:+.2%}, beyond the quality budget's +{self.loss:.2%}"
+        return f"{NOT_MEASURED} (`tracekit optimize` measures it with calibration runs)"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One calibration run: a lossy section alone at `keep_ratio`, and what the eval metrics did."""
+
+    section: str
+    keep_ratio: float
+    run: str
+    steps: int | None
+    auc_change: float | None
+    logloss_change: float | None  # relative to the baseline's
+
+    def figures(self) -> dict[str, float | None]:
+        return {AUC_CHANGE: self.auc_change, LOGLOSS_CHANGE: self.logloss_change}
+
+    def describe(self) -> str:
+        steps = f"{self.steps} steps" if self.steps else "the run's steps"
+        return f"{describe_change(self.figures())} measured at keep {self.keep_ratio:.2%} ({steps}, {self.run})"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What RUN/analysis/quality.json holds: the points measured, by section."""
+
+    points: tuple[Point, ...]
+
+    def of(self, section: str) -> list[Point]:
+        """The section's points, most compressive first."""
+        return sorted((p for p in self.points if p.section == section), key=lambda p: p.keep_ratio)
+
+    def choose(self, section: str, budget: Budget) -> Point | None:
+        """The most compressive point within `budget`; else the least compressive measured (which the
+        decision then refuses, saying by how much it is over); None where nothing was measured."""
+        points = self.of(section)
+        within = [p for p in points if budget.exceeded_by(p.figures()) is None]
+        return within[0] if within else (points[-1] if points else None)
+
+    def at(self, section: str, keep_ratio: float) -> Point | None:
+        return next((p for p in self.of(section) if math.isclose(p.keep_ratio, keep_ratio, rel_tol=1e-9)), None)
+
+
+def describe_change(figures: dict[str, Any]) -> str:
+    """'eval AUC -0.0012, eval log loss +0.31%' of a point's or a prediction's figures."""
+    auc, loss = figures.get(AUC_CHANGE), figures.get(LOGLOSS_CHANGE)
+    parts = ([] if auc is None else [f"eval AUC {auc:+.4f}"]) + ([] if loss is None else [f"eval log loss {loss:+.2%}"])
+    return ", ".join(parts) or "no eval metrics"
+
+
+def load(run: str | Path) -> Calibration | None:
+    """RUN/analysis/quality.json, or None where no calibration was run."""
+    path = Path(run) / "analysis" / FILE
+    if not path.is_file():
+        return None
+    try:
+        body = json.loads(path.read_text())
+        if body.get("schema") != SCHEMA:
+            raise ValueError(f"schema {body.get('schema')!r}, expected {SCHEMA!r}")
+        return Calibration(tuple(_point(p) for p in body["points"]))
+    except (ValueError, KeyError, TypeError) as err:
+        raise QualityError(f"{path}: not a quality calibration ({err}); delete it, or re-run `tracekit optimize`") from None
+
+
+def _point(body: dict) -> Point:
+    return Point(str(body["section"]), float(body["keep_ratio"]), str(body["run"]), body.get("steps"),
+                 body.get(AUC_CHANGE), body.get(LOGLOSS_CHANGE))
+
+
+def changes(metrics: dict, baseline: dict) -> dict[str, float | None]:
+    """What a run's manifest `metrics` did against the baseline's: AUC_CHANGE (eval AUC, difference),
+    LOGLOSS_CHANGE (eval log loss, relative); None where either lacks the metric."""
+    auc, base_auc = metrics.get("eval_auc"), baseline.get("eval_auc")
+    loss, base_loss = metrics.get("eval_logloss"), baseline.get("eval_logloss")
+    return {AUC_CHANGE: auc - base_auc if _finite(auc) and _finite(base_auc) else None,
+            LOGLOSS_CHANGE: loss / base_loss - 1 if _finite(loss) and _finite(base_loss) and base_loss else None}
+
+
+def point_of(section: str, keep_ratio: float, run: str, steps: int | None, metrics: dict,
+             baseline: dict) -> dict:
+    """A quality.json point from a calibration run's manifest `metrics` and its baseline's."""
+    return {"section": section, "keep_ratio": keep_ratio, "run": run, "steps": steps,
+            "eval_auc": metrics.get("eval_auc"), "eval_logloss": metrics.get("eval_logloss"),
+            "baseline_eval_auc": baseline.get("eval_auc"), "baseline_eval_logloss": baseline.get("eval_logloss"),
+            **changes(metrics, baseline)}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def write(run: str | Path, points: list[dict]) -> Path:
+    path = Path(run) / "analysis" / FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text(path, json.dumps({"schema": SCHEMA, "points": points}, indent=2) + "\n")

@@ -1,0 +1,145 @@
+"""Model quality as part of a lossy section's prediction (analyses.quality, tracekit/quality_runs.py):
+the budget and its parsing, the choice of the most compressive measured keep ratio within it, the
+decision that refuses a lossy section whose cost is unmeasured or over the budget, and, on real
+2-rank runs of the reference trainer, calibration runs whose measured AUC change `analyze` predicts
+and `compare` sets beside a re-run's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from analyses import quality
+from analyses.analyze import analyze
+from analyses.compare import compare
+from analyses.context import Options
+from analyses.decision import decide
+from analyses.quality import Budget, Calibration, Point
+from tests.recorded import REPO, TINY, record
+from tracekit.cli import cli
+from tracekit.figures import AUC_CHANGE, LOGLOSS_CHANGE, STEP_TIME
+from tracekit.optimize import record as record_run
+from tracekit.policy import DctMp, Policy, Prediction, load_policy
+from tracekit.quality_runs import calibrate, ladder
+
+
+def test_the_budget_is_an_auc_loss_or_a_relative_log_loss_rise() -> None:
+    assert Budget.parse("0.002") == Budget(auc=0.002)
+    assert Budget.parse("0.5%") == Budget(auc=None, loss=0.005)
+    for bad in ("abc", "-0.1", "nan"):
+        with pytest.raises(ValueError, match="expected an eval AUC loss such as 0.002"):
+            Budget.parse(bad)
+    r = CliRunner().invoke(cli, ["analyze", "no-such-run", "--quality-budget", "lots"])
+    assert r.exit_code == 2 and "Invalid value for --quality-budget" in r.output, r.output
+
+
+def test_a_change_is_within_the_budget_or_says_by_how_much_it_is_over() -> None:
+    budget = Budget()
+    assert budget.exceeded_by({AUC_CHANGE: -0.0019, LOGLOSS_CHANGE: 0.01}) is None
+    assert budget.exceeded_by({AUC_CHANGE: +0.003}) is None
+    assert budget.exceeded_by({AUC_CHANGE: -0.0083}) == "eval AUC -0.0083, beyond the quality budget's -0.002"
+    assert budget.exceeded_by({AUC_CHANGE: None, LOGLOSS_CHANGE: 0.004}) is None  # no AUC: the log loss decides
+    assert "beyond the quality budget's +0.50%" in budget.exceeded_by({LOGLOSS_CHANGE: 0.006})
+    assert budget.exceeded_by({AUC_CHANGE: None, LOGLOSS_CHANGE: None}).startswith(quality.NOT_MEASURED)
+    assert Budget.parse("1%").exceeded_by({AUC_CHANGE: -0.5, LOGLOSS_CHANGE: 0.009}) is None  # a loss budget alone
+
+
+def _point(keep: float, auc: float | None) -> Point:
+    return Point("compression.mp", keep, f"runs/q-{keep}", 400, auc, None)
+
+
+def test_the_most_compressive_keep_ratio_within_the_budget_is_chosen() -> None:
+    calibration = Calibration((_point(0.25, -0.0004), _point(0.0625, -0.0083), _point(0.125, -0.0015)))
+    assert [p.keep_ratio for p in calibration.of("compression.mp")] == [0.0625, 0.125, 0.25]
+    assert calibration.choose("compression.mp", Budget()).keep_ratio == 0.125
+    assert calibration.choose("compression.mp", Budget(auc=0.01)).keep_ratio == 0.0625
+    over = calibration.choose("compression.mp", Budget(auc=0.0001))  # none within: the least compressive, refused
+    assert over.keep_ratio == 0.25 and Budget(auc=0.0001).exceeded_by(over.figures()) is not None
+    assert calibration.choose("compression.dp", Budget()) is None
+    assert calibration.at("compression.mp", 0.125).auc_change == -0.0015
+
+
+class _Net:
+    """analyses.network's Network as decide() reads it, with a baseline of 10 ms and an error of 1 ms."""
+
+    class step:
+        median_s, spread_s = 0.010, 0.0005
+
+    class fit:
+        residual_s = 0.0005
+
+
+def _mp_policy(auc: float | None) -> Policy:
+    figures = {STEP_TIME: 0.005, AUC_CHANGE: auc, LOGLOSS_CHANGE: None}
+    return Policy("runs/base", {"tables": [{"name": "t0", "num_rows": 10, "dim": 16}], "world_size": 2},
+                  sections={"compression.mp": DctMp(keep_ratio=0.125, prediction=Prediction(figures, "test"))})
+
+
+def test_a_lossy_section_faster_on_time_is_recommended_only_within_a_measured_budget() -> None:
+    decided = {auc: decide(_mp_policy(auc), _Net(), Budget()).sections["compression.mp"]  # type: ignore[arg-type]
+               for auc in (None, -0.0083, -0.001)}
+    assert not decided[None].recommended and decided[None].reason.startswith(quality.NOT_MEASURED)
+    assert not decided[-0.0083].recommended and "beyond the quality budget" in decided[-0.0083].reason
+    assert decided[-0.001].recommended
+
+
+def test_the_mp_ladder_doubles_the_values_a_row_keeps() -> None:
+    assert ladder("compression.mp", _mp_policy(None)) == [1 / 16, 2 / 16, 4 / 16, 8 / 16]
+
+
+STEPS = "40"
+
+
+def _record(tmp: Path, *extra: str) -> Path:
+    options = dict(zip(TINY[::2], TINY[1::2])) | {"--steps": STEPS, "--eval-fraction": "0.25"}
+    code, run_dir = record(tmp, *_command(), *[x for kv in options.items() for x in kv], *extra)
+    assert code == 0
+    return run_dir
+
+
+def _command() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(REPO / "train.py")]
+
+
+@pytest.mark.slow
+def test_calibration_runs_measure_what_analyze_predicts_and_compare_checks(tmp_path: Path) -> None:
+    base = _record(tmp_path / "base")
+    analyze(base, Options(policies=("compression",)))
+    mp = load_policy(base / "policy.json")["compression"]["mp"]
+    assert mp["predicted"][AUC_CHANGE] is None and mp["recommended"] is False
+    assert "model quality: not measured" in mp["why"]
+
+    options = dict(zip(TINY[::2], TINY[1::2])) | {"--steps": STEPS, "--eval-fraction": "0.25"}
+    command = [*_command(), *[x for kv in options.items() for x in kv]]
+    budget = Budget(auc=1.0)  # any change keeps it: the first, most compressive, point is chosen
+    notes = calibrate(command, base, tmp_path, budget, labels=["compression.mp"],
+                      record=lambda run, cmd, log: record_run(run, cmd, log, lookup_every=10))
+    points = json.loads((base / "analysis" / "quality.json").read_text())["points"]
+    assert [p["keep_ratio"] for p in points] == [1 / 8] and len(notes) == 1, notes  # dim 8: K = 1
+    base_auc = json.loads((base / "manifest.json").read_text())["metrics"]["eval_auc"]
+    run_auc = json.loads((Path(points[0]["run"]) / "manifest.json").read_text())["metrics"]["eval_auc"]
+    assert points[0][AUC_CHANGE] == pytest.approx(run_auc - base_auc, abs=1e-12)
+    assert points[0]["steps"] == int(STEPS)
+
+    analyze(base, Options(policies=("compression",), quality_budget=budget))
+    mp = load_policy(base / "policy.json")["compression"]["mp"]
+    assert mp["keep_ratio"] == 1 / 8 and mp["predicted"][AUC_CHANGE] == points[0][AUC_CHANGE]
+    assert "model quality: eval AUC" in mp["why"]
+
+    # a re-run at that keep ratio: compare sets its measured AUC change beside the prediction
+    single = load_policy(base / "policy.json")
+    single = {k: v for k, v in single.items() if k not in ("replication", "tiers", "schedule", "lag", "combined")}
+    single["compression"] = {"mp": {**mp, "recommended": True}}
+    single["compression"]["mp"].pop("reason", None)
+    path = base / "policy.mp.test.json"
+    path.write_text(json.dumps(single))
+    rerun = _record(tmp_path / "rerun", "--policy", str(path))
+    rows = {r["figure"]: r for r in compare(base, [rerun]).summary["rows"] if r["section"] == "compression.mp"}
+    auc = rows[AUC_CHANGE]
+    assert auc["unit"] == "auc" and auc["predicted"] == points[0][AUC_CHANGE]
+    assert auc["measured"] == pytest.approx(auc["predicted"], abs=1e-9)  # the trainer is deterministic: same run
+    assert rows[LOGLOSS_CHANGE]["measured"] == pytest.approx(points[0][LOGLOSS_CHANGE], abs=1e-9)
