@@ -16,9 +16,11 @@ $(STAMP): requirements.txt pyproject.toml setup.py tracekit/dlrm/csrc/sparse_upd
 	touch $(STAMP)
 
 # The TorchRec venv (bench/.venv-torchrec) the TorchRec tests install tracekit into; idempotent.
-# Without a package index it fails: the rest of `make test` still runs, and those tests skip saying why.
+# Without a package index it fails: the rest of `make test` still runs, and those tests skip saying why;
+# under TRACEKIT_STRICT_PREREQUISITES (CI, .ci/run) the failure stops `make test` (tests/prerequisites.py).
 torchrec-venv:
-	bash bench/setup_torchrec_venv.sh || echo "make: no TorchRec venv (see above); the TorchRec tests will skip" >&2
+	bash bench/setup_torchrec_venv.sh || { test -z "$$TRACEKIT_STRICT_PREREQUISITES" || exit 1; \
+		echo "make: no TorchRec venv (see above); the TorchRec tests will skip" >&2; }
 
 demo: venv
 	$(BIN)/python -m tracekit.demo

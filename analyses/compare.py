@@ -544,7 +544,7 @@ def savings(figures: dict, base: dict) -> dict[str, float]:
 def row(run: str, section: str, figure: str, predicted: float, measured: float | None,
         interval: tuple[float, float] | None = None) -> dict:
     unit = ("bytes" if figure.endswith("bytes_per_step") else "s" if figure.endswith("_s")
-            else "auc" if figure == AUC_CHANGE else "fraction")
+            else "auc" if figure == AUC_CHANGE else "relative" if figure == LOGLOSS_CHANGE else "fraction")
     diff = None if measured is None else measured - predicted
     diff_pct = None if diff is None else diff / predicted if predicted else 0.0 if diff == 0 else None
     low, high = interval or (None, None)

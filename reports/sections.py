@@ -383,6 +383,8 @@ def _diff(row: dict) -> str:
     as a difference, others in %."""
     if row["unit"] == "auc":
         return "–" if row["diff"] is None else f"{row['diff']:+.4f}"
+    if row["unit"] == "relative":
+        return "–" if row["diff"] is None else f"{row['diff'] * 100:+.2f} pts"
     if row["unit"] == "fraction":
         return "–" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
     return "–" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"

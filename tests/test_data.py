@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.prerequisites import needs
 from tracekit.dlrm.batch import Batch
 from tracekit.dlrm.criteo import read_criteo
 from tracekit.dlrm.data import open_dataset, read_parquet
@@ -21,7 +22,7 @@ from tracekit.errors import ConfigError, DataError
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CRITEO_SAMPLE = SHARED / "data" / "criteo-sample" / "criteo_dac_train_first10k.txt.gz"
-needs_criteo_sample = pytest.mark.skipif(not CRITEO_SAMPLE.is_file(), reason=f"{CRITEO_SAMPLE} is not here")
+needs_criteo_sample = needs(None if CRITEO_SAMPLE.is_file() else f"{CRITEO_SAMPLE} is not here")
 
 OPTIONS = dict(
     tables=4, rows=1000, num_dense=5, pooling=3, samples=10_000, seed=0, zipf=None, drift=0.0, preset=None, scale=1.0

@@ -19,6 +19,7 @@ import pytest
 
 from analyses.analyze import analyze
 from analyses.context import open_context
+from tests.prerequisites import missing
 from tests.recorded import REPO
 
 
@@ -27,10 +28,10 @@ def small_disk(tmp_path: Path):
     mount = tmp_path / "disk"
     mount.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+        missing("mounting a tmpfs needs root")
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        missing(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
         yield mount
     finally:

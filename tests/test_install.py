@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.prerequisites import missing
 from tests.torchrec_env import source_tree, torchrec_python  # noqa: F401 (the fixture)
 from tracekit.run import open_run
 
@@ -47,7 +48,7 @@ def test_pip_builds_a_pure_python_wheel_without_torch(tmp_path: Path) -> None:
     proc = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-w",
                tmp_path / "dist", src, cwd=tmp_path)  # build isolation: setuptools only, no torch
     if proc.returncode != 0 and "No matching distribution found for setuptools" in proc.stdout + proc.stderr:
-        pytest.skip("no package index to fetch setuptools from into the isolated build environment")
+        missing("no package index to fetch setuptools from into the isolated build environment")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [wheel] = (tmp_path / "dist").glob("*.whl")
     assert wheel.name == "tracekit-0.1.0-py3-none-any.whl"  # pure Python: no extension, any platform

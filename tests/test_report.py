@@ -26,6 +26,7 @@ from analyses.simulate import Target, project
 from reports import sections
 from reports.inputs import load
 from reports.numbers import show
+from tests.prerequisites import missing
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
 from tracekit.errors import TracekitError
@@ -73,7 +74,7 @@ def chromium() -> Path:
     if not CHROMIUM.exists() and shutil.which("apt-get"):
         subprocess.run(["apt-get", "install", "-y", "chromium"], capture_output=True, timeout=600)
     if not CHROMIUM.exists():
-        pytest.skip("headless Chromium is missing: /usr/bin/chromium not found and `apt-get install -y chromium` "
+        missing("headless Chromium is missing: /usr/bin/chromium not found and `apt-get install -y chromium` "
                     "did not install it (install Debian's chromium package)")
     return CHROMIUM
 

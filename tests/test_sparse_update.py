@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.prerequisites import needs
 from tracekit.dlrm import optim
 
 
@@ -14,7 +15,7 @@ def _reference(weight, ids, lengths, grads, lr):
     return expected
 
 
-@pytest.mark.skipif(optim._sparse_update is None, reason="C++ kernel not built (make venv builds it)")
+@needs(None if optim._sparse_update is not None else "the C++ sparse-update kernel is not built (make venv builds it)")
 @pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [3, 0, 2, 5], [20] * 8, [0, 0, 0]])
 def test_fused_kernel_matches_index_add(lengths: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -41,7 +42,7 @@ def test_python_path_matches_index_add(monkeypatch) -> None:
         torch.testing.assert_close(weight, expected)
 
 
-@pytest.mark.skipif(optim._sparse_update is None, reason="C++ kernel not built")
+@needs(None if optim._sparse_update is not None else "the C++ sparse-update kernel is not built (make venv builds it)")
 def test_fused_kernel_refuses_out_of_range_ids() -> None:
     weight = torch.zeros(4, 2)
     with pytest.raises(RuntimeError, match="outside the table's 4 rows"):

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tracekit.store
+from tests.prerequisites import needs
 from tracekit import thread_priority
 from tracekit.errors import RunNotFound, SchemaVersionError, TracekitError
 from tracekit.run import open_run
@@ -398,8 +399,8 @@ def _thread_state() -> tuple[bool, int]:
     return thread_priority.is_idle(tid), os.getpriority(os.PRIO_PROCESS, tid)
 
 
-@pytest.mark.skipif(not thread_priority.may_leave_idle(threading.get_native_id()),
-                    reason="this process may not lift a thread out of SCHED_IDLE (no CAP_SYS_NICE or RLIMIT_NICE)")
+@needs(None if thread_priority.may_leave_idle(threading.get_native_id()) else
+       "this process may not lift a thread out of SCHED_IDLE (no CAP_SYS_NICE or RLIMIT_NICE)")
 def test_an_idle_writer_runs_under_sched_idle_at_its_nice_value(tmp_path):
     seen = []
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -413,8 +414,8 @@ def test_an_idle_writer_runs_under_sched_idle_at_its_nice_value(tmp_path):
     assert _thread_state() == (False, base)  # the caller's thread is untouched
 
 
-@pytest.mark.skipif(not thread_priority.may_leave_idle(threading.get_native_id()),
-                    reason="this process may not lift a thread out of SCHED_IDLE (no CAP_SYS_NICE or RLIMIT_NICE)")
+@needs(None if thread_priority.may_leave_idle(threading.get_native_id()) else
+       "this process may not lift a thread out of SCHED_IDLE (no CAP_SYS_NICE or RLIMIT_NICE)")
 def test_a_starved_idle_writer_is_lifted_and_returns_to_idle(tmp_path):
     """A process spinning on the writer's core leaves an idle writer no time at all: the watchdog lifts
     it to its nice value, its rows are written, and once the core is free it goes back to idle."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
+from tests.prerequisites import missing
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import open_dataset
 from tracekit.dlrm.sharding import ShardingPlan, TableSpec, _init_shard
@@ -66,7 +67,7 @@ def world2() -> dict:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_world2_matches_world1(name: str, world2: dict) -> None:
     if "criteo" in name and not CRITEO.exists():
-        pytest.skip(f"{CRITEO} is absent")
+        missing(f"{CRITEO} is absent")
     losses1, weights1, auc1 = _train(0, 1, _config(name, 64))
     ranks = world2[name]
     losses2 = ranks[0][0]

@@ -9,7 +9,8 @@ resolved by pip): a non-editable copy, so it must be reinstalled to test the cur
 version is read before and after, and the session fails if the install changed or reinstalled it.
 
 A test module uses it with `from tests.torchrec_env import torchrec_python  # noqa: F401`; where
-the venv is missing or does not import torchrec, the tests that use it skip saying why.
+the venv is missing or does not import torchrec, the tests that use it skip saying why (and fail in
+CI, tests/prerequisites.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.prerequisites import missing
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = REPO / "bench" / ".venv-torchrec" / "bin" / "python"
@@ -63,12 +66,12 @@ def _usable_python() -> tuple[Path, str]:
     """The TorchRec venv's python and its torch version, or a skip that says why there is none."""
     python = Path(os.environ.get("TRACEKIT_TORCHREC_PYTHON", DEFAULT_PYTHON))
     if not os.access(python, os.X_OK):
-        pytest.skip(f"TorchRec venv not available: no {python}; {SETUP}")
+        missing(f"TorchRec venv not available: no {python}; {SETUP}")
     proc = subprocess.run([str(python), "-c", "import torch, torchrec; print(torch.__version__)"],
                           capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        pytest.skip(f"TorchRec venv not available: `import torchrec` fails in {python} ({why}); {SETUP}")
+        missing(f"TorchRec venv not available: `import torchrec` fails in {python} ({why}); {SETUP}")
     return python, proc.stdout.strip()
 
 

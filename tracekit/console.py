@@ -390,7 +390,7 @@ def _policy_value(row: dict, value: float | None) -> str:
     if value is None:
         return "n/a"
     shown = {"bytes": format_bytes, "s": lambda v: f"{v * 1e3:,.2f} ms", "fraction": lambda v: f"{v:.1%}",
-             "auc": lambda v: f"{v:+.4f}"}
+             "auc": lambda v: f"{v:+.4f}", "relative": lambda v: f"{v:+.2%}"}
     return shown[row["unit"]](value)
 
 
@@ -405,6 +405,8 @@ def _policy_predicted(row: dict) -> str:
 def _policy_diff(row: dict) -> str:
     if row["unit"] == "auc":
         return "n/a" if row["diff"] is None else f"{row['diff']:+.4f}"
+    if row["unit"] == "relative":
+        return "n/a" if row["diff"] is None else f"{row['diff'] * 100:+.2f} pts"
     if row["unit"] == "fraction":
         return "n/a" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
     return "n/a" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"
