@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -10,8 +12,12 @@ from tracekit.labels import current_label
 from tracekit.shards import Shard, shard_of
 
 
-def test_step_is_a_no_op_when_not_traced() -> None:
-    tracekit.step(samples=3, loss=0.5)
+def test_step_is_a_no_op_when_not_traced(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    threads = {t.name for t in threading.enumerate()}
+    assert tracekit.step(samples=3, loss=0.5) is None
+    assert {t.name for t in threading.enumerate()} == threads  # no writer started
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_labels_nest_and_unwind() -> None:

@@ -411,7 +411,7 @@ REFUSALS = {
     "other-world-size": Refusal(lambda d: _policy(d, world_size=2), "world size 2 in the policy, 1 here"),
     "not-json": Refusal(_not_json, "not valid JSON"),
     "wrong-schema": Refusal(lambda d: _edit(_policy(d), lambda p: p.update(schema="tracekit.policy/9")),
-                            "schema: expected \"tracekit.policy/1\", got 'tracekit.policy/9'"),
+                            "schema: expected \"tracekit.policy/1\" (or no schema field), got 'tracekit.policy/9'"),
     "unknown-sync": Refusal(lambda d: _edit(_policy(d), lambda p: p["replication"].update(sync="gossip")),
                             "replication.sync: expected one of sparse_allreduce, dense_allreduce"),
     "row-out-of-range": Refusal(_rows(["t0", "t1"], [3, 500]),
