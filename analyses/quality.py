@@ -1,20 +1,22 @@
-"""The model-quality cost of the lossy sections (DCT's compression.dp and compression.mp), and the
-budget a recommended one must keep.
+"""The model-quality cost of the lossy sections (DCT's compression.dp and compression.mp, FAE's
+schedule), and the budget a recommended one must keep.
 
-A trace holds bytes and times, not what sparsifying gradients or embedding outputs does to the
-model, so the cost is measured: `tracekit optimize` (tracekit/quality_runs.py) re-runs the recorded
-command with each lossy section alone, at keep ratios from the most compressive up, and writes what
-the runs' eval AUC and log loss did against the baseline's to RUN/analysis/quality.json:
+A trace holds bytes and times, not what sparsifying gradients or embedding outputs, or batching hot
+samples apart, does to the model, so the cost is measured: `tracekit optimize`
+(tracekit/quality_runs.py) re-runs the recorded command with each lossy section alone (DCT's at keep
+ratios from the most compressive up) and writes what the runs' eval AUC and log loss did against the
+baseline's to RUN/analysis/quality.json. A point's `setting` is the value of the section's SETTING
+field it ran with (DCT's keep ratio; the schedule's share of all-hot samples, which names its hot set):
 
     {"schema": "tracekit.quality/1",
-     "points": [{"section": "compression.mp", "keep_ratio": 0.0625, "run": ..., "steps": 200,
+     "points": [{"section": "compression.mp", "setting": 0.0625, "run": ..., "steps": 200,
                  "eval_auc", "eval_logloss", "baseline_eval_auc", "baseline_eval_logloss",
                  "eval_auc_change", "eval_logloss_rel_change"}, ...]}
 
 (`eval_logloss_rel_change` is relative to the baseline's log loss; a point's baseline is the recorded
 run, or the command re-run at the point's steps where the calibration ran fewer). `analyze` reads
-the file: a lossy section takes the most compressive measured keep ratio within the budget, and
-predicts the change measured there.
+the file: a DCT section takes the most compressive measured keep ratio within the budget, and each
+lossy section predicts the change measured at its setting.
 Without a measurement a lossy section states that its cost is not known and is not recommended;
 one whose measured cost exceeds the budget is not recommended either (analyses.decision).
 
@@ -37,8 +39,10 @@ from tracekit.files import write_text
 
 SCHEMA = "tracekit.quality/1"
 FILE = "quality.json"  # in RUN/analysis/
-LOSSY = ("compression.dp", "compression.mp")
-"""The sections that change what the model computes, whose cost is measured here."""
+SETTING = {"compression.dp": "keep_ratio", "compression.mp": "keep_ratio", "schedule": "hot_sample_fraction"}
+"""The lossy sections (they change what the model computes, so their cost is measured here), each with
+the field that sets how much: a point measured at another value of it is another section."""
+LOSSY = tuple(SETTING)
 NOT_MEASURED = "its model-quality cost is not measured"
 AUC_BUDGET = 0.002
 LOSS_BUDGET = 0.005
@@ -85,10 +89,10 @@ class Budget:
 
 @dataclass(frozen=True)
 class Point:
-    """One calibration run: a lossy section alone at `keep_ratio`, and what the eval metrics did."""
+    """One calibration run: a lossy section alone at `setting` (SETTING), and what the eval metrics did."""
 
     section: str
-    keep_ratio: float
+    setting: float
     run: str
     steps: int | None
     auc_change: float | None
@@ -99,7 +103,8 @@ class Point:
 
     def describe(self) -> str:
         steps = f"{self.steps} steps" if self.steps else "the run's steps"
-        return f"{describe_change(self.figures())} measured at keep {self.keep_ratio:.2%} ({steps}, {self.run})"
+        at = f"{SETTING[self.section].replace('_', ' ')} {self.setting:.2%}"
+        return f"{describe_change(self.figures())} measured at {at} ({steps}, {self.run})"
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class Calibration:
 
     def of(self, section: str) -> list[Point]:
         """The section's points, most compressive first."""
-        return sorted((p for p in self.points if p.section == section), key=lambda p: p.keep_ratio)
+        return sorted((p for p in self.points if p.section == section), key=lambda p: p.setting)
 
     def choose(self, section: str, budget: Budget) -> Point | None:
         """The most compressive point within `budget`; else the least compressive measured (which the
@@ -119,8 +124,8 @@ class Calibration:
         within = [p for p in points if budget.exceeded_by(p.figures()) is None]
         return within[0] if within else (points[-1] if points else None)
 
-    def at(self, section: str, keep_ratio: float) -> Point | None:
-        return next((p for p in self.of(section) if math.isclose(p.keep_ratio, keep_ratio, rel_tol=1e-9)), None)
+    def at(self, section: str, setting: float) -> Point | None:
+        return next((p for p in self.of(section) if math.isclose(p.setting, setting, rel_tol=1e-9)), None)
 
 
 def describe_change(figures: dict[str, Any]) -> str:
@@ -128,6 +133,20 @@ def describe_change(figures: dict[str, Any]) -> str:
     auc, loss = figures.get(AUC_CHANGE), figures.get(LOGLOSS_CHANGE)
     parts = ([] if auc is None else [f"eval AUC {auc:+.4f}"]) + ([] if loss is None else [f"eval log loss {loss:+.2%}"])
     return ", ".join(parts) or "no eval metrics"
+
+
+def attach(body: dict, label: str, calibration: Calibration | None, evidence: dict) -> None:
+    """Set a lossy section's predicted model-quality change from the calibration run at its setting
+    (null where none ran), and say where it came from in its `why` and in `evidence["quality"]`."""
+    point = None if calibration is None else calibration.at(label, float(body[SETTING[label]]))
+    body["predicted"].update(point.figures() if point else {AUC_CHANGE: None, LOGLOSS_CHANGE: None})
+    body["why"] += (f"; model quality: {point.describe()}" if point else
+                    "; model quality: not measured (the trace cannot say; `tracekit optimize` measures it with "
+                    "calibration runs)")
+    measured = [] if calibration is None else calibration.of(label)
+    evidence["quality"] = {
+        "source": "analysis/quality.json (calibration runs of the recorded command)" if measured else "not measured",
+        "points": [{SETTING[label]: p.setting, **p.figures(), "run": p.run, "steps": p.steps} for p in measured]}
 
 
 def load(run: str | Path) -> Calibration | None:
@@ -145,7 +164,7 @@ def load(run: str | Path) -> Calibration | None:
 
 
 def _point(body: dict) -> Point:
-    return Point(str(body["section"]), float(body["keep_ratio"]), str(body["run"]), body.get("steps"),
+    return Point(str(body["section"]), float(body["setting"]), str(body["run"]), body.get("steps"),
                  body.get(AUC_CHANGE), body.get(LOGLOSS_CHANGE))
 
 
@@ -158,10 +177,10 @@ def changes(metrics: dict, baseline: dict) -> dict[str, float | None]:
             LOGLOSS_CHANGE: loss / base_loss - 1 if _finite(loss) and _finite(base_loss) and base_loss else None}
 
 
-def point_of(section: str, keep_ratio: float, run: str, steps: int | None, metrics: dict,
+def point_of(section: str, setting: float, run: str, steps: int | None, metrics: dict,
              baseline: dict) -> dict:
     """A quality.json point from a calibration run's manifest `metrics` and its baseline's."""
-    return {"section": section, "keep_ratio": keep_ratio, "run": run, "steps": steps,
+    return {"section": section, "setting": setting, "run": run, "steps": steps,
             "eval_auc": metrics.get("eval_auc"), "eval_logloss": metrics.get("eval_logloss"),
             "baseline_eval_auc": baseline.get("eval_auc"), "baseline_eval_logloss": baseline.get("eval_logloss"),
             **changes(metrics, baseline)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,9 @@ from analyses.decision import decide
 from analyses.quality import Budget, Calibration, Point
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
-from tracekit.figures import AUC_CHANGE, LOGLOSS_CHANGE, STEP_TIME
+from tracekit.figures import AUC_CHANGE, HOT_ROWS, LOGLOSS_CHANGE, STEP_TIME
 from tracekit.optimize import record as record_run
-from tracekit.policy import DctMp, Policy, Prediction, load_policy
+from tracekit.policy import DctMp, Policy, Prediction, Schedule, load_policy
 from tracekit.quality_runs import calibrate, ladder
 
 
@@ -54,11 +55,11 @@ def _point(keep: float, auc: float | None) -> Point:
 
 def test_the_most_compressive_keep_ratio_within_the_budget_is_chosen() -> None:
     calibration = Calibration((_point(0.25, -0.0004), _point(0.0625, -0.0083), _point(0.125, -0.0015)))
-    assert [p.keep_ratio for p in calibration.of("compression.mp")] == [0.0625, 0.125, 0.25]
-    assert calibration.choose("compression.mp", Budget()).keep_ratio == 0.125
-    assert calibration.choose("compression.mp", Budget(auc=0.01)).keep_ratio == 0.0625
+    assert [p.setting for p in calibration.of("compression.mp")] == [0.0625, 0.125, 0.25]
+    assert calibration.choose("compression.mp", Budget()).setting == 0.125
+    assert calibration.choose("compression.mp", Budget(auc=0.01)).setting == 0.0625
     over = calibration.choose("compression.mp", Budget(auc=0.0001))  # none within: the least compressive, refused
-    assert over.keep_ratio == 0.25 and Budget(auc=0.0001).exceeded_by(over.figures()) is not None
+    assert over.setting == 0.25 and Budget(auc=0.0001).exceeded_by(over.figures()) is not None
     assert calibration.choose("compression.dp", Budget()) is None
     assert calibration.at("compression.mp", 0.125).auc_change == -0.0015
 
@@ -85,6 +86,20 @@ def test_a_lossy_section_faster_on_time_is_recommended_only_within_a_measured_bu
     assert not decided[None].recommended and decided[None].reason.startswith(quality.NOT_MEASURED)
     assert not decided[-0.0083].recommended and "beyond the quality budget" in decided[-0.0083].reason
     assert decided[-0.001].recommended
+
+
+def test_a_schedule_faster_on_time_waits_for_its_measured_quality_cost() -> None:
+    """FAE batches hot samples apart: the order the model sees them in changes, so the schedule is a
+    lossy section too, whose cost a calibration run measures at its hot set (its hot-sample share)."""
+    figures = {STEP_TIME: 0.005, AUC_CHANGE: None, LOGLOSS_CHANGE: None}
+    schedule = Schedule(hot_rows="policy/fae_hot_rows.parquet", hot_sample_fraction=0.3,
+                        prediction=Prediction({**figures, HOT_ROWS: 4}, "test"))
+    policy = Policy("runs/base", None, sections={"schedule": schedule})
+    decided = decide(policy, _Net(), Budget()).sections["schedule"]  # type: ignore[arg-type]
+    assert not decided.recommended and decided.reason.startswith(quality.NOT_MEASURED)
+    assert ladder("schedule", policy) == [0.3]
+    measured = replace(schedule, prediction=Prediction({**figures, HOT_ROWS: 4, AUC_CHANGE: -0.0002}, "test"))
+    assert decide(replace(policy, sections={"schedule": measured}), _Net(), Budget()).sections["schedule"].recommended  # type: ignore[arg-type]
 
 
 def test_the_mp_ladder_doubles_the_values_a_row_keeps() -> None:
@@ -119,7 +134,7 @@ def test_calibration_runs_measure_what_analyze_predicts_and_compare_checks(tmp_p
     notes = calibrate(command, base, tmp_path, budget, labels=["compression.mp"],
                       record=lambda run, cmd, log: record_run(run, cmd, log, lookup_every=10))
     points = json.loads((base / "analysis" / "quality.json").read_text())["points"]
-    assert [p["keep_ratio"] for p in points] == [1 / 8] and len(notes) == 1, notes  # dim 8: K = 1
+    assert [p["setting"] for p in points] == [1 / 8] and len(notes) == 1, notes  # dim 8: K = 1
     base_auc = json.loads((base / "manifest.json").read_text())["metrics"]["eval_auc"]
     run_auc = json.loads((Path(points[0]["run"]) / "manifest.json").read_text())["metrics"]["eval_auc"]
     assert points[0][AUC_CHANGE] == pytest.approx(run_auc - base_auc, abs=1e-12)

@@ -2,13 +2,14 @@
 (analyses.quality says how `analyze` uses them).
 
 For each lossy section that analyze would recommend on time but whose cost is not measured, the
-recorded command is re-run with that section alone, at keep ratios from the most compressive up,
+recorded command is re-run with that section alone, at settings from the most compressive up,
 until one keeps the quality budget. compression.mp tries K = ⌈5% · D⌉, then twice that, and so on
 below D (at most MP_POINTS runs), as a fraction of the rows' D values; compression.dp, the keep
-ratio analyze derived from the DCT-DP replay (a larger one is not derived from the trace). Each
-run is recorded like optimize's re-runs (OUT/quality-<label>-<keep>); what its eval AUC and log loss
-did against the baseline's goes to BASE/analysis/quality.json. The runs are as long as the recorded
-one, so a point is the cost of that command at that keep ratio, measured, not extrapolated.
+ratio analyze derived from the DCT-DP replay (a larger one is not derived from the trace); the
+schedule, its hot set as derived. Each run is recorded like optimize's re-runs
+(OUT/quality-<label>-<setting>); what its eval AUC and log loss did against the baseline's goes to
+BASE/analysis/quality.json. The runs are as long as the recorded
+one, so a point is the cost of that command at that setting, measured, not extrapolated.
 
     notes = calibrate(command, base, out_dir, budget, record=..., progress=print)
 """
@@ -35,10 +36,10 @@ def pending(policy: Policy) -> list[str]:
 
 
 def ladder(label: str, policy: Policy) -> list[float]:
-    """The keep ratios to try for `label`, most compressive first."""
+    """The settings (analyses.quality.SETTING) to try for `label`, most compressive first."""
     section = policy.sections[label]
     if not isinstance(section, DctMp):
-        return [float(section.keep_ratio)]  # type: ignore[attr-defined]
+        return [float(getattr(section, quality.SETTING[label]))]
     dims = {int(t["dim"]) for t in (policy.model or {}).get("tables", [])}
     if len(dims) != 1:
         return [float(section.keep_ratio)]
@@ -67,23 +68,26 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
                 "(tracekit.metrics); not recommended"]
     points, notes = [], []
     for label in labels:
-        keeps = ladder(label, policy)
-        for i, keep in enumerate(keeps, 1):
-            name = f"quality-{label.replace('.', '-')}-{keep:.4g}"
-            section = replace(policy.sections[label], keep_ratio=keep, recommended=True, reason=None)
+        settings = ladder(label, policy)
+        for i, setting in enumerate(settings, 1):
+            name = f"quality-{label.replace('.', '-')}-{setting:.4g}"
+            section = replace(policy.sections[label], recommended=True, reason=None)
+            if isinstance(section, DctMp):
+                section = replace(section, keep_ratio=setting)
             path = base / f"policy.{name}.json"
             write_policy(path, replace(policy, sections={label: section}, combined=None).to_json())
             log = out_dir / f"{name}.log"
-            progress(f"measuring the model-quality cost of {label} at keep {keep:.2%} ({i}/{len(keeps)}; log {log})")
+            at = f"{quality.SETTING[label].replace('_', ' ')} {setting:.2%}"
+            progress(f"measuring the model-quality cost of {label} at {at} ({i}/{len(settings)}; log {log})")
             code = record(out_dir / name, [*command, "--policy", str(path)], log)
             if code != 0:
-                notes.append(f"{label}: the calibration run at keep {keep:.2%} failed (exit code {code}); see {log}")
+                notes.append(f"{label}: the calibration run at {at} failed (exit code {code}); see {log}")
                 break
             metrics = recording.read_manifest(out_dir / name).get("metrics") or {}
-            point = quality.point_of(label, keep, str(out_dir / name), _steps(out_dir / name), metrics, baseline)
+            point = quality.point_of(label, setting, str(out_dir / name), _steps(out_dir / name), metrics, baseline)
             points.append(point)
             over = budget.exceeded_by(point)
-            notes.append(f"{label} at keep {keep:.2%}: {quality.describe_change(point)} measured"
+            notes.append(f"{label} at {at}: {quality.describe_change(point)} measured"
                          f" ({'within' if over is None else 'over'} the quality budget, {budget.describe()})")
             if over is None:
                 break

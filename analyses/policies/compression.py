@@ -76,7 +76,7 @@ from analyses import network, quality, traffic
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
 from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
-from tracekit.figures import A2A_BYTES, AUC_CHANGE, DP_BYTES, LOGLOSS_CHANGE, OUTPUT_A2A_BYTES, STEP_TIME
+from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
 from tracekit.policy import DctDp, DctMp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
 
@@ -100,7 +100,7 @@ def derive(ctx: Context) -> PolicyResult:
     for name, body in (("dp", dp), ("mp", mp)):
         if body is not None:
             step_time(ctx, name, body)
-            _quality(body, f"compression.{name}", calibration, result)
+            quality.attach(body, f"compression.{name}", calibration, result.evidence.setdefault(name, {}))
     section = {name: body for name, body in (("dp", dp), ("mp", mp)) if body is not None}
     reasons = {name: why for name, why in (("dp", dp_reason), ("mp", mp_reason)) if why}
     result.evidence["not_derived"] = reasons
@@ -226,20 +226,6 @@ def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
                  prediction=Prediction(predicted, why)).to_json(), None
 
 
-def _quality(body: dict, label: str, calibration: quality.Calibration | None, result: PolicyResult) -> None:
-    """Set the section's predicted model-quality change from the calibration run at its keep ratio
-    (null where none ran), and say where it came from in `why` and the evidence."""
-    point = None if calibration is None else calibration.at(label, body["keep_ratio"])
-    body["predicted"].update(point.figures() if point else {AUC_CHANGE: None, LOGLOSS_CHANGE: None})
-    source = (f"model quality: {point.describe()}" if point else
-              "model quality: not measured (the trace cannot say; `tracekit optimize` measures it with calibration runs)")
-    body["why"] += f"; {source}"
-    measured = [] if calibration is None else calibration.of(label)
-    result.evidence.setdefault(label.partition(".")[2], {})["quality"] = {
-        "source": "analysis/quality.json (calibration runs of the recorded command)" if measured else "not measured",
-        "points": [{"keep_ratio": p.keep_ratio, **p.figures(), "run": p.run, "steps": p.steps} for p in measured]}
-
-
 def _common_dim(ctx: Context) -> int | None:
     dims = {t.dim for t in ctx.model.tables}
     return dims.pop() if len(dims) == 1 else None
@@ -277,7 +263,7 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
     if dim is None:
         return None, "the tables have different dims: the output rows' width is unknown"
     chosen = None if calibration is None else calibration.choose("compression.mp", ctx.options.quality_budget)
-    keep = MP_KEEP_RATIO if chosen is None else chosen.keep_ratio
+    keep = MP_KEEP_RATIO if chosen is None else chosen.setting
     within = chosen is not None and ctx.options.quality_budget.exceeded_by(chosen.figures()) is None
     k = max(1, min(dim, math.ceil(keep * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))

@@ -33,7 +33,9 @@ whose every id is hot batched together, so those steps skip the all-to-all.
 needs is visible.
 
 Outputs: the `schedule` section (kind "fae", hot_rows, hot_sample_fraction, predicted
-{a2a_bytes_per_step, sync_bytes_per_step, step_time_s, hot_step_fraction, switch_bytes, ...}) and its
+{a2a_bytes_per_step, sync_bytes_per_step, step_time_s, hot_step_fraction, switch_bytes, ..., and the
+model-quality change a calibration run measured, analyses.quality: batching hot samples apart changes the
+order the model sees them in}) and its
 row list: policy/hot_rows.parquet when the hot set is replication's, else policy/fae_hot_rows.parquet.
 Its temporary tables (tk_fae_hot, tk_fae_cold_batches, tk_fae_cold, tk_fae_batches) are its own.
 """
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import attribution, exchange, network
+from analyses import attribution, exchange, network, quality
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
@@ -273,7 +275,9 @@ def _derive(ctx: Context) -> PolicyResult:
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
                 "shared_with_replication": shared, "network": network.network(ctx).summary(),
                 "notes": list(s.notes)}
-    return PolicyResult("schedule", section=section.to_json(), rows={name: rows}, evidence=evidence,
+    body = section.to_json()
+    quality.attach(body, "schedule", quality.load(ctx.path), evidence)
+    return PolicyResult("schedule", section=body, rows={name: rows}, evidence=evidence,
                         tables={"schedule_sweep": sweep(ctx, s, rows.height, merit)})
 
 
