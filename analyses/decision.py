@@ -37,7 +37,8 @@ def decide(policy: Policy, net: Network, budget: Budget = Budget()) -> Policy:
     decided: dict[str, Section] = {}
     for label, section in policy.sections.items():
         reason = (nothing_to_apply(section) or _replication_by_another_name(section) or no_gain(label, section, base, net)
-                  or (budget.exceeded_by(section.prediction.figures) if label in LOSSY else None))
+                  or (budget.exceeded_by(section.prediction.figures, section.prediction.intervals)
+                      if label in LOSSY else None))
         decided[label] = replace(section, recommended=reason is None, reason=reason)
     chosen = [label for label in EXCHANGE if label in decided and decided[label].recommended]
     if len(chosen) > 1:

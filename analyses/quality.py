@@ -9,14 +9,17 @@ baseline's to RUN/analysis/quality.json. A point's `setting` is the value of the
 field it ran with (DCT's keep ratio; the schedule's share of all-hot samples, which names its hot set):
 
     {"schema": "tracekit.quality/1",
-     "points": [{"section": "compression.mp", "setting": 0.0625, "run": ..., "steps": 200,
-                 "eval_auc", "eval_logloss", "baseline_eval_auc", "baseline_eval_logloss",
-                 "eval_auc_change", "eval_logloss_rel_change"}, ...]}
+     "points": [{"section": "compression.mp", "setting": 0.0625, "steps": 400,
+                 "seeds": [{"seed": 0, "run": ..., "eval_auc", "eval_logloss", "baseline_eval_auc",
+                            "baseline_eval_logloss", "eval_auc_change", "eval_logloss_rel_change"}, ...]}, ...]}
 
-(`eval_logloss_rel_change` is relative to the baseline's log loss; a point's baseline is the recorded
-run, or the command re-run at the point's steps where the calibration ran fewer). `analyze` reads
-the file: a DCT section takes the most compressive measured keep ratio within the budget, and each
-lossy section predicts the change measured at its setting.
+Each seed's change is against the baseline at the same seed (the recorded run is seed 0, the
+command as given; the others are the command re-run with `--seed N`); `eval_logloss_rel_change` is
+relative to the baseline's log loss. One seed's change is not the cost: on the Criteo Kaggle layout
+the same section moved AUC by −0.0003 at one seed and −0.0038 at another (bench/RESULTS.md §32). So a
+point's prediction is the mean over its seeds, its interval their range, and the budget must hold at
+the interval's worst end. `analyze` reads the file: a DCT section takes the most compressive measured
+keep ratio within the budget, and each lossy section predicts the change measured at its setting.
 Without a measurement a lossy section states that its cost is not known and is not recommended;
 one whose measured cost exceeds the budget is not recommended either (analyses.decision).
 
@@ -76,35 +79,61 @@ class Budget:
         return (f"an eval AUC loss of at most {self.auc:g}" if self.auc is not None
                 else f"an eval log-loss rise of at most {self.loss:.2%}")
 
-    def exceeded_by(self, figures: dict[str, Any]) -> str | None:
+    def exceeded_by(self, figures: dict[str, Any], intervals: dict[str, Any] | None = None) -> str | None:
         """Why a predicted change (AUC_CHANGE; LOGLOSS_CHANGE, relative) is beyond the budget; None
-        within it."""
+        within it. Where `intervals` give the change's range over the calibration seeds, its worst
+        end must keep the budget: every seed measured did."""
         auc, loss = figures.get(AUC_CHANGE), figures.get(LOGLOSS_CHANGE)
+        spans = intervals or {}
         if self.auc is not None and auc is not None:
-            return None if auc >= -self.auc else f"eval AUC {auc:+.4f}, beyond the quality budget's -{self.auc:g}"
+            worst = min(auc, *spans.get(AUC_CHANGE, [auc]))
+            if worst >= -self.auc:
+                return None
+            return f"eval AUC {_with_range(auc, spans.get(AUC_CHANGE), '+.4f')}, beyond the quality budget's -{self.auc:g}"
         if loss is not None:
-            return None if loss <= self.loss else f"eval log loss {loss:+.2%}, beyond the quality budget's +{self.loss:.2%}"
+            worst = max(loss, *spans.get(LOGLOSS_CHANGE, [loss]))
+            if worst <= self.loss:
+                return None
+            return (f"eval log loss {_with_range(loss, spans.get(LOGLOSS_CHANGE), '+.2%')}, beyond the quality "
+                    f"budget's +{self.loss:.2%}")
         return f"{NOT_MEASURED} (`tracekit optimize` measures it with calibration runs)"
+
+
+def _with_range(value: float, span: Any, fmt: str) -> str:
+    return f"{value:{fmt}}" if not span else f"{value:{fmt}} [{span[0]:{fmt}}, {span[1]:{fmt}}]"
 
 
 @dataclass(frozen=True)
 class Point:
-    """One calibration run: a lossy section alone at `setting` (SETTING), and what the eval metrics did."""
+    """A lossy section alone at `setting` (SETTING), run at one or more seeds: what the eval metrics did
+    against the baseline's at the same seed, each seed's change (`auc_changes`, `logloss_changes`,
+    the latter relative), their mean the prediction and their range its interval."""
 
     section: str
     setting: float
-    run: str
+    runs: tuple[str, ...]
     steps: int | None
-    auc_change: float | None
-    logloss_change: float | None  # relative to the baseline's
+    auc_changes: tuple[float, ...]
+    logloss_changes: tuple[float, ...]
 
     def figures(self) -> dict[str, float | None]:
-        return {AUC_CHANGE: self.auc_change, LOGLOSS_CHANGE: self.logloss_change}
+        return {AUC_CHANGE: _mean(self.auc_changes), LOGLOSS_CHANGE: _mean(self.logloss_changes)}
+
+    def intervals(self) -> dict[str, list[float]]:
+        """The range over the seeds, where more than one ran."""
+        return {figure: [min(values), max(values)] for figure, values in
+                ((AUC_CHANGE, self.auc_changes), (LOGLOSS_CHANGE, self.logloss_changes)) if len(values) > 1}
 
     def describe(self) -> str:
         steps = f"{self.steps} steps" if self.steps else "the run's steps"
         at = f"{SETTING[self.section].replace('_', ' ')} {self.setting:.2%}"
-        return f"{describe_change(self.figures())} measured at {at} ({steps}, {self.run})"
+        seeds = max(len(self.auc_changes), len(self.logloss_changes))
+        spread = f", over {seeds} seeds" if seeds > 1 else ", one seed"
+        return f"{describe_change(self.figures(), self.intervals())} measured at {at} ({steps}{spread}; {self.runs[0]})"
+
+
+def _mean(values: tuple[float, ...]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 @dataclass(frozen=True)
@@ -121,17 +150,19 @@ class Calibration:
         """The most compressive point within `budget`; else the least compressive measured (which the
         decision then refuses, saying by how much it is over); None where nothing was measured."""
         points = self.of(section)
-        within = [p for p in points if budget.exceeded_by(p.figures()) is None]
+        within = [p for p in points if budget.exceeded_by(p.figures(), p.intervals()) is None]
         return within[0] if within else (points[-1] if points else None)
 
     def at(self, section: str, setting: float) -> Point | None:
         return next((p for p in self.of(section) if math.isclose(p.setting, setting, rel_tol=1e-9)), None)
 
 
-def describe_change(figures: dict[str, Any]) -> str:
-    """'eval AUC -0.0012, eval log loss +0.31%' of a point's or a prediction's figures."""
+def describe_change(figures: dict[str, Any], intervals: dict[str, Any] | None = None) -> str:
+    """'eval AUC -0.0012 [-0.0020, -0.0003], eval log loss +0.31%' of a point's or a prediction's figures."""
     auc, loss = figures.get(AUC_CHANGE), figures.get(LOGLOSS_CHANGE)
-    parts = ([] if auc is None else [f"eval AUC {auc:+.4f}"]) + ([] if loss is None else [f"eval log loss {loss:+.2%}"])
+    spans = intervals or {}
+    parts = ([] if auc is None else [f"eval AUC {_with_range(auc, spans.get(AUC_CHANGE), '+.4f')}"]) + \
+        ([] if loss is None else [f"eval log loss {_with_range(loss, spans.get(LOGLOSS_CHANGE), '+.2%')}"])
     return ", ".join(parts) or "no eval metrics"
 
 
@@ -140,13 +171,16 @@ def attach(body: dict, label: str, calibration: Calibration | None, evidence: di
     (null where none ran), and say where it came from in its `why` and in `evidence["quality"]`."""
     point = None if calibration is None else calibration.at(label, float(body[SETTING[label]]))
     body["predicted"].update(point.figures() if point else {AUC_CHANGE: None, LOGLOSS_CHANGE: None})
+    if point and point.intervals():
+        body.setdefault("intervals", {}).update(point.intervals())
     body["why"] += (f"; model quality: {point.describe()}" if point else
                     "; model quality: not measured (the trace cannot say; `tracekit optimize` measures it with "
                     "calibration runs)")
     measured = [] if calibration is None else calibration.of(label)
     evidence["quality"] = {
         "source": "analysis/quality.json (calibration runs of the recorded command)" if measured else "not measured",
-        "points": [{SETTING[label]: p.setting, **p.figures(), "run": p.run, "steps": p.steps} for p in measured]}
+        "points": [{SETTING[label]: p.setting, **p.figures(), "intervals": p.intervals(), "runs": list(p.runs),
+                    "steps": p.steps} for p in measured]}
 
 
 def load(run: str | Path) -> Calibration | None:
@@ -158,14 +192,17 @@ def load(run: str | Path) -> Calibration | None:
         body = json.loads(path.read_text())
         if body.get("schema") != SCHEMA:
             raise ValueError(f"schema {body.get('schema')!r}, expected {SCHEMA!r}")
-        return Calibration(tuple(_point(p) for p in body["points"]))
+        return Calibration(tuple(load_point(p) for p in body["points"]))
     except (ValueError, KeyError, TypeError) as err:
         raise QualityError(f"{path}: not a quality calibration ({err}); delete it, or re-run `tracekit optimize`") from None
 
 
-def _point(body: dict) -> Point:
-    return Point(str(body["section"]), float(body["setting"]), str(body["run"]), body.get("steps"),
-                 body.get(AUC_CHANGE), body.get(LOGLOSS_CHANGE))
+def load_point(body: dict) -> Point:
+    """A quality.json point (point_of) as a Point."""
+    seeds = body["seeds"]
+    return Point(str(body["section"]), float(body["setting"]), tuple(str(s["run"]) for s in seeds), body.get("steps"),
+                 tuple(float(s[AUC_CHANGE]) for s in seeds if s.get(AUC_CHANGE) is not None),
+                 tuple(float(s[LOGLOSS_CHANGE]) for s in seeds if s.get(LOGLOSS_CHANGE) is not None))
 
 
 def changes(metrics: dict, baseline: dict) -> dict[str, float | None]:
@@ -177,13 +214,17 @@ def changes(metrics: dict, baseline: dict) -> dict[str, float | None]:
             LOGLOSS_CHANGE: loss / base_loss - 1 if _finite(loss) and _finite(base_loss) and base_loss else None}
 
 
-def point_of(section: str, setting: float, run: str, steps: int | None, metrics: dict,
-             baseline: dict) -> dict:
-    """A quality.json point from a calibration run's manifest `metrics` and its baseline's."""
-    return {"section": section, "setting": setting, "run": run, "steps": steps,
-            "eval_auc": metrics.get("eval_auc"), "eval_logloss": metrics.get("eval_logloss"),
+def seed_of(seed: int, run: str, metrics: dict, baseline: dict) -> dict:
+    """One seed of a quality.json point: a calibration run's manifest `metrics` against the baseline's
+    at the same seed."""
+    return {"seed": seed, "run": run, "eval_auc": metrics.get("eval_auc"), "eval_logloss": metrics.get("eval_logloss"),
             "baseline_eval_auc": baseline.get("eval_auc"), "baseline_eval_logloss": baseline.get("eval_logloss"),
             **changes(metrics, baseline)}
+
+
+def point_of(section: str, setting: float, steps: int | None, seeds: list[dict]) -> dict:
+    """A quality.json point: the section at `setting`, its seeds (seed_of)."""
+    return {"section": section, "setting": setting, "steps": steps, "seeds": seeds}
 
 
 def _finite(value: Any) -> bool:

@@ -6,10 +6,12 @@ recorded command is re-run with that section alone, at settings from the most co
 until one keeps the quality budget. compression.mp tries K = ⌈5% · D⌉, then twice that, and so on
 below D (at most MP_POINTS runs), as a fraction of the rows' D values; compression.dp, the keep
 ratio analyze derived from the DCT-DP replay (a larger one is not derived from the trace); the
-schedule, its hot set as derived. Each run is recorded like optimize's re-runs
-(OUT/quality-<label>-<setting>); what its eval AUC and log loss did against the baseline's goes to
-BASE/analysis/quality.json. The runs are as long as the recorded
-one, so a point is the cost of that command at that setting, measured, not extrapolated.
+schedule, its hot set as derived. Each setting runs at SEEDS seeds: the command as given (against
+the recorded baseline) and with `--seed N` appended (against the baseline re-run at that seed,
+OUT/quality-baseline-seedN); a command that takes no `--seed` is calibrated at one seed, and says so.
+Each run is recorded like optimize's re-runs (OUT/quality-<label>-<setting>[-seedN]); what its eval
+AUC and log loss did against its baseline's goes to BASE/analysis/quality.json. The runs are as
+long as the recorded one: a point is the cost of that command at that setting over those seeds.
 
     notes = calibrate(command, base, out_dir, budget, record=..., progress=print)
 """
@@ -26,7 +28,10 @@ from tracekit import recording
 from tracekit.policy import DctMp, Policy, read_policy, write_policy
 
 MP_POINTS = 4
-"""compression.mp's calibration runs at most (K, 2K, 4K, 8K values a row)."""
+"""compression.mp's settings at most (K, 2K, 4K, 8K values a row)."""
+SEEDS = 3
+"""Seeds each setting runs at (the command as given, then with --seed 1 and --seed 2), and the
+baseline too: one seed's AUC change is not the cost (analyses.quality)."""
 
 
 def pending(policy: Policy) -> list[str]:
@@ -54,19 +59,41 @@ def ladder(label: str, policy: Policy) -> list[float]:
 
 def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Budget,
               record: Callable[[Path, list[str], Path], int],
-              progress: Callable[[str], None] = lambda what: None, labels: list[str] | None = None) -> list[str]:
+              progress: Callable[[str], None] = lambda what: None, labels: list[str] | None = None,
+              seeds: int = SEEDS) -> list[str]:
     """Run the calibration (module docstring) for BASE's lossy sections `labels` (default: those
-    `pending`) and write BASE/analysis/quality.json; the notes on what ran and what was found.
-    `record(run_dir, command, log)` records one run and gives its exit code."""
+    `pending`) at `seeds` seeds and write BASE/analysis/quality.json; the notes on what ran and what
+    was found. `record(run_dir, command, log)` records one run and gives its exit code."""
     policy = read_policy(base / "policy.json")
     labels = pending(policy) if labels is None else labels
     if not labels:
         return []
-    baseline = recording.read_manifest(base).get("metrics") or {}
-    if not any(isinstance(baseline.get(k), (int, float)) for k in ("eval_auc", "eval_logloss")):
+    baselines = {0: (recording.read_manifest(base).get("metrics") or {})}
+    if not any(isinstance(baselines[0].get(k), (int, float)) for k in ("eval_auc", "eval_logloss")):
         return [f"{', '.join(labels)}: model quality not calibrated, the run reports no eval_auc or eval_logloss "
                 "(tracekit.metrics); not recommended"]
-    points, notes = [], []
+    notes: list[str] = []
+
+    def seeded(seed: int) -> list[str]:
+        return command if seed == 0 else [*command, "--seed", str(seed)]
+
+    def run(name: str, run_command: list[str], what: str) -> dict | None:
+        """Record one run; its manifest metrics, or None (with a note) where it failed."""
+        log = out_dir / f"{name}.log"
+        progress(f"{what} (log {log})")
+        code = record(out_dir / name, run_command, log)
+        if code != 0:
+            notes.append(f"{what}: the run failed (exit code {code}); see {log}")
+            return None
+        return recording.read_manifest(out_dir / name).get("metrics") or {}
+
+    for seed in range(1, seeds):  # the baseline at each further seed, the recorded run being seed 0
+        metrics = run(f"quality-baseline-seed{seed}", seeded(seed), f"the baseline at seed {seed}")
+        if metrics is None:
+            notes.append(f"model quality calibrated at {len(baselines)} seed(s): the command at --seed {seed} failed")
+            break
+        baselines[seed] = metrics
+    points = []
     for label in labels:
         settings = ladder(label, policy)
         for i, setting in enumerate(settings, 1):
@@ -76,19 +103,23 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
                 section = replace(section, keep_ratio=setting)
             path = base / f"policy.{name}.json"
             write_policy(path, replace(policy, sections={label: section}, combined=None).to_json())
-            log = out_dir / f"{name}.log"
             at = f"{quality.SETTING[label].replace('_', ' ')} {setting:.2%}"
-            progress(f"measuring the model-quality cost of {label} at {at} ({i}/{len(settings)}; log {log})")
-            code = record(out_dir / name, [*command, "--policy", str(path)], log)
-            if code != 0:
-                notes.append(f"{label}: the calibration run at {at} failed (exit code {code}); see {log}")
+            done = []
+            for seed, baseline in baselines.items():
+                run_name = name if seed == 0 else f"{name}-seed{seed}"
+                what = f"measuring the model-quality cost of {label} at {at} ({i}/{len(settings)}), seed {seed}"
+                metrics = run(run_name, [*seeded(seed), "--policy", str(path)], what)
+                if metrics is not None:
+                    done.append(quality.seed_of(seed, str(out_dir / run_name), metrics, baseline))
+            if not done:
                 break
-            metrics = recording.read_manifest(out_dir / name).get("metrics") or {}
-            point = quality.point_of(label, setting, str(out_dir / name), _steps(out_dir / name), metrics, baseline)
+            point = quality.point_of(label, setting, _steps(Path(done[0]["run"])), done)
             points.append(point)
-            over = budget.exceeded_by(point)
-            notes.append(f"{label} at {at}: {quality.describe_change(point)} measured"
-                         f" ({'within' if over is None else 'over'} the quality budget, {budget.describe()})")
+            parsed = quality.load_point(point)
+            over = budget.exceeded_by(parsed.figures(), parsed.intervals())
+            notes.append(f"{label} at {at}: {quality.describe_change(parsed.figures(), parsed.intervals())} over "
+                         f"{len(done)} seed(s) ({'within' if over is None else 'over'} the quality budget, "
+                         f"{budget.describe()}, at every seed)")
             if over is None:
                 break
     quality.write(base, points)

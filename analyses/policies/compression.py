@@ -264,7 +264,7 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
         return None, "the tables have different dims: the output rows' width is unknown"
     chosen = None if calibration is None else calibration.choose("compression.mp", ctx.options.quality_budget)
     keep = MP_KEEP_RATIO if chosen is None else chosen.setting
-    within = chosen is not None and ctx.options.quality_budget.exceeded_by(chosen.figures()) is None
+    within = chosen is not None and ctx.options.quality_budget.exceeded_by(chosen.figures(), chosen.intervals()) is None
     k = max(1, min(dim, math.ceil(keep * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
     rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)
