@@ -117,9 +117,10 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
             points.append(point)
             parsed = quality.load_point(point)
             over = budget.exceeded_by(parsed.figures(), parsed.intervals())
+            verdict = ("within the quality budget at every seed" if over is None
+                       else "over the quality budget at its worst seed")
             notes.append(f"{label} at {at}: {quality.describe_change(parsed.figures(), parsed.intervals())} over "
-                         f"{len(done)} seed(s) ({'within' if over is None else 'over'} the quality budget, "
-                         f"{budget.describe()}, at every seed)")
+                         f"{len(done)} seed(s), {verdict} ({budget.describe()})")
             if over is None:
                 break
     quality.write(base, points)
