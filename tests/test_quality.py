@@ -7,6 +7,7 @@ and `compare` sets beside a re-run's."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -178,3 +179,25 @@ def test_calibration_runs_measure_what_analyze_predicts_and_compare_checks(tmp_p
     # the re-run is the seed-0 calibration run again: the trainer is deterministic
     assert auc["measured"] == pytest.approx(seeds[0][AUC_CHANGE], abs=1e-9)
     assert rows[LOGLOSS_CHANGE]["measured"] == pytest.approx(seeds[0][LOGLOSS_CHANGE], abs=1e-9)
+
+
+def test_combined_counts_compression_mp_on_the_all_to_all_the_exchange_section_leaves() -> None:
+    """Replication leaves 25% of the all-to-all bytes: DCT-MP can only save its share of what is left.
+    The plain sum of the two savings (30 + 20 ms of a 40 ms step) would predict a 0 ms step."""
+    from analyses.decision import combined
+    from tracekit.figures import A2A_BYTES, DP_BYTES
+    from tracekit.policy import DctDp, Replication
+
+    baseline = {A2A_BYTES: 1000.0, STEP_TIME: 0.040}
+    replication = Replication(rows="policy/hot_rows.parquet", prediction=Prediction(
+        {A2A_BYTES: 250.0, STEP_TIME: 0.010}, "test", {STEP_TIME: (0.009, 0.011)}))
+    mp = DctMp(keep_ratio=0.25, prediction=Prediction({A2A_BYTES: 300.0, STEP_TIME: 0.020}, "test",
+                                                      {STEP_TIME: (0.018, 0.022)}))
+    both = combined(baseline, {"replication": replication, "compression.mp": mp}, 0.040, _Net())
+    assert both.prediction.figures[STEP_TIME] == pytest.approx(0.040 - 0.030 - 0.25 * 0.020)
+    assert both.prediction.figures[A2A_BYTES] == pytest.approx(250.0 * 0.3)
+    low, high = both.prediction.intervals[STEP_TIME]
+    assert (high - low) / 2 == pytest.approx(math.hypot(0.001, 0.25 * 0.002))
+    dp = DctDp(keep_ratio=0.001, prediction=Prediction({DP_BYTES: 10.0, STEP_TIME: 0.035}, "test"))
+    alone = combined(baseline, {"compression.mp": mp, "compression.dp": dp}, 0.040, _Net())  # no exchange: they add
+    assert alone.prediction.figures[STEP_TIME] == pytest.approx(0.040 - 0.020 - 0.005)
