@@ -222,6 +222,20 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
     validate(policy_with(derived.section, "compression"), tmp_path / "policy.json")
 
 
+def test_the_codec_work_is_the_calibrated_exchange_of_the_values_a_rank_sends_each_way(tmp_path: Path) -> None:
+    """calibrate._dct_mp times one exchange of n rows forward and backward; the run's output bytes hold
+    both directions, so a rank encodes half of them each way: 64 rows of D = 16 here (bench/RESULTS.md
+    §32: counting both directions doubled the work and predicted DCT-MP's step 25-35% slow)."""
+    run = compression_run(tmp_path / "run")
+    model = {"c0_s": 0.001, "c_value_s": 1e-6, "c_kept_s": 1e-5, "residual_s": 0.0}
+    (run / "analysis").mkdir(exist_ok=True)
+    (run / "analysis" / "calibration.json").write_text(json.dumps({"machine": {"cores": 2}, "dct_mp": model}))
+    with open_context(run) as ctx:
+        mp = compression.derive(ctx).section["mp"]
+    values = 64 * 16  # a rank's forward all-to-all, as its backward
+    assert mp["predicted"]["rank_work_s"] == pytest.approx(0.001 + 1e-6 * values + 1e-5 * values * 0.05)
+
+
 def test_without_grads_only_mp_is_derived_and_dp_says_why(tmp_path: Path) -> None:
     with open_context(compression_run(tmp_path / "run", with_grads=False)) as ctx:
         derived = compression.derive(ctx)

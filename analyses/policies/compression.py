@@ -142,7 +142,9 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
     else:
         removed = network.shrunk(ctx, f"op = 'all_to_all_single' AND ({FLOAT_DTYPE_SQL})", predicted["ratio"])
         added = 0.0
-        values = predicted["baseline_output_a2a_bytes_per_step"] / 4 / world  # fp32 values a rank sends
+        # fp32 values a rank sends each way: the baseline's bytes hold the forward and the backward
+        # all-to-all, and the calibration's point is one exchange of `values` both ways (calibrate._dct_mp)
+        values = predicted["baseline_output_a2a_bytes_per_step"] / 4 / world / 2
         work = net.work("dct_mp", value=values, kept=values * body["keep_ratio"])
         calls = 0
         kind = "dct_mp"
