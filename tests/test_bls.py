@@ -7,7 +7,6 @@ hanging; bad options are refused."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -106,7 +105,7 @@ def test_analyze_predicts_the_lag_makespan_and_compare_sets_it_beside_the_measur
     from tracekit.policy import load_policy, write_policy
 
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             str(REPO / "train.py"), *MODEL, "--json", "--straggler", "0.4:15"]
+             str(REPO / "train.py"), *MODEL, "--json", "--straggler", "0.4:60"]
     code, base = record(tmp_path / "base", *train)
     assert code == 0
     analyze(base, Options(policies=("lag",)))  # an inference run applies lag alone
@@ -119,10 +118,15 @@ def test_analyze_predicts_the_lag_makespan_and_compare_sets_it_beside_the_measur
     checked = write_policy(base / "policy.lag.json", policy)
     code, run = record(tmp_path / "bls", *train, "--policy", str(checked))
     assert code == 0
-    rows = compare(base, [run]).tables["compare_policy"].filter(pl.col("figure") == "makespan_s").to_dicts()
-    measured = json.loads((run / "manifest.json").read_text())["metrics"]["makespan_s"]
+    result = compare(base, [run])
+    rows = result.tables["compare_policy"].filter(pl.col("figure") == "makespan_s").to_dicts()
+    measured = result.summary["runs"][1]["timed_makespan_s"]  # the steps after the warm-up, as lag replays them
     assert [(r["section"], r["predicted"], r["measured"]) for r in rows] == [
         ("lag", section["predicted"]["makespan_s"], measured)]
+    # the seeded stragglers (60 ms on 40% of the steps) dominate the makespan: the replay of the
+    # baseline's recorded steps at the bound must predict what the bound run took over the same steps.
+    # Set against the trainer's whole-run makespan (the warm-up steps too) it was 23% short
+    assert section["predicted"]["makespan_s"] == pytest.approx(measured, rel=0.10)
 
 
 # rank 1's exchange thread fails at once, or its main thread at iteration 5 with the exchange
