@@ -65,6 +65,17 @@ def test_every_section_runs_and_its_bytes_are_as_predicted(optimized) -> None:
     assert "all_to_all_single" not in dict(ops)["hot"] and "all_to_all_single" in dict(ops)["cold"]
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known gap, found by this check (issue 33): at this 20% budget the schedule "
+                   "predicts 44 embedding all-to-all bytes a step and its run measures 3,107 (sync 13.8 kB against "
+                   "12.7 kB); not explained yet")
+def test_the_schedule_runs_bytes_are_as_predicted(optimized) -> None:
+    _, summary = optimized
+    rows = {r["figure"]: r for r in summary["rows"] if r["run"].endswith("schedule") and r["section"] == "schedule"}
+    for figure in ("a2a_bytes_per_step", "sync_bytes_per_step"):
+        assert rows[figure]["measured"] == pytest.approx(rows[figure]["predicted"], rel=0.02), figure
+
+
 def test_sections_not_worth_a_run_are_left_out_with_the_reason(tmp_path: Path) -> None:
     policy = new_policy(source_run="x", model={"tables": [{"name": "t0", "num_rows": 10, "dim": 4}], "world_size": 2})
     policy["replication"] = {"kind": "hybrid", "rows": "policy/hot_rows.parquet", "budget_bytes_per_rank": 0,
