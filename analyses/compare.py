@@ -53,7 +53,9 @@ the figures it predicts (a note names each section skipped, with why): a2a_bytes
 a2a_remote_bytes_per_step, sync_bytes_per_step, dp_bytes_per_step, total_bytes_per_step
 (predicted: a2a + sync, sync 0 where the section predicts none), total_remote_bytes_per_step,
 step_time_s, makespan_s (lag: the recurrence's over the steps after the warm-up, against the run's
-`timed_makespan_s`, the slowest rank's time over the same steps from its `steps` rows), and the savings against BASE's measured figures (the baseline used
+`timed_makespan_s`, the slowest rank's time over the same steps from its `steps` rows),
+eval_auc_change and eval_logloss_rel_change (a lossy section's, against the run's manifest
+`metrics` less BASE's), and the savings against BASE's measured figures (the baseline used
 throughout):
 
     saving         predicted 1 − predicted total / BASE total,  measured 1 − run total / BASE total

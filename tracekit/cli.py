@@ -81,8 +81,7 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
 @JSON
 def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
             policies: str | None, objective: str, replay_steps: int, quality_budget: str, memory_limit: str,
-            with_report: bool,
-            calibrate_first: bool, as_json: bool) -> None:
+            with_report: bool, calibrate_first: bool, as_json: bool) -> None:
     """Derive skew, traffic, timeline, cache and cost figures and the policies of a recorded run.
 
     Writes RUN/analysis/*.parquet, RUN/policy.json with RUN/policy/*.parquet, and RUN/report.html
@@ -260,9 +259,8 @@ def report(runs: tuple[Path, ...], output: Path | None, plotly_js: str) -> None:
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str | None, intra_bw: str | None,
              inter_bw: str | None, policies: str | None, objective: str, replay_steps: int, quality_budget: str,
-             memory_limit: str,
-             cluster_shape: str | None,
-             link: str | None, check_all: bool, dct_replay: bool, as_json: bool, command: tuple[str, ...]) -> None:
+             memory_limit: str, cluster_shape: str | None, link: str | None, check_all: bool, dct_replay: bool,
+             as_json: bool, command: tuple[str, ...]) -> None:
     """Record COMMAND, analyse it, re-run it with each policy and their combination, and compare.
 
     COMMAND must accept `--policy PATH` at its end (train.py does), or be a TorchRec job, re-run

@@ -85,9 +85,9 @@ ANALYSIS = _options_of(  # what analyze and optimize derive
                  help="Recorded lookup steps the exchange replays use, evenly spaced (0: all); a replay of fewer "
                       "steps than the run's states its error."),
     click.option("--quality-budget", default="0.002", show_default=True,
-                 help="The most a lossy section (DCT compression) may cost the model: an eval AUC loss (0.002), or "
-                      "a relative rise of eval log loss (0.5%). One whose measured cost is over it, or not "
-                      "measured, is not recommended; `optimize` measures it with calibration runs."),
+                 help="The most a lossy section (DCT compression, the FAE schedule) may cost the model: an eval AUC "
+                      "loss (0.002), or a relative rise of eval log loss (0.5%). One whose measured cost is over "
+                      "it, or not measured, is not recommended; `optimize` measures it with calibration runs."),
     click.option("--memory-limit", default="1GB", show_default=True,
                  help="Memory the analysis's DuckDB may hold (it spills to a temporary folder past it), e.g. 4GiB; "
                       "the process holds about 0.5 GiB more."))

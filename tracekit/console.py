@@ -254,10 +254,12 @@ def _value(key: str, value: Any) -> str:
         return format_bytes(value)
     if key.endswith("_s"):
         return f"{value * 1e3:.1f} ms"
-    if "fraction" in key or key == "gain" or key.endswith("rel_change"):
-        return f"{value:+.2%}" if key.endswith("rel_change") else f"{value:.1%}"
+    if key.endswith("rel_change"):
+        return f"{value:+.2%}"
     if key.endswith("_change"):
         return f"{value:+.4f}"
+    if "fraction" in key or key == "gain":
+        return f"{value:.1%}"
     return _cell(value)
 
 

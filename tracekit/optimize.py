@@ -1,8 +1,8 @@
 """`tracekit optimize`: the whole loop in one library call (DESIGN.md §1).
 
     DIR/base            the command recorded as given (lookups on every step, so predictions are exact)
-    DIR/quality-*       a lossy section (DCT compression) alone at a keep ratio, where analyze would
-                        recommend it on time but its model-quality cost is not measured: the
+    DIR/quality-*       a lossy section (DCT compression, the FAE schedule) alone at a setting and a seed,
+                        where analyze would recommend it on time but its model-quality cost is not measured: the
                         calibration runs of tracekit/quality_runs.py, after which the baseline is
                         analysed again with what they measured (BASE/analysis/quality.json)
     DIR/base/policy.json and one file per recommended training section: policy.<section>.json

@@ -266,7 +266,11 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
         return None, "the tables have different dims: the output rows' width is unknown"
     chosen = None if calibration is None else calibration.choose("compression.mp", ctx.options.quality_budget)
     keep = MP_KEEP_RATIO if chosen is None else chosen.setting
-    within = chosen is not None and ctx.options.quality_budget.exceeded_by(chosen.figures(), chosen.intervals()) is None
+    budget = ctx.options.quality_budget
+    source = ("the DCT paper's 5% (its 20x fewer elements; the trace has no activation statistics)" if chosen is None
+              else f"the most compressive measured within {budget.describe()} (analysis/quality.json)"
+              if budget.exceeded_by(chosen.figures(), chosen.intervals()) is None
+              else "the least compressive measured (analysis/quality.json); none kept the quality budget")
     k = max(1, min(dim, math.ceil(keep * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
     rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)
@@ -291,17 +295,10 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
         "kept_values_per_row": k, "dim": dim,
         "rows": "comms: training all-to-all calls of a floating-point dtype (embedding outputs and their "
                 f"gradients; tags {', '.join(sorted(set(output['tag'])))})",
-        "keep_ratio_source": (f"the most compressive keep ratio measured within {ctx.options.quality_budget.describe()}"
-                              " (analysis/quality.json)" if within else
-                              "the least compressive keep ratio measured (none kept the quality budget)"
-                              if chosen is not None else
-                              "the DCT paper's 20x fewer elements (5% per sample); the trace has no activation "
-                              "statistics, so it is not measured"),
+        "keep_ratio_source": source,
         "formula": "rows n = bytes_out / (value_bytes * D); forward n * (K * value_bytes + min(K * position_bytes, "
                    "ceil(D / 8))), backward n * K * value_bytes, K = ceil(keep_ratio * D)",
     }
-    source = ("the paper's ratio" if chosen is None else "the most compressive measured within the quality budget"
-              if within else "the least compressive measured; none kept the quality budget")
     why = (f"keep the largest {keep:.1%} of each sample's embedding outputs ({source}): {measured:,.0f} -> "
            f"{predicted_out:,.0f} output all-to-all bytes per step (the top {k} of {dim} values a row, with their "
            "positions forward)")
