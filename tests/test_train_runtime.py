@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
+from tests.recorded import REPO
 from tracekit.dlrm.metrics import log_loss, roc_auc
 from tracekit.dlrm.runtime import avx512_gemm_on_amd, pin_to_cores
 from tracekit.dlrm.schedule import prefetched
@@ -69,6 +73,20 @@ def test_prefetched_ends_its_thread_when_the_consumer_stops(n: int, fail: bool, 
     for thread in mine:
         thread.join(BOUND_S)  # a bound for a stuck thread to fail the test, not a speed to meet
         assert not thread.is_alive()
+
+
+def test_each_rank_is_pinned_to_its_own_share_of_the_cores() -> None:
+    """In child processes (affinity is per process): ranks 0 .. R-1 of R get disjoint, equal slices
+    of the allowed cores, in order, and the process runs there afterwards."""
+    cores = sorted(os.sched_getaffinity(0))
+    world = len(cores)  # as many ranks as cores: one core each; on this 2-core box, 2 ranks
+    code = ("import json, os, sys; from tracekit.dlrm.runtime import pin_to_cores; "
+            "mine = pin_to_cores(int(sys.argv[1]), int(sys.argv[2])); "
+            "print(json.dumps([sorted(mine), sorted(os.sched_getaffinity(0))]))")
+    got = [json.loads(subprocess.run([sys.executable, "-c", code, str(rank), str(world)], check=True,
+                                     capture_output=True, text=True, cwd=REPO).stdout) for rank in range(world)]
+    assert [returned for returned, _ in got] == [[core] for core in cores]
+    assert [actual for _, actual in got] == [[core] for core in cores]
 
 
 def test_pinning_is_a_no_op_for_one_process_or_too_many_ranks() -> None:
