@@ -102,8 +102,8 @@ from analyses.context import Context, Result, open_context
 from analyses.network import warmup_steps
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.errors import PolicyMismatch, RunMismatch, TracekitError
-from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, AUC_CHANGE, DP_BYTES, INTER_BYTES,
-                              INTRA_BYTES, LOGLOSS_CHANGE, STEP_TIME, SYNC_BYTES)
+from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, AUC_CHANGE, DP_BYTES, HOT_STEP_FRACTION,
+                              INTER_BYTES, INTRA_BYTES, LOGLOSS_CHANGE, STEP_TIME, SYNC_BYTES)
 from tracekit.policy import PolicyError, check_model, load_policy, sections
 from tracekit.schema import STATUS_COMPLETED
 from tracekit.tags import DDP_BUCKET, DP_TAGS, SYNC_TAGS
@@ -475,7 +475,8 @@ def policy_rows(m: Measured, policy: dict, base: Measured, notes: list[str]) -> 
     measured = {**{k: m.figures.get(k) for k in (*EMBEDDING, DP_BYTES, STEP_TIME, INTRA_BYTES, INTER_BYTES)},
                 "makespan_s": m.figures["timed_makespan_s"],  # inference runs: the lag section's figure
                 **savings(m.figures, base.figures),
-                **quality.changes(m.figures["metrics"], base.figures["metrics"])}
+                **quality.changes(m.figures["metrics"], base.figures["metrics"]),
+                HOT_STEP_FRACTION: hot_step_fraction(m.steps)}
     bodies, applied = dict(sections(policy)), m.figures["policy"]["sections"]
     checked = [(label, bodies[label]) for label in applied if label in bodies]
     notes += [f"{m.name} skipped {label}: {why}" for label, why in m.figures["policy"]["skipped"].items()]
@@ -521,10 +522,17 @@ def plan_rows(m: Measured, base: Measured) -> list[dict]:
     return rows
 
 
+def hot_step_fraction(steps: pl.DataFrame) -> float | None:
+    """The share of a scheduled run's steps that were hot (FAE; None without a schedule column)."""
+    kinds = steps["schedule"].drop_nulls()
+    return float((kinds == "hot").mean()) if len(kinds) else None
+
+
 def predicted_figures(predicted: dict, base: dict) -> dict[str, float]:
     """The figures a section predicts, with totals and savings derived as the module docstring says."""
     out = {k: float(predicted[k]) for k in (*EMBEDDING[:3], INTRA_BYTES, INTER_BYTES, DP_BYTES, STEP_TIME,
-                                            "makespan_s", AUC_CHANGE, LOGLOSS_CHANGE) if _number(predicted.get(k))}
+                                            "makespan_s", HOT_STEP_FRACTION, AUC_CHANGE, LOGLOSS_CHANGE)
+           if _number(predicted.get(k))}
     sync = out.get(SYNC_BYTES, 0.0)
     if A2A_BYTES in out:
         out["total_bytes_per_step"] = out[A2A_BYTES] + sync

@@ -66,17 +66,22 @@ def test_every_section_runs_and_its_bytes_are_as_predicted(optimized) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap, found by this check (issue 33): at this 20% budget the schedule "
-                   "predicts 44 embedding all-to-all bytes a step and its run measures 3,107 (sync 13.8 kB against "
-                   "12.7 kB): it predicts 99.6% hot steps, the run had 18 of 24. The 24 recorded steps touch "
-                   "1,612 rows and the hot set takes 1,600 of them, so nearly every recorded sample is all-hot; "
-                   "the rest of the epoch, which the trainer schedules, is not. The hot share must be estimated "
-                   "on steps the hot set was not chosen from")
 def test_the_schedule_runs_bytes_are_as_predicted(optimized) -> None:
+    """The trainer batches the whole epoch by a hot set chosen from 24 recorded steps, so the schedule's
+    figures are estimates on samples the hot set was not chosen from (analyses.policies.schedule,
+    HotCurve.fraction). Against one run of 24 steps, 6 of them cold: the hot share within 0.08, the
+    all-to-all bytes within 25% and inside the stated interval (predicted in-sample, they were 44
+    bytes against 3,107 measured), the replicas' sync within 10%."""
     _, summary = optimized
     rows = {r["figure"]: r for r in summary["rows"] if r["run"].endswith("schedule") and r["section"] == "schedule"}
-    for figure in ("a2a_bytes_per_step", "sync_bytes_per_step"):
-        assert rows[figure]["measured"] == pytest.approx(rows[figure]["predicted"], rel=0.02), figure
+    hot = rows["hot_step_fraction"]
+    assert hot["predicted_low"] <= hot["measured"] <= hot["predicted_high"], hot
+    assert hot["measured"] == pytest.approx(hot["predicted"], abs=0.08), hot
+    a2a = rows["a2a_bytes_per_step"]
+    assert a2a["predicted_low"] <= a2a["measured"] <= a2a["predicted_high"], a2a
+    assert a2a["measured"] == pytest.approx(a2a["predicted"], rel=0.25), a2a
+    assert rows["sync_bytes_per_step"]["measured"] == pytest.approx(rows["sync_bytes_per_step"]["predicted"],
+                                                                    rel=0.10), rows["sync_bytes_per_step"]
 
 
 def test_sections_not_worth_a_run_are_left_out_with_the_reason(tmp_path: Path) -> None:

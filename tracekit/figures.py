@@ -17,6 +17,7 @@ STEP_TIME = "step_time_s"
 COMM_TIME = "comm_time_s"
 HOT_ROWS = "hot_rows"
 HOT_SAMPLE_FRACTION = "hot_sample_fraction"
+HOT_STEP_FRACTION = "hot_step_fraction"  # FAE: the share of steps batched from hot samples alone
 GAIN = "gain"  # BLS: the share of the gap to the ideal makespan recovered
 AUC_CHANGE = "eval_auc_change"  # a lossy section's eval AUC against the baseline's (analyses.quality)
 LOGLOSS_CHANGE = "eval_logloss_rel_change"  # ... and its eval log loss, relative to the baseline's

@@ -15,10 +15,16 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   cold (conservative). hot_sample_fraction H = hot samples / samples; with batches formed from each
   pool separately, a fraction H of the steps are hot (⌊H·N/B⌋ of N/B batches) and skip the
   all-to-all: hot_step_fraction = H.
+- H and the bytes are estimated on samples the hot set was not chosen from: the trainer batches the
+  whole epoch by a hot set chosen on the recorded steps, and counted on those same steps (in-sample)
+  a hot set of every row they touch makes nearly every recorded sample all-hot (issue 33: 99.6%
+  predicted in-sample, 75% of the steps ran hot). So the sampled steps are dealt into FOLDS folds,
+  each classified and replayed with the top K rows by count on the others (held_out_ranks); the
+  in-sample figures are the intervals' other end (HotCurve.fraction).
 - The trainer replicates the hot set and serves hot ids from the replicas in every step, hot or
-  cold (tracekit/dlrm). So the predicted all-to-all bytes per step are replication's exact replay
-  of that hot set (the count order's prefix, analyses.policies.replication.curve) less the lengths
-  entries of the hot samples, which hot steps do not send: a2a = a2a_rep(K) − H · lengths.
+  cold (tracekit/dlrm). So the predicted all-to-all bytes per step are replication's replay of that
+  hot set (held out, as H) less the lengths entries of the hot samples, which hot steps do not
+  send: a2a = a2a_rep(K) − H · lengths.
 - The replicas are synchronised every step: dense 2(W−1)·Σ rb over the hot set (exact), or sparse
   as replication's replay of the recorded batches (approximate: hot and cold batches touch other
   unions); the kind of less time (a collective's latency each: 3 sparse, 1 dense), or of fewer
@@ -51,7 +57,7 @@ from analyses import attribution, exchange, network, quality
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
-from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, HOT_SAMPLE_FRACTION, HOT_STEP_FRACTION, STEP_TIME, SYNC_BYTES
 from tracekit.policy import Prediction, Schedule
 
 
@@ -122,11 +128,28 @@ def hot_batch_sync(ctx: Context, s: ExchangeBaseline, hot_bytes: float, hot_rows
 @dataclass
 class HotCurve:
     """Per hot-set size K = 0..n along the count order (arrays of n + 1): the samples all-hot, and
-    the a2a bytes (all, remote) those samples send, summed over the sampled steps."""
+    the a2a bytes (all, remote) those samples send, summed over the sampled steps; and the samples
+    all-hot under a hot set of K rows chosen on the other half of the sampled steps
+    (`held_out_samples`, None from one sampled step)."""
 
     samples: np.ndarray
     out_bytes: np.ndarray
     remote_bytes: np.ndarray
+    held_out_samples: np.ndarray | None = None
+
+    def fraction(self, k: int | np.ndarray, samples: int) -> float | np.ndarray:
+        """The share of samples all-hot at hot-set size k as the schedule predicts it: on samples the
+        hot set was not chosen from where two sampled steps allow, else in-sample.
+
+        The trainer batches the whole epoch by a hot set chosen from the recorded steps, so in-sample
+        (a sample's ids counted into the hot set that classifies it) is the optimistic end: with few
+        recorded steps nearly every row they touch makes the set and nearly every recorded sample is
+        all-hot, while the epoch's other samples are not (issue 33: 99.6% predicted, 75% ran). A hot
+        set chosen on half the steps, classifying the other half, is the pessimistic end: it saw half
+        the counts the trainer's set sees. The prediction is the held-out share; the in-sample one is
+        its interval's other end."""
+        counted = self.samples if self.held_out_samples is None else self.held_out_samples
+        return counted[k] / max(samples, 1)
 
 
 def hot_curve(ctx: Context) -> HotCurve:
@@ -157,12 +180,81 @@ def _hot_curve(ctx: Context, s: ExchangeBaseline) -> HotCurve:
                sum(p.rem_b + f.rem_b)::DOUBLE AS rem_b
         FROM per_sample p JOIN fixed f USING (src) GROUP BY maxpos""")
 
-    def cumulative(column: str) -> np.ndarray:
-        per = np.zeros(n + 1)
-        np.add.at(per, hist["maxpos"].to_numpy().astype(np.int64) + 1, hist[column].to_numpy())
-        return np.cumsum(per)
+    return HotCurve(_cumulative(hist, "samples", n), _cumulative(hist, "out_b", n), _cumulative(hist, "rem_b", n),
+                    _held_out(ctx, n))
 
-    return HotCurve(cumulative("samples"), cumulative("out_b"), cumulative("rem_b"))
+
+def _cumulative(hist: pl.DataFrame, column: str, n: int) -> np.ndarray:
+    """Per K = 0..n, `column` summed over the histogram's positions below K (maxpos n: never)."""
+    per = np.zeros(n + 2)
+    np.add.at(per, hist["maxpos"].to_numpy().astype(np.int64) + 1, hist[column].to_numpy())
+    return np.cumsum(per)[:n + 1]
+
+
+FOLDS = 8
+"""Folds of the sampled steps the held-out hot share and bytes are estimated over (fewer with fewer
+steps): each fold is classified by a hot set chosen on the others, so on 7/8 of the counts the
+trainer's hot set is chosen on."""
+
+
+def held_out_ranks(ctx: Context) -> int:
+    """Temp tables tk_fae_folds (step, fold: the sampled steps dealt in turn into min(FOLDS, steps)
+    folds) and tk_fae_ranked (tid, row, fold, pos: the rows by count on every other fold, most read
+    first); the folds made, 0 from one sampled step. Once per context."""
+    def build() -> int:
+        folds = min(FOLDS, ctx.sql("SELECT count(DISTINCT step) FROM tk_x").fetchall()[0][0])
+        if folds < 2:
+            return 0
+        ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_folds AS
+                    SELECT step, dense_rank() OVER (ORDER BY step) % {folds} AS fold
+                    FROM (SELECT DISTINCT step FROM tk_x)""")
+        ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_ranked AS
+            WITH per AS (SELECT tid, "row", fold, count(*) AS c FROM tk_x JOIN tk_fae_folds USING (step)
+                         GROUP BY ALL),
+                 total AS (SELECT tid, "row", sum(c) AS c FROM per GROUP BY ALL),
+                 others AS (SELECT t.tid, t."row", f.fold, t.c - coalesce(p.c, 0) AS c
+                            FROM total t CROSS JOIN (SELECT range AS fold FROM range({folds})) f
+                            LEFT JOIN per p ON p.tid = t.tid AND p."row" = t."row" AND p.fold = f.fold)
+            SELECT tid, "row", fold, row_number() OVER (PARTITION BY fold ORDER BY c DESC, tid, "row") - 1 AS pos
+            FROM others WHERE c > 0""")
+        return folds
+    return ctx.memo(held_out_ranks, build)
+
+
+def _held_out(ctx: Context, n: int) -> np.ndarray | None:
+    """Per hot-set size K = 0..n, the samples all-hot when each fold of the sampled steps is
+    classified by the top K rows by count on the other folds (held_out_ranks); None from one step."""
+    if not held_out_ranks(ctx):
+        return None
+    hist = ctx.frame(f"""
+        WITH per_sample AS (
+            SELECT l.gid, max(coalesce(least(r.pos, {n}), {n})) AS maxpos
+            FROM tk_x l JOIN tk_fae_folds f USING (step)
+            LEFT JOIN tk_fae_ranked r ON r.tid = l.tid AND r."row" = l."row" AND r.fold = f.fold
+            WHERE l.gid IS NOT NULL GROUP BY l.gid)
+        SELECT maxpos, count(*) AS samples FROM per_sample GROUP BY maxpos""")
+    return _cumulative(hist, "samples", n)
+
+
+def held_out_a2a(ctx: Context, s: ExchangeBaseline, k: int) -> tuple[float, float] | None:
+    """(all, remote) all-to-all bytes per step left when each fold of the sampled steps is replayed
+    with the top k rows by count on the other folds replicated (held_out_ranks): replication's replay
+    (analyses.exchange.items_sql) of a hot set on steps it was not chosen from. None from one step."""
+    folds = held_out_ranks(ctx)
+    if not folds:
+        return None
+    freed_out = freed_rem = 0.0
+    for fold in range(folds):
+        ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_order AS
+                    SELECT tid, "row", pos FROM tk_fae_ranked WHERE fold = {fold} AND pos < {int(k)}""")
+        out, rem = ctx.sql(f"""
+            SELECT coalesce(sum(len_out + ids_out + 2 * row_out), 0)::DOUBLE,
+                   coalesce(sum(len_rem + ids_rem + 2 * row_rem), 0)::DOUBLE
+            FROM ({exchange.items_sql(ctx, "tk_fae_order")}) i JOIN tk_fae_folds f USING (step)
+            WHERE i.maxpos IS NOT NULL AND f.fold = {fold}""").fetchall()[0]
+        freed_out, freed_rem = freed_out + out, freed_rem + rem
+    steps = max(s.sampled_steps, 1)
+    return s.base_out - freed_out / steps, s.base_remote - freed_rem / steps
 
 
 FAE_HOT_SHARE = 0.124
@@ -179,7 +271,7 @@ def own_budget(ctx: Context, s: ExchangeBaseline) -> tuple[float, np.ndarray, bo
     (its hot samples' steps skip the exchange). Returns (its replica bytes per rank, the merit per K,
     whether the merit is a step time)."""
     c, h = replication.count_curve(ctx), hot_curve(ctx)
-    fraction = h.samples / max(s.samples, 1)
+    fraction = h.fraction(np.arange(c.order.height + 1), s.samples)
     lengths_rem = s.base["input_lengths"][1]
     remote = {col: (1 - fraction) * (s.base[col][1] - c.saved[f"{col}_rem"]) for col in exchange.COLLECTIVES}
     k = np.arange(c.order.height + 1, dtype=np.float64)
@@ -203,7 +295,8 @@ def sweep(ctx: Context, s: ExchangeBaseline, chosen: int, merit: np.ndarray | No
     steps = max(s.sampled_steps, 1)
     points = sorted({*exchange.log_points(order.height), chosen})
     return pl.DataFrame({"hot_rows": points, "budget_bytes": budget[points],
-                         "hot_sample_fraction": h.samples[points] / max(s.samples, 1),
+                         "hot_sample_fraction": h.fraction(np.asarray(points), s.samples),
+                         "hot_sample_fraction_in_sample": h.samples[points] / max(s.samples, 1),
                          A2A_BYTES: s.base_out - h.out_bytes[points] / steps,
                          A2A_REMOTE_BYTES: s.base_remote - h.remote_bytes[points] / steps,
                          "merit": np.full(len(points), np.nan) if merit is None else merit[points],
@@ -230,13 +323,17 @@ def _derive(ctx: Context) -> PolicyResult:
     hot_bytes = float(ctx.sql("SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN tk_names n USING (tid)")
                       .fetchall()[0][0])
     cold = classify(ctx)
-    fraction = 1 - cold / s.samples if s.samples else 0.0
     k = rows.height
+    in_sample = 1 - cold / s.samples if s.samples else 0.0
+    fraction = min(in_sample, float(hot_curve(ctx).fraction(k, s.samples)))  # HotCurve.fraction
     sync_hot, _, hot_batches = hot_batch_sync(ctx, s, hot_bytes, k)
     replicated = replication.count_curve(ctx)
     lengths_out, lengths_rem = s.base["input_lengths"]
-    a2a_out = float(replicated.a2a_out[k]) - fraction * lengths_out
-    a2a_rem = float(replicated.a2a_rem[k]) - fraction * lengths_rem
+    # the hot set on the epoch's other samples (HotCurve.fraction), in-sample the interval's other end
+    rep_in = (float(replicated.a2a_out[k]), float(replicated.a2a_rem[k]))
+    rep_out, rep_rem = held_out_a2a(ctx, s, k) or rep_in
+    a2a_out = rep_out - fraction * lengths_out
+    a2a_rem = rep_rem - fraction * lengths_rem
     # hot steps make no exchange call: every collective of the exchange keeps (1 − H) of its bytes
     remote = {c: (1 - fraction) * replicated.collectives(s, k)[c]["remote_bytes_per_step"]
               for c in exchange.COLLECTIVES}
@@ -250,7 +347,7 @@ def _derive(ctx: Context) -> PolicyResult:
     saved_rem = s.base_remote - a2a_rem
     switch = 2 * (s.world - 1) * hot_bytes
     predicted = {A2A_BYTES: a2a_out, A2A_REMOTE_BYTES: a2a_rem, SYNC_BYTES: sync,
-                 STEP_TIME: step_time, "hot_step_fraction": fraction, "hot_sample_fraction": fraction,
+                 STEP_TIME: step_time, HOT_STEP_FRACTION: fraction, HOT_SAMPLE_FRACTION: fraction,
                  "hot_rows": rows.height, "switch_bytes": switch}
     shared = rep.section is not None and _same_rows(rows, rep.rows["hot_rows"])
     name = "hot_rows" if shared else "fae_hot_rows"
@@ -265,13 +362,18 @@ def _derive(ctx: Context) -> PolicyResult:
         spans[STEP_TIME] = (max(step_time - error, 0.0), step_time + error)
     # from sampled steps the hot set's exchange is an estimate: replication's interval at this hot set,
     # less the hot samples' lengths as the figure itself
-    for figure, (low, high) in exchange.step_interval(ctx, s, "tk_order_count", k).items():
-        shift = predicted[figure] - (float(replicated.a2a_out[k]) if figure == A2A_BYTES
-                                     else float(replicated.a2a_rem[k]))
-        spans[figure] = (low + shift, high + shift)
+    # and between the hot set on samples it was not chosen from and on those it was (in-sample)
+    spans[HOT_SAMPLE_FRACTION] = spans[HOT_STEP_FRACTION] = (fraction, in_sample)
+    inside = {A2A_BYTES: rep_in[0] - in_sample * lengths_out, A2A_REMOTE_BYTES: rep_in[1] - in_sample * lengths_rem}
+    sampled = exchange.step_interval(ctx, s, "tk_order_count", k)
+    for figure, value in inside.items():
+        low, high = sampled.get(figure, (predicted[figure], predicted[figure]))
+        shift = predicted[figure] - (rep_in[0] if figure == A2A_BYTES else rep_in[1])
+        spans[figure] = (min(low + shift, value), max(high + shift, value))
     section = Schedule(hot_rows=f"policy/{name}.parquet", hot_sample_fraction=fraction, sync=sync_kind,
                        budget_bytes_per_rank=int(limit), prediction=Prediction(predicted, why, spans))
-    evidence = {"samples": s.samples, "cold_samples": cold, "hot_batches_replayed": hot_batches,
+    evidence = {"samples": s.samples, "cold_samples": cold, "hot_sample_fraction_in_sample": in_sample,
+                "hot_batches_replayed": hot_batches,
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
                 "shared_with_replication": shared, "network": network.network(ctx).summary(),
                 "notes": list(s.notes)}
@@ -288,7 +390,7 @@ def _own_budget_why(ctx: Context, s: ExchangeBaseline, k: int, merit: np.ndarray
     def shown(value: float) -> str:
         return f"{value * 1e3:.2f} ms" if by_time else f"{value:,.0f} network bytes"
 
-    share = hot_curve(ctx).samples[largest] / max(s.samples, 1)
+    share = hot_curve(ctx).fraction(largest, s.samples)
     return (f"its hot set is the one of {'least predicted step time' if by_time else 'fewest network bytes'} "
             f"({shown(merit[k])}) up to {FAE_HOT_SHARE:.1%} of the tables; the largest, {largest} rows, would "
             f"make {share:.0%} of samples all-hot at {shown(merit[largest])}")
