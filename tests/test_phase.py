@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 import pyarrow as pa
 import pytest

@@ -5,8 +5,6 @@ executable, numpy sizes in a user's model and a corrupted rank report. Real subp
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
