@@ -46,9 +46,10 @@ Temporary tables it creates that other modules read (call `attributed(ctx)` firs
     tk_batches  step, src, b: every rank's local batch at every training step
     tk_bounds   step, owner, src, b, lo: each source's bag range in each owner's received batch
     tk_steps    step, si: the sampled steps (with lookups) and their index
-    tk_src      step, owner, tid, seq (a sequence table), sample, pos, row, src, src_sample (null
-                where the sample is unknown), gid: a global sample id
-                `(si · W + src) · max batch + src_sample` naming a sample across tables and owners
+    tk_src      step, owner, tid, seq (a sequence table), sample, pos, row, feature (of a table several
+                features look up, which one: trace-format.md), src, src_sample (null where the sample is
+                unknown), gid: a global sample id `(si · W + src) · max batch + src_sample` naming a
+                sample across tables and owners
 
 The others (tk_owner_tables, tk_lengths, tk_ids, tk_lookups, tk_bmax, tk_uniform, tk_seq_bounds,
 tk_src_bags, tk_src_seq, tk_seq_lookups) are its own steps.
@@ -102,15 +103,16 @@ def features(ctx: Context) -> dict[str, int]:
     """Per table, the features (bags per sample) that look it up. A reference-trainer table is one
     feature. A TorchRec table (manifest `sharding_type`) may be looked up by several (`t0` by `f0`
     and `f1`), whose lookups share `sample`, a bag's index within its feature (collectors/
-    torchrec_tables.py), so the most ids at one (step, rank, sample, pos) is how many features fed
-    it: a lower bound, exact once one sample had an id at one position in every feature."""
+    torchrec_tables.py), and since schema 1.4 carry the feature's order among them (`feature`).
+    Before, the most ids at one (step, rank, sample, pos) is how many features fed it: a lower
+    bound, exact once one sample had an id at one position in every feature."""
     torchrec = [t["name"] for t in ctx.manifest.get("tables") or [] if t.get("sharding_type")]
     if not torchrec or not ctx.has("lookups"):
         return {}
     names = ", ".join(f"'{name}'" for name in torchrec)
-    rows = ctx.sql(f"""SELECT table_name, max(n)::INTEGER FROM (
-                           SELECT table_name, count(*) AS n FROM train_lookups WHERE table_name IN ({names})
-                           GROUP BY step, rank, table_name, sample, pos)
+    rows = ctx.sql(f"""SELECT table_name, greatest(max(n), max(features))::INTEGER FROM (
+                           SELECT table_name, count(*) AS n, max(feature) + 1 AS features FROM train_lookups
+                           WHERE table_name IN ({names}) GROUP BY step, rank, table_name, sample, pos)
                        GROUP BY table_name""").fetchall()
     return dict(rows)
 
@@ -149,7 +151,8 @@ def _attribute(ctx: Context) -> Attribution:
     else:
         notes.append("the run has no lookups")
         ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_src (step BIGINT, owner BIGINT, tid INTEGER, seq BOOLEAN,
-                   sample INTEGER, pos INTEGER, "row" BIGINT, src BIGINT, src_sample BIGINT, gid BIGINT)""")
+                   sample INTEGER, pos INTEGER, "row" BIGINT, feature SMALLINT, src BIGINT, src_sample BIGINT,
+                   gid BIGINT)""")
         ctx.sql("CREATE OR REPLACE TEMP TABLE tk_seq_bounds (owner BIGINT, tid INTEGER, method VARCHAR)")
     methods = ctx.frame(f"""
         SELECT owner, table_name, method FROM (
@@ -239,7 +242,7 @@ def _lookups(ctx: Context) -> None:
                 WHERE {cap} = 0 OR n <= {cap} OR i % ((n + {cap} - 1) // {cap}) = 0""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_lookups AS
                SELECT l.step, l.rank AS owner, n.tid, n.kind = 'sequence' AS seq,
-                      n.sharded AND n.n_shards > 0 AS via_a2a, n.n_shards, l.sample, l.pos, l."row"
+                      n.sharded AND n.n_shards > 0 AS via_a2a, n.n_shards, l.sample, l.pos, l."row", l.feature
                FROM train_lookups l JOIN tk_names n USING (table_name) SEMI JOIN tk_lookup_steps USING (step)""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_steps AS
                SELECT step, (row_number() OVER (ORDER BY step) - 1)::BIGINT AS si
@@ -263,11 +266,11 @@ def _pooled_and_local(ctx: Context) -> None:
                SELECT step, owner, CASE WHEN min(b) = max(b) AND min(b) > 0 THEN min(b) END AS ub,
                       sum(b) AS total FROM tk_bounds GROUP BY ALL""")
     pooled = f"SELECT * FROM tk_lookups WHERE NOT seq OR NOT via_a2a OR {world} = 1"
-    columns = f"""step, owner, tid, seq, sample, pos, "row", CASE WHEN src_sample IS NOT NULL THEN src END AS src,
-                  src_sample, {_gid(world)} AS gid"""
+    columns = f"""step, owner, tid, seq, sample, pos, "row", feature,
+                  CASE WHEN src_sample IS NOT NULL THEN src END AS src, src_sample, {_gid(world)} AS gid"""
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_src_bags AS
         SELECT {columns} FROM (
-            SELECT l.step, l.owner, l.tid, l.seq, l.sample, l.pos, l."row",
+            SELECT l.step, l.owner, l.tid, l.seq, l.sample, l.pos, l."row", l.feature,
                    CASE WHEN l.via_a2a AND {world} > 1 THEN l.sample // u.ub ELSE l.owner END AS src,
                    CASE WHEN NOT l.via_a2a OR {world} = 1 THEN l.sample
                         WHEN l.sample < u.total THEN l.sample % u.ub END AS src_sample
@@ -276,7 +279,7 @@ def _pooled_and_local(ctx: Context) -> None:
         JOIN tk_steps st USING (step)""")
     ctx.sql(f"""INSERT INTO tk_src_bags
         SELECT {columns} FROM (
-            SELECT l.step, l.owner, l.tid, l.seq, l.sample, l.pos, l."row", b.src,
+            SELECT l.step, l.owner, l.tid, l.seq, l.sample, l.pos, l."row", l.feature, b.src,
                    CASE WHEN l.sample - b.lo < b.b THEN l.sample - b.lo END AS src_sample
             FROM (SELECT l.* FROM ({pooled}) l LEFT JOIN tk_uniform u USING (step, owner)
                   WHERE u.ub IS NULL AND l.via_a2a AND {world} > 1) l
@@ -313,9 +316,9 @@ def _sequence(ctx: Context) -> None:
         FROM per_table t JOIN tables_on o USING (step, owner) JOIN cum c USING (step, owner)
         LEFT JOIN tk_bounds b ON b.step = t.step AND b.owner = t.owner AND b.src = c.src""")
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_src_seq AS
-        SELECT step, owner, tid, seq, sample, pos, "row", src, src_sample,
+        SELECT step, owner, tid, seq, sample, pos, "row", feature, src, src_sample,
                {_gid(world)} AS gid
-        FROM (SELECT l.step, l.owner, l.tid, l.seq, l.sample, l.pos, l."row",
+        FROM (SELECT l.step, l.owner, l.tid, l.seq, l.sample, l.pos, l."row", l.feature,
                      CASE WHEN l.sample < b.lo + b.n THEN b.src END AS src,
                      NULL::BIGINT AS src_sample
               FROM tk_seq_lookups l ASOF LEFT JOIN (SELECT * FROM tk_seq_bounds WHERE n > 0) b

@@ -44,7 +44,8 @@ Temporary tables it creates that other modules read (call `baseline(ctx)` first;
 analyses.attribution are there too):
 
     tk_x        (a view) step, owner, src, tid, seq, sample, row, gid, onehot (the table's bags are
-                one id at position 0), bag (a pooled bag's key; null for sequence lookups): the
+                one id at position 0), bag (a pooled bag's key, per sample, table and feature; null
+                for sequence lookups): the
                 attributed lookups of sharded tables
     tk_tshards  tid, src, rb, n_shards, n_remote_shards: per table and source rank, the shards a
                 bag of its is split over, and those on another rank
@@ -123,9 +124,10 @@ def _replay_baseline(ctx: Context) -> ExchangeBaseline:
     n_tables = max(len(ctx.model.tables), 1)
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_onehot AS
                SELECT tid, max(pos) = 0 AND NOT bool_or(seq) AS onehot FROM tk_src GROUP BY tid""")
+    features = max([*attribution.features(ctx).values(), 1])
     ctx.sql(f"""CREATE OR REPLACE TEMP VIEW tk_x AS
                SELECT l.step, l.owner, l.src, l.tid, l.seq, l.sample, l."row", l.gid, h.onehot,
-                      CASE WHEN NOT l.seq THEN l.gid * {n_tables} + l.tid END AS bag
+                      CASE WHEN NOT l.seq THEN (l.gid * {n_tables} + l.tid) * {features} + l.feature END AS bag
                FROM tk_src l JOIN tk_names n USING (tid) JOIN tk_onehot h USING (tid)
                WHERE n.sharded AND l.src IS NOT NULL""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_tshards AS

@@ -130,6 +130,7 @@ class Call:
     ids: torch.Tensor
     offsets: torch.Tensor | None  # only on sampled steps, for the lookups' positions
     sampled: bool
+    feature: int = 0  # a TBE's feature of a table several look up: its order among them (TablesCall)
 
 
 @dataclass
@@ -156,7 +157,8 @@ class TablesCall:
                 if self.offsets is not None:
                     bags = self.offsets[self.bounds[f]:self.bounds[f + 1] + 1]
                     bags = bags - bags[:1]
-                calls.append(Call(self.step, self.phase, table, self.ids[start:end], bags, bags is not None))
+                feature = sum(t is table for t in self.tables[:f])
+                calls.append(Call(self.step, self.phase, table, self.ids[start:end], bags, bags is not None, feature))
         return calls
 
 
@@ -316,8 +318,8 @@ def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, s
     return unique.cpu().numpy(), counts.cpu().numpy()
 
 
-def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(step, sample, pos, row) of every non-padding lookup of one table's sampled calls."""
+def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, ...]:
+    """(step, sample, pos, row, feature) of every non-padding lookup of one table's sampled calls."""
     if all(c.ids.dim() == 1 and c.offsets is not None and c.ids.device.type == "cpu" for c in calls):
         return _bag_rows(calls)
     parts = []
@@ -328,11 +330,11 @@ def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
             keep = rows != c.table.padding_idx
             sample, pos, rows = sample[keep], pos[keep], rows[keep]
         parts.append((np.full(rows.numel(), c.step, dtype=np.int64), *(t.cpu().numpy() for t in (sample, pos)),
-                      rows.cpu().numpy() + c.table.first_row))
+                      rows.cpu().numpy() + c.table.first_row, np.full(rows.numel(), c.feature, dtype=np.int16)))
     return tuple(np.concatenate(column) for column in zip(*parts))
 
 
-def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, ...]:
     """`lookup_rows` of CPU bag calls (1-D ids, offsets from 0), in one pass over all of them: the
     writer holds the GIL for a few numpy calls rather than for a few torch calls per call."""
     rows = np.concatenate([c.ids.numpy() for c in calls]).astype(np.int64, copy=False)
@@ -345,11 +347,12 @@ def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     pos = index - offsets[bag]
     sample = bag - np.repeat(bag_base, sizes)
     step = np.repeat(np.array([c.step for c in calls], dtype=np.int64), sizes)
+    feature = np.repeat(np.array([c.feature for c in calls], dtype=np.int16), sizes)
     table = calls[0].table
     if table.padding_idx is not None:
         keep = rows != table.padding_idx
-        step, sample, pos, rows = step[keep], sample[keep], pos[keep], rows[keep]
-    return step, sample, pos, rows + table.first_row
+        step, sample, pos, rows, feature = step[keep], sample[keep], pos[keep], rows[keep], feature[keep]
+    return step, sample, pos, rows + table.first_row, feature
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -595,9 +598,10 @@ class EmbeddingHandle:
         groups = _by_table(sampled)
         if groups:
             found = [lookup_rows(group_calls) for group_calls in groups.values()]
-            step, sample, pos, row = (np.concatenate(column) for column in zip(*found))
+            step, sample, pos, row, feature = (np.concatenate(column) for column in zip(*found))
             yield "lookups", _columns(list(groups), [len(f[0]) for f in found], step=step,
-                                      sample=sample.astype(np.int32), pos=pos.astype(np.int32), row=row)
+                                      sample=sample.astype(np.int32), pos=pos.astype(np.int32), row=row,
+                                      feature=feature)
 
     def _take_chunks(self, everything: bool) -> tuple[list[Kept], list[Call]]:
         """The staged calls of the steps the clock has left (all if `everything`): one `Kept` per chunk,

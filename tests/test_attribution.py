@@ -99,7 +99,8 @@ def build_run(path: Path, tables: list[dict], world: int, steps: list[list[dict[
             if (sampled is None or s in sampled) and rows:
                 w.append("lookups", {"step": [s] * len(rows), "table_name": [x[0] for x in rows],
                                      "sample": [x[1] for x in rows], "pos": [x[2] for x in rows],
-                                     "row": [x[3] for x in rows], "phase": ["train"] * len(rows)})
+                                     "row": [x[3] for x in rows], "phase": ["train"] * len(rows),
+                                     "feature": [0] * len(rows)})
                 for x in rows:
                     truth[(s, r, x[0], x[1], x[2])] = [x[3], x[4], x[5]]
             n = 0

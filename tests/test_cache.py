@@ -346,7 +346,7 @@ def test_without_a_steps_table_pooling_factors_come_from_lookups(tmp_path: Path)
     rows.append((2, 0, 0, 9))  # an evaluation bag does not count
     writer.append("lookups", {"step": [r[0] for r in rows], "table_name": ["t"] * len(rows),
                               "sample": [r[1] for r in rows], "pos": [r[2] for r in rows], "row": [r[3] for r in rows],
-                              "phase": ["train"] * (len(rows) - 1) + ["eval"]})
+                              "phase": ["train"] * (len(rows) - 1) + ["eval"], "feature": [0] * len(rows)})
     writer.close()
     with open_context(run) as ctx:
         result = cache.compute(ctx, load_factors=(0.5,))

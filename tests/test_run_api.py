@@ -132,6 +132,24 @@ def test_a_run_recorded_before_the_schedule_column_reads_it_as_null(tmp_path: Pa
     assert relation.project("step, schedule").order("step").fetchall() == [(0, None), (1, None)]
 
 
+def test_a_run_recorded_before_the_feature_column_reads_it_as_0(tmp_path: Path) -> None:
+    run_dir = tmp_path / "old"
+    write_manifest(run_dir, {"status": "completed"})
+    with RunWriter(run_dir, 0) as writer:  # written as now, then rewritten as schema 1.3 wrote it
+        writer.append("lookups", {"step": [0, 0], "table_name": ["t", "t"], "sample": [0, 1], "pos": [0, 0],
+                                  "row": [7, 9], "phase": ["train", "train"], "feature": [0, 1]})
+    part = run_dir / "lookups" / "rank=0" / "part-00000.parquet"
+    table = pq.read_table(part).drop_columns(["feature"])
+    part.unlink()
+    write_part(table.replace_schema_metadata({**table.schema.metadata, VERSION_KEY: b"1.3"}), part.parent, 0)
+    run = open_run(run_dir)
+    frame = run.scan("lookups").collect()
+    assert frame["feature"].dtype == pl.Int16 and frame["feature"].to_list() == [0, 0]
+    relation = run.relation("lookups")
+    assert dict(zip(relation.columns, map(str, relation.types)))["feature"] == "SMALLINT"
+    assert relation.project("row, feature").order("row").fetchall() == [(7, 0), (9, 0)]
+
+
 UNTRACED = """
 import os, torch, tracekit
 emb = torch.nn.EmbeddingBag(10, 4)

@@ -18,9 +18,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from analyses import attribution, planner
+from analyses import attribution, exchange, planner
 from analyses.analyze import analyze
 from analyses.context import Options, open_context
+from analyses.policies import replication
 from tests.recorded import REPO, TINY, record
 from tests.torchrec_env import torchrec_python  # noqa: F401
 
@@ -100,6 +101,40 @@ def test_replication_and_tiers_predict_the_recorded_exchange(analysed) -> None:
         assert tiers[key] == pytest.approx(replicated[key]), key
     check = pl.read_parquet(run_dir / "analysis" / "costmodel_check.parquet").filter(check="bytes_out")
     assert check["diff"].to_list() == [0.0] * 4, check
+
+
+@pytest.mark.slow
+def test_replication_frees_what_the_fed_ids_say_at_every_hot_set(analysed) -> None:
+    """Replication's replay of TorchRec's exchange, at hot sets of 0 to every row (an order by a hash, so
+    every table is cut somewhere), against the bytes counted from what the job fed: a hot id leaves
+    the input dist, a bag whose every id is hot leaves the output dist forward and backward, lengths
+    stay; what is left is the recorded exchange less that, per sampled step."""
+    run_dir, fed, _ = analysed
+    steps = sampled_steps(fed)
+    with open_context(run_dir) as ctx:
+        s = exchange.baseline(ctx)
+        curve = replication.curve(ctx, s, "tk_test_order", 'hash(r.tid, r."row")')
+        recorded = ctx.sql(f"""SELECT sum(bytes_out)::DOUBLE FROM train_comms
+                               WHERE {EMBEDDING_A2A} AND step IN ({", ".join(steps)})""").fetchall()[0][0]
+    order = curve.order.sort("pos")
+    n = order.height
+    read = {(t, v) for per_rank in fed for step in steps for t, fs in TABLES.items() for f in fs
+            for v in per_rank[step][f]["values"]}
+    assert read <= set(zip(order["table_name"], order["row"]))  # every row read (on every step: more)
+    for k in (0, n // 5, n // 2, n - 1, n):
+        hot = set(zip(order["table_name"][:k], order["row"][:k]))
+        freed = 0
+        for per_rank in fed:
+            for step in steps:
+                for table, features in TABLES.items():
+                    for f in features:
+                        values, start = per_rank[step][f]["values"], 0
+                        for length in per_rank[step][f]["lengths"]:
+                            bag = values[start:start + length]
+                            start += length
+                            hits = sum((table, v) in hot for v in bag)
+                            freed += s.id_bytes * hits + (2 * DIM * 4 if bag and hits == len(bag) else 0)
+        assert curve.a2a_out[k] == pytest.approx((recorded - freed) / len(steps)), k
 
 
 def fed_pooling(fed: list[dict]) -> dict[str, float]:

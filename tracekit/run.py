@@ -8,7 +8,7 @@
 Both readers see every rank's part files with `rank` as a column (hive partitioning), `count` as a
 64-bit integer (so no sum overflows, though files keep int32), and the columns a minor version added
 in runs recorded before it (`LATER_COLUMNS`): `phase` as `train` (schema 1.0), `schedule` as null
-(before 1.2). Before a table is read, each part file's schema version is checked: an unknown major
+(before 1.2), the lookups' `feature` as 0 (before 1.4). Before a table is read, each part file's schema version is checked: an unknown major
 version is refused.
 Polars and DuckDB are imported on first use, so importing this module stays cheap.
 """
@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     import duckdb
     import polars as pl
 
-LATER_COLUMNS: dict[str, str | None] = {"phase": TRAIN, "schedule": None}
-"""Columns added after schema 1.0 (phase in 1.1, schedule in 1.2), and what the readers show for them
-in a table whose part files predate them. Each is a string column."""
+LATER_COLUMNS: dict[str, str | int | None] = {"phase": TRAIN, "schedule": None, "feature": 0}
+"""Columns added after schema 1.0 (phase in 1.1, schedule in 1.2, feature in 1.4), and what the readers
+show for them in a table whose part files predate them: a string column, or an integer one (feature)."""
 
 
 def open_run(path: str | os.PathLike) -> Run:
@@ -61,7 +61,8 @@ class Run:
 
         self._check(table)
         frame = pl.scan_parquet(self._glob(table), hive_partitioning=True)
-        frame = frame.with_columns(pl.lit(LATER_COLUMNS[c], dtype=pl.String).alias(c) for c in self._filled[table])
+        frame = frame.with_columns(pl.lit(LATER_COLUMNS[c], dtype=pl.Int16 if isinstance(LATER_COLUMNS[c], int)
+                                          else pl.String).alias(c) for c in self._filled[table])
         dictionaries = [f.name for f in TABLES[table] if pa.types.is_dictionary(f.type)]
         widened = [pl.col("count").cast(pl.Int64)] if table == "accesses" else []
         return frame.with_columns(pl.col(dictionaries).cast(pl.String), *widened)
@@ -78,7 +79,8 @@ class Run:
         relation = con.read_parquet(files, hive_partitioning=True)
         for column in self._filled[table]:
             value = LATER_COLUMNS[column]
-            relation = relation.project(f"*, CAST({'NULL' if value is None else repr(value)} AS VARCHAR) AS {column}")
+            sql_type = "SMALLINT" if isinstance(value, int) else "VARCHAR"
+            relation = relation.project(f"*, CAST({'NULL' if value is None else repr(value)} AS {sql_type}) AS {column}")
         if table == "accesses":
             relation = relation.project('* REPLACE (CAST("count" AS BIGINT) AS "count")')
         return relation

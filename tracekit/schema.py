@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 """major.minor; readers accept any minor of a major they know. 1.1 added `phase` to accesses, lookups
 and comms (readers show `train` for a 1.0 run); 1.2 added `schedule` to steps (readers show null for
-an older run); 1.3 added the dct_replay table (absent from an older run)."""
+an older run); 1.3 added the dct_replay table (absent from an older run); 1.4 added `feature` to
+lookups (readers show 0 for an older run)."""
 
 VERSION_KEY = b"tracekit.schema_version"
 """Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
@@ -54,6 +55,7 @@ LOOKUPS = pa.schema(
         _required("pos", pa.int32()),  # position of the lookup in its bag or sequence
         _required("row", pa.int64()),
         _PHASE,
+        _required("feature", pa.int16()),  # which of the features looking the table up (TorchRec), from 0
     ]
 )
 

@@ -394,7 +394,7 @@ nice value whenever a watchdog lifts it (bench/RESULTS.md §17)."""
 PARQUET_OPTIONS: dict[str, dict[str, Any]] = {
     "accesses": dict(use_dictionary=["step", "table_name", "count", "phase"],
                      column_encoding={"row": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
-    "lookups": dict(use_dictionary=["step", "table_name", "pos", "phase"],
+    "lookups": dict(use_dictionary=["step", "table_name", "pos", "phase", "feature"],
                     column_encoding={"sample": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
 }
 
