@@ -193,14 +193,15 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
     with open_context(compression_run(tmp_path / "run")) as ctx:
         derived = compression.derive(ctx)
     dp, mp = derived.section["dp"], derived.section["mp"]
-    # 0.1%: step 10 lets 6 + 0 through against targets 1 + 1: 3x, over the bound; 1%: at most 15 / 12
-    assert dp["keep_ratio"] == 0.01 and dp["refresh_every"] == 1000 and dp["error_feedback"] is True
-    kept = np.mean([10 + 2, 12 + 3, 8 + 1])
+    # no replay: the smallest keep ratio, refreshed every step, sends the targets ⌈0.001 · 1000⌉ + ⌈0.001 · 200⌉
+    assert dp["keep_ratio"] == 0.001 and dp["refresh_every"] == 1 and dp["error_feedback"] is True
+    kept = 1 + 1
     assert dp["predicted"]["kept_elements_per_rank"] == kept
-    # N = 1,200 entries in one bucket: int16 offsets (6 bytes an entry, one block count) beat int32 (8),
-    # a bitmap (150 + 4K) and dense (4N); plus each rank's count, per rank
-    dp_bytes = 2 * (6 * kept + 4 + 4)
+    # N = 1,200 entries in one bucket: int32 indices (8 bytes an entry) tie int16 offsets (6, and one block
+    # count), beat a bitmap (150 + 4K) and dense (4N); plus each rank's count, per rank
+    dp_bytes = 2 * (8 * kept + 4)
     assert dp["predicted"]["dp_bytes_per_step"] == dp_bytes
+    assert "dp_bytes_per_step" not in dp.get("intervals", {})  # no parameter sent whole: exact
     assert dp["predicted"]["baseline_dp_bytes_per_step"] == 2 * 4800  # the hook's all-reduce, not the log's
     assert dp["predicted"]["ratio"] == pytest.approx(dp_bytes / 9600)
     assert dp["predicted"]["dp_wire_bytes_per_step"] == 1 * dp_bytes

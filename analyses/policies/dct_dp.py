@@ -175,7 +175,7 @@ def _bytes_of(sizes: pl.DataFrame, world: int, targets: dict[int, float], *, cal
     return float(frame.select(per_bucket.sum()).item()) + world * 4 * calls
 
 
-def _target(numel: int, keep: float) -> int:
+def target(numel: int, keep: float) -> int:
     """The entries a fresh threshold sends, as the hook computes k (a float product, then ceil)."""
     k = max(1, math.ceil(keep * numel))
     return numel if numel < DCT_WHOLE_BELOW or k >= numel else k
@@ -185,14 +185,14 @@ def _targets(ctx: Context) -> pl.DataFrame:
     """Per keep ratio: Σ_p target_p, the entries a fresh threshold sends per rank."""
     numel = ctx.frame("SELECT name, any_value(numel) AS numel FROM dct_replay GROUP BY name")["numel"].to_list()
     keeps = ctx.frame("SELECT DISTINCT keep_ratio FROM dct_replay")["keep_ratio"].to_list()
-    return pl.DataFrame({"keep_ratio": keeps, "target": [float(sum(_target(n, k) for n in numel)) for k in keeps]})
+    return pl.DataFrame({"keep_ratio": keeps, "target": [float(sum(target(n, k) for n in numel)) for k in keeps]})
 
 
 def _bucket_targets(buckets: pl.DataFrame, keep: float) -> dict[int, float]:
     """Per bucket: Σ target_p over its parameters."""
     totals: dict[int, float] = {}
     for numel, bucket in buckets.select("numel", "bucket").iter_rows():
-        totals[bucket] = totals.get(bucket, 0.0) + _target(numel, keep)
+        totals[bucket] = totals.get(bucket, 0.0) + target(numel, keep)
     return totals
 
 
