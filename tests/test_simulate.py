@@ -176,6 +176,29 @@ def test_another_world_keeps_bytes_per_sample(run: Path) -> None:
         assert rows["replication"]["sync_bytes_per_step"] == pytest.approx(2 * 7 * replicas)
 
 
+@pytest.mark.slow
+def test_a_projection_to_4_ranks_has_the_bytes_a_4_rank_run_records(run: Path, tmp_path: Path) -> None:
+    """The 2-rank run projected onto 1 node of 4 ranks at the same batch per rank, against TINY recorded
+    on 4 ranks: the exchange's bytes per sample (pooling 3: the same ids per sample at any world size),
+    the share of them that crosses ranks (table-wise, a rank owns one of 4 tables: 3/4 of each bag
+    comes from another rank) and DDP's all-reduce of the same dense gradients on each rank."""
+    options = dict(zip(TINY[::2], TINY[1::2])) | {"--steps": str(STEPS)}
+    code, four = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        "4", str(REPO / "train.py"), *[x for kv in options.items() for x in kv])
+    assert code == 0
+    with open_context(run) as ctx:
+        projected = simulate(ctx, Target(1, 4, inter_bw=1e9, batch=int(options["--batch-size"]))).tables["simulate"]
+    projected = projected.row(0, named=True)
+    assert projected["method"] == "scaled"
+    measured = _comms_per_step(four)
+    with open_context(four) as ctx:
+        remote = ctx.sql("""SELECT sum(bytes_out - splits_out[rank + 1])::DOUBLE / (SELECT count(DISTINCT step) FROM steps)
+                            FROM train_comms WHERE op = 'all_to_all_single'""").fetchall()[0][0]
+    assert projected["a2a_bytes_per_step"] == pytest.approx(measured["all_to_all_single"], rel=1e-12)
+    assert projected["a2a_remote_bytes_per_step"] == pytest.approx(remote, rel=1e-12)
+    assert projected["allreduce_bytes_per_step"] == pytest.approx(measured["all_reduce"], rel=1e-12)
+
+
 def test_cli_prints_writes_and_reports(run: Path) -> None:
     r = CliRunner().invoke(cli, ["simulate", str(run), "--topology", "2x1", "--inter-bw", "200mbit", "--json"])
     assert r.exit_code == 0, r.output
