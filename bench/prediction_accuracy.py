@@ -126,11 +126,7 @@ def main() -> None:
                    help="where the runs, results.jsonl and table.md go")
     p.add_argument("--resume", action="store_true", help="keep OUT/results.jsonl's rows; run only what is missing")
     args = p.parse_args()
-    known = {w.name: w for w in WORKLOADS}
-    unknown = [n for n in args.workloads.split(",") if n not in known]
-    if unknown:
-        p.error(f"unknown workload(s) {', '.join(unknown)}; the workloads are {', '.join(known)}")
-    chosen = [known[n] for n in args.workloads.split(",")]
+    chosen = named(p, args.workloads, WORKLOADS)
     args.out.mkdir(parents=True, exist_ok=True)
     store = Store(args.out / "results.jsonl", resume=args.resume)
     header = machine()
@@ -159,6 +155,16 @@ def main() -> None:
     (args.out / "table.md").write_text(markdown + "\n")
     print("\n".join(summary_lines(rows)))
     print(f"\nresults: {store.path}; table: {args.out / 'table.md'}")
+
+
+def named(parser: argparse.ArgumentParser, names: str, workloads: tuple[Workload, ...]) -> list[Workload]:
+    """The workloads `names` (comma-separated) names, in its order; else the parser's error naming
+    the known ones."""
+    known = {w.name: w for w in workloads}
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; the workloads are {', '.join(known)}")
+    return [known[n] for n in names.split(",")]
 
 
 def legend(chosen: list[Workload], rows: list[dict], steps: int | None) -> list[str]:

@@ -50,7 +50,8 @@ from tracekit.figures import AUC_CHANGE  # noqa: E402
 from tracekit.optimize import _write_sections, record  # noqa: E402
 from tracekit.policy import read_policy  # noqa: E402
 from tracekit.quality_runs import SEEDS, calibrate  # noqa: E402
-from prediction_accuracy import WORKLOADS, Workload, cluster_unavailable, default_lookup_every, machine  # noqa: E402
+from prediction_accuracy import (WORKLOADS, Workload, cluster_unavailable, default_lookup_every, machine,  # noqa: E402
+                                 named)
 
 EVAL_FRACTION = 0.1
 HELD_OUT = SEEDS  # the calibration runs seeds 0 .. SEEDS-1
@@ -66,10 +67,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "quality_accuracy", help="runs, results.jsonl, table.md")
     p.add_argument("--resume", action="store_true", help="keep OUT/results.jsonl's workloads; run only the others")
     args = p.parse_args()
-    known = {w.name: w for w in ALL}
-    unknown = [n for n in args.workloads.split(",") if n not in known]
-    if unknown:
-        p.error(f"unknown workload(s) {', '.join(unknown)}; the workloads are {', '.join(known)}")
+    chosen = named(p, args.workloads, ALL)
     args.out.mkdir(parents=True, exist_ok=True)
     results = args.out / "results.jsonl"
     done = {}
@@ -81,17 +79,16 @@ def main() -> None:
     header = machine()
     err.print(header)
     problem = cluster_unavailable()
-    for name in args.workloads.split(","):
-        if name in done:
+    for w in chosen:
+        if w.name in done:
             continue
-        w = known[name]
         t0 = time.monotonic()
         row = ({"workload": w.name, "status": "skipped", "error": f"tracekit cluster cannot run here: {problem}"}
                if w.link and problem else measure(w, args.out / w.name, lambda what: err.print(f"{w.name}: {what}")))
         row.update(seconds=time.monotonic() - t0, steps=w.steps)
         with open(results, "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
-        done[name] = row
+        done[w.name] = row
     rows = [done[w.name] for w in ALL if w.name in done]
     Console(width=220).print(rich_table(rows))
     lines = [f"Measured {datetime.date.today()}: {header}; eval on {EVAL_FRACTION:.0%} of the samples; "

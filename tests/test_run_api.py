@@ -113,17 +113,22 @@ def test_ranks_that_applied_one_file_agree() -> None:
     assert merge_policy([{"rank": 0, "policy": None}], errors) is None and errors == []
 
 
-def test_a_run_recorded_before_the_schedule_column_reads_it_as_null(tmp_path: Path) -> None:
-    run_dir = tmp_path / "old"
+def _recorded_before(run_dir: Path, table: str, rows: dict, column: str, version: bytes):
+    """A run whose one part file of `table` holds `rows` as the schema `version` wrote it: without
+    `column`, which a later minor version added."""
     write_manifest(run_dir, {"status": "completed"})
-    with RunWriter(run_dir, 0) as writer:  # written as now, then rewritten as schema 1.1 wrote it
-        writer.append("steps", {"step": [0, 1], "t_start_ns": [0, 5], "t_end_ns": [5, 9], "samples": [4, 4],
-                                "loss": [0.5, None]})
-    part = run_dir / "steps" / "rank=0" / "part-00000.parquet"
-    table = pq.read_table(part).drop_columns(["schedule"])
+    with RunWriter(run_dir, 0) as writer:  # written as now, then rewritten as that version wrote it
+        writer.append(table, rows)
+    part = run_dir / table / "rank=0" / "part-00000.parquet"
+    old = pq.read_table(part).drop_columns([column])
     part.unlink()
-    write_part(table.replace_schema_metadata({**table.schema.metadata, VERSION_KEY: b"1.1"}), part.parent, 0)
-    run = open_run(run_dir)
+    write_part(old.replace_schema_metadata({**old.schema.metadata, VERSION_KEY: version}), part.parent, 0)
+    return open_run(run_dir)
+
+
+def test_a_run_recorded_before_the_schedule_column_reads_it_as_null(tmp_path: Path) -> None:
+    run = _recorded_before(tmp_path / "old", "steps", {"step": [0, 1], "t_start_ns": [0, 5], "t_end_ns": [5, 9],
+                                                       "samples": [4, 4], "loss": [0.5, None]}, "schedule", b"1.1")
     frame = run.scan("steps").collect()
     assert frame["schedule"].dtype == pl.String and frame["schedule"].to_list() == [None, None]
     assert frame["loss"].to_list() == [0.5, None]
@@ -133,16 +138,9 @@ def test_a_run_recorded_before_the_schedule_column_reads_it_as_null(tmp_path: Pa
 
 
 def test_a_run_recorded_before_the_feature_column_reads_it_as_0(tmp_path: Path) -> None:
-    run_dir = tmp_path / "old"
-    write_manifest(run_dir, {"status": "completed"})
-    with RunWriter(run_dir, 0) as writer:  # written as now, then rewritten as schema 1.3 wrote it
-        writer.append("lookups", {"step": [0, 0], "table_name": ["t", "t"], "sample": [0, 1], "pos": [0, 0],
-                                  "row": [7, 9], "phase": ["train", "train"], "feature": [0, 1]})
-    part = run_dir / "lookups" / "rank=0" / "part-00000.parquet"
-    table = pq.read_table(part).drop_columns(["feature"])
-    part.unlink()
-    write_part(table.replace_schema_metadata({**table.schema.metadata, VERSION_KEY: b"1.3"}), part.parent, 0)
-    run = open_run(run_dir)
+    run = _recorded_before(tmp_path / "old", "lookups", {"step": [0, 0], "table_name": ["t", "t"], "sample": [0, 1],
+                                                         "pos": [0, 0], "row": [7, 9], "phase": ["train", "train"],
+                                                         "feature": [0, 1]}, "feature", b"1.3")
     frame = run.scan("lookups").collect()
     assert frame["feature"].dtype == pl.Int16 and frame["feature"].to_list() == [0, 0]
     relation = run.relation("lookups")
