@@ -67,21 +67,24 @@ def test_every_section_runs_and_its_bytes_are_as_predicted(optimized) -> None:
 
 @pytest.mark.slow
 def test_the_schedule_runs_bytes_are_as_predicted(optimized) -> None:
-    """The trainer batches the whole epoch by a hot set chosen from 24 recorded steps, so the schedule's
-    figures are estimates on samples the hot set was not chosen from (analyses.policies.schedule,
-    HotCurve.fraction). Against one run of 24 steps, 6 of them cold: the hot share within 0.08, the
-    all-to-all bytes within 25% and inside the stated interval (predicted in-sample, they were 44
-    bytes against 3,107 measured), the replicas' sync within 10%."""
+    """The trainer batches its whole epoch (18,000 samples) by a hot set chosen on the 24 recorded
+    steps (3,072 samples), so the schedule's figures weigh the in-sample ones (17% of the epoch) with
+    those on held-out folds (analyses.policies.schedule). In-sample alone they were 99.6% hot steps
+    and 44 all-to-all bytes a step, against 75% and 3,107 measured. Now: the hot share within 0.02,
+    the all-to-all bytes within 2% and inside the stated interval, the replicas' sparse sync within
+    10% (the hot and cold batches' unions are approximated by the recorded ones'). The runs are
+    seeded and the hot set chosen by bytes: the same figures every time."""
     _, summary = optimized
     rows = {r["figure"]: r for r in summary["rows"] if r["run"].endswith("schedule") and r["section"] == "schedule"}
     hot = rows["hot_step_fraction"]
     assert hot["predicted_low"] <= hot["measured"] <= hot["predicted_high"], hot
-    assert hot["measured"] == pytest.approx(hot["predicted"], abs=0.08), hot
-    a2a = rows["a2a_bytes_per_step"]
-    assert a2a["predicted_low"] <= a2a["measured"] <= a2a["predicted_high"], a2a
-    assert a2a["measured"] == pytest.approx(a2a["predicted"], rel=0.25), a2a
-    assert rows["sync_bytes_per_step"]["measured"] == pytest.approx(rows["sync_bytes_per_step"]["predicted"],
-                                                                    rel=0.10), rows["sync_bytes_per_step"]
+    assert hot["measured"] == pytest.approx(hot["predicted"], abs=0.02), hot
+    for figure in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step"):
+        row = rows[figure]
+        assert row["predicted_low"] <= row["measured"] <= row["predicted_high"], row
+        assert row["measured"] == pytest.approx(row["predicted"], rel=0.02), row
+    sync = rows["sync_bytes_per_step"]
+    assert sync["measured"] == pytest.approx(sync["predicted"], rel=0.10), sync
 
 
 def test_sections_not_worth_a_run_are_left_out_with_the_reason(tmp_path: Path) -> None:

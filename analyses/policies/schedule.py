@@ -15,12 +15,14 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   cold (conservative). hot_sample_fraction H = hot samples / samples; with batches formed from each
   pool separately, a fraction H of the steps are hot (⌊H·N/B⌋ of N/B batches) and skip the
   all-to-all: hot_step_fraction = H.
-- H and the bytes are estimated on samples the hot set was not chosen from: the trainer batches the
-  whole epoch by a hot set chosen on the recorded steps, and counted on those same steps (in-sample)
-  a hot set of every row they touch makes nearly every recorded sample all-hot (issue 33: 99.6%
-  predicted in-sample, 75% of the steps ran hot). So the sampled steps are dealt into FOLDS folds,
-  each classified and replayed with the top K rows by count on the others (held_out_ranks); the
-  in-sample figures are the intervals' other end (HotCurve.fraction).
+- The trainer batches the whole epoch by a hot set chosen on the sampled steps. Counted on those
+  same steps (in-sample), a hot set of every row they touch makes nearly every sampled sample
+  all-hot, while the epoch's other samples are not (issue 33: 99.6% predicted in-sample, 75% of the
+  steps ran hot). So H and the bytes are each a weighing of two figures: in-sample, for the share of
+  the epoch the sampled steps hold (`coverage`: their samples over the run's `epoch_samples` metric,
+  which the reference trainer reports; 0 where a run does not), and held out, for the rest: the
+  sampled steps dealt into FOLDS folds, each classified and replayed with the top K rows by count
+  on the others (held_out_ranks). The two figures are the intervals' ends.
 - The trainer replicates the hot set and serves hot ids from the replicas in every step, hot or
   cold (tracekit/dlrm). So the predicted all-to-all bytes per step are replication's replay of that
   hot set (held out, as H) less the lengths entries of the hot samples, which hot steps do not
@@ -137,19 +139,21 @@ class HotCurve:
     remote_bytes: np.ndarray
     held_out_samples: np.ndarray | None = None
 
-    def fraction(self, k: int | np.ndarray, samples: int) -> float | np.ndarray:
-        """The share of samples all-hot at hot-set size k as the schedule predicts it: on samples the
-        hot set was not chosen from where two sampled steps allow, else in-sample.
+    def fraction(self, k: int | np.ndarray, samples: int, coverage: float) -> float | np.ndarray:
+        """The share of the epoch's samples all-hot at hot-set size k: `coverage` of them (those the
+        hot set was chosen on, `coverage`) as counted in-sample, the rest as on held-out folds."""
+        inside = self.samples[k] / max(samples, 1)
+        if self.held_out_samples is None:
+            return inside
+        return coverage * inside + (1 - coverage) * self.held_out_samples[k] / max(samples, 1)
 
-        The trainer batches the whole epoch by a hot set chosen from the recorded steps, so in-sample
-        (a sample's ids counted into the hot set that classifies it) is the optimistic end: with few
-        recorded steps nearly every row they touch makes the set and nearly every recorded sample is
-        all-hot, while the epoch's other samples are not (issue 33: 99.6% predicted, 75% ran). A hot
-        set chosen on half the steps, classifying the other half, is the pessimistic end: it saw half
-        the counts the trainer's set sees. The prediction is the held-out share; the in-sample one is
-        its interval's other end."""
-        counted = self.samples if self.held_out_samples is None else self.held_out_samples
-        return counted[k] / max(samples, 1)
+
+def coverage(ctx: Context, s: ExchangeBaseline) -> float:
+    """The share of the epoch the trainer schedules that the sampled steps hold: their samples over
+    the run's `epoch_samples` metric (the reference trainer's training split), at most 1; 0 where the
+    run does not say (every sample then counts as unseen: the pessimistic end)."""
+    epoch = (ctx.manifest.get("metrics") or {}).get("epoch_samples")
+    return min(1.0, s.samples / epoch) if isinstance(epoch, (int, float)) and epoch > 0 else 0.0
 
 
 def hot_curve(ctx: Context) -> HotCurve:
@@ -271,7 +275,7 @@ def own_budget(ctx: Context, s: ExchangeBaseline) -> tuple[float, np.ndarray, bo
     (its hot samples' steps skip the exchange). Returns (its replica bytes per rank, the merit per K,
     whether the merit is a step time)."""
     c, h = replication.count_curve(ctx), hot_curve(ctx)
-    fraction = h.fraction(np.arange(c.order.height + 1), s.samples)
+    fraction = h.fraction(np.arange(c.order.height + 1), s.samples, coverage(ctx, s))
     lengths_rem = s.base["input_lengths"][1]
     remote = {col: (1 - fraction) * (s.base[col][1] - c.saved[f"{col}_rem"]) for col in exchange.COLLECTIVES}
     k = np.arange(c.order.height + 1, dtype=np.float64)
@@ -295,8 +299,10 @@ def sweep(ctx: Context, s: ExchangeBaseline, chosen: int, merit: np.ndarray | No
     steps = max(s.sampled_steps, 1)
     points = sorted({*exchange.log_points(order.height), chosen})
     return pl.DataFrame({"hot_rows": points, "budget_bytes": budget[points],
-                         "hot_sample_fraction": h.fraction(np.asarray(points), s.samples),
+                         "hot_sample_fraction": h.fraction(np.asarray(points), s.samples, coverage(ctx, s)),
                          "hot_sample_fraction_in_sample": h.samples[points] / max(s.samples, 1),
+                         "hot_sample_fraction_held_out": (h.samples if h.held_out_samples is None
+                                                          else h.held_out_samples)[points] / max(s.samples, 1),
                          A2A_BYTES: s.base_out - h.out_bytes[points] / steps,
                          A2A_REMOTE_BYTES: s.base_remote - h.remote_bytes[points] / steps,
                          "merit": np.full(len(points), np.nan) if merit is None else merit[points],
@@ -325,15 +331,20 @@ def _derive(ctx: Context) -> PolicyResult:
     cold = classify(ctx)
     k = rows.height
     in_sample = 1 - cold / s.samples if s.samples else 0.0
-    fraction = min(in_sample, float(hot_curve(ctx).fraction(k, s.samples)))  # HotCurve.fraction
+    held = hot_curve(ctx).held_out_samples
+    held = in_sample if held is None else min(in_sample, float(held[k]) / max(s.samples, 1))
+    covered = coverage(ctx, s)
+    fraction = covered * in_sample + (1 - covered) * held
     sync_hot, _, hot_batches = hot_batch_sync(ctx, s, hot_bytes, k)
     replicated = replication.count_curve(ctx)
     lengths_out, lengths_rem = s.base["input_lengths"]
-    # the hot set on the epoch's other samples (HotCurve.fraction), in-sample the interval's other end
+    # each figure as on the samples the hot set was chosen on (in-sample) and as on held-out folds,
+    # weighed by the share of the epoch each is (module docstring)
     rep_in = (float(replicated.a2a_out[k]), float(replicated.a2a_rem[k]))
-    rep_out, rep_rem = held_out_a2a(ctx, s, k) or rep_in
-    a2a_out = rep_out - fraction * lengths_out
-    a2a_rem = rep_rem - fraction * lengths_rem
+    rep_held = held_out_a2a(ctx, s, k) or rep_in
+    inside = {A2A_BYTES: rep_in[0] - in_sample * lengths_out, A2A_REMOTE_BYTES: rep_in[1] - in_sample * lengths_rem}
+    outside = {A2A_BYTES: rep_held[0] - held * lengths_out, A2A_REMOTE_BYTES: rep_held[1] - held * lengths_rem}
+    a2a_out, a2a_rem = (covered * inside[f] + (1 - covered) * outside[f] for f in (A2A_BYTES, A2A_REMOTE_BYTES))
     # hot steps make no exchange call: every collective of the exchange keeps (1 − H) of its bytes
     remote = {c: (1 - fraction) * replicated.collectives(s, k)[c]["remote_bytes_per_step"]
               for c in exchange.COLLECTIVES}
@@ -362,17 +373,18 @@ def _derive(ctx: Context) -> PolicyResult:
         spans[STEP_TIME] = (max(step_time - error, 0.0), step_time + error)
     # from sampled steps the hot set's exchange is an estimate: replication's interval at this hot set,
     # less the hot samples' lengths as the figure itself
-    # and between the hot set on samples it was not chosen from and on those it was (in-sample)
-    spans[HOT_SAMPLE_FRACTION] = spans[HOT_STEP_FRACTION] = (fraction, in_sample)
-    inside = {A2A_BYTES: rep_in[0] - in_sample * lengths_out, A2A_REMOTE_BYTES: rep_in[1] - in_sample * lengths_rem}
+    # and between the held-out and the in-sample figure, the ends of the weighing
+    spans[HOT_SAMPLE_FRACTION] = spans[HOT_STEP_FRACTION] = (held, in_sample)
     sampled = exchange.step_interval(ctx, s, "tk_order_count", k)
-    for figure, value in inside.items():
+    for figure in inside:
         low, high = sampled.get(figure, (predicted[figure], predicted[figure]))
         shift = predicted[figure] - (rep_in[0] if figure == A2A_BYTES else rep_in[1])
-        spans[figure] = (min(low + shift, value), max(high + shift, value))
+        ends = (inside[figure], outside[figure])
+        spans[figure] = (min(low + shift, *ends), max(high + shift, *ends))
     section = Schedule(hot_rows=f"policy/{name}.parquet", hot_sample_fraction=fraction, sync=sync_kind,
                        budget_bytes_per_rank=int(limit), prediction=Prediction(predicted, why, spans))
-    evidence = {"samples": s.samples, "cold_samples": cold, "hot_sample_fraction_in_sample": in_sample,
+    evidence = {"samples": s.samples, "cold_samples": cold, "epoch_coverage": covered,
+                "hot_sample_fraction_in_sample": in_sample, "hot_sample_fraction_held_out": held,
                 "hot_batches_replayed": hot_batches,
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
                 "shared_with_replication": shared, "network": network.network(ctx).summary(),
@@ -390,7 +402,7 @@ def _own_budget_why(ctx: Context, s: ExchangeBaseline, k: int, merit: np.ndarray
     def shown(value: float) -> str:
         return f"{value * 1e3:.2f} ms" if by_time else f"{value:,.0f} network bytes"
 
-    share = hot_curve(ctx).fraction(largest, s.samples)
+    share = hot_curve(ctx).fraction(largest, s.samples, coverage(ctx, s))
     return (f"its hot set is the one of {'least predicted step time' if by_time else 'fewest network bytes'} "
             f"({shown(merit[k])}) up to {FAE_HOT_SHARE:.1%} of the tables; the largest, {largest} rows, would "
             f"make {share:.0%} of samples all-hot at {shown(merit[largest])}")

@@ -56,6 +56,7 @@ class TrainResult:
     steps: int
     samples: int
     samples_per_s: float  # global, after warm-up
+    epoch_samples: int  # the training split: the samples of one epoch
     train_loss: float  # mean over the last log window
     eval_auc: float | None
     eval_logloss: float | None
@@ -178,7 +179,7 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
     timed_s = t_end - (t_timed if t_timed is not None else t_begin)
     return TrainResult(
         world_size=world_size, backend=backend, device=str(device), threads=torch.get_num_threads(),
-        steps=schedule.steps, samples=int(sizes.sum()),
+        steps=schedule.steps, samples=int(sizes.sum()), epoch_samples=schedule.num_train,
         samples_per_s=timed_samples / timed_s if timed_s > 0 else 0.0,
         train_loss=sum(window) / max(1, len(window)), eval_auc=auc, eval_logloss=ll,
         elapsed_s=t_end - t_begin, losses=step_losses,
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         result = run(cfg, dataset, rank=rank, world_size=world_size, device=device, policy=policy)
         tracekit.metrics(eval_auc=result.eval_auc, eval_logloss=result.eval_logloss,
-                         samples_per_s=result.samples_per_s, train_loss=result.train_loss)
+                         samples_per_s=result.samples_per_s, train_loss=result.train_loss,
+                         epoch_samples=result.epoch_samples)
         if rank == 0:
             _print_summary(cfg, result)
         clean = True
