@@ -1,8 +1,7 @@
 """The rank-side cost calibration (tracekit/dlrm/calibrate.py) on this machine, real torch, no mocks:
 `tracekit calibrate` on a recorded run writes RUN/analysis/calibration.json in the documented shape
-with finite, non-negative coefficients, and the replication model fitted on the calibration's grid
-predicts a point off the grid within its residual-based tolerance (the model against a measurement
-in the same process: no assertion on absolute speed)."""
+with finite, non-negative coefficients, and the fit recovers an exact law. How well the fitted model
+predicts a timed point off its grid is a wall-clock figure: bench/calibration_holdout.py's."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def test_calibrate_prints_the_json_it_writes_into_the_run(run: Path, calibrated:
     # TINY: 3 ids per bag (pooling 3), one bag per table per sample: the run's accesses say so exactly
     assert [t["ids_per_sample"] for t in inputs["tables"]] == [3.0] * 4, inputs
     assert set(written["machine"]) >= {"cpu", "cores", "torch", "threads", "host", "clock"}
-    assert 0 < written["seconds"] < 120
+    assert written["seconds"] > 0
 
 
 def test_every_coefficient_is_finite_and_non_negative(calibrated: tuple[str, dict]) -> None:
@@ -75,20 +74,6 @@ def test_every_coefficient_is_finite_and_non_negative(calibrated: tuple[str, dic
                                                                    "all_reduce": 1}
     assert {p["numel"] for p in c["dct_dp"]["points"]} and {p["keep_ratio"] for p in c["dct_mp"]["points"]} == set(
         c["dct_mp"]["keep_ratios"])
-
-
-@pytest.mark.parametrize("sync", SYNCS)
-def test_the_replication_model_predicts_a_point_off_its_grid(run: Path, sync: str) -> None:
-    inputs = calibrate.read_inputs(run)
-    grid = calibrate.replication_grid(inputs)
-    points = [calibrate.measure_replication_point(inputs, sync, k, b, repeats=15, seed=i) for i, (k, b) in enumerate(grid)]
-    model = calibrate.replication_model(points)
-    ks, batches = sorted({k for k, _ in grid}), sorted({b for _, b in grid})
-    k, b = (ks[1] + ks[2]) // 2, (batches[1] + batches[2]) // 2  # between the grid's points, not on them
-    held_out = calibrate.measure_replication_point(inputs, sync, k, b, repeats=15, seed=99)
-    predicted = calibrate.predict_replication(model, ids=held_out["ids"], hot=held_out["hot"], rows=held_out["rows"])
-    tolerance = 3 * (model["residual_s"] + held_out["noise_s"])
-    assert abs(predicted - held_out["extra_s"]) <= tolerance, (predicted, held_out, model)
 
 
 def test_the_nonnegative_fit_recovers_an_exact_linear_law() -> None:
