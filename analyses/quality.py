@@ -157,6 +157,13 @@ class Calibration:
         return next((p for p in self.of(section) if math.isclose(p.setting, setting, rel_tol=1e-9)), None)
 
 
+def source(chosen: Point, budget: Budget) -> str:
+    """Where a setting Calibration.choose gave came from, for a section's `why`."""
+    if budget.exceeded_by(chosen.figures(), chosen.intervals()) is None:
+        return f"the most compressive measured within {budget.describe()} (analysis/quality.json)"
+    return "the least compressive measured (analysis/quality.json); none kept the quality budget"
+
+
 def describe_change(figures: dict[str, Any], intervals: dict[str, Any] | None = None) -> str:
     """'eval AUC -0.0012 [-0.0020, -0.0003], eval log loss +0.31%' of a point's or a prediction's figures."""
     auc, loss = figures.get(AUC_CHANGE), figures.get(LOGLOSS_CHANGE)

@@ -8,8 +8,9 @@ Kaggle layout x 0.01 at 400 steps), with `tracekit record`'s default recording s
 1. the baseline is recorded and analysed with analyze's defaults (the quality budget an eval AUC loss of
    0.002);
 2. every lossy section analyze derived (compression.dp, compression.mp, schedule: analyses.quality.LOSSY),
-   not only those it would recommend on time, is calibrated as `tracekit optimize` does it
-   (tracekit/quality_runs.calibrate: seeds 0, 1, 2, each against its own baseline; DCT-MP's keep ratios
+   not only those it would recommend on time, but one optimize would not re-run (a schedule under 1%
+   all-hot samples: tracekit.optimize._why_not), is calibrated as `tracekit optimize` does it
+   (tracekit/quality_runs.calibrate: seeds 0, 1, 2, each against its own baseline; DCT's keep ratios
    from the most compressive up until one keeps the budget), and the baseline is analysed again;
 3. the held-out check: the baseline and each lossy section at the setting analyze then chose are run at
    seed HELD_OUT, which no calibration run used, and the section's measured eval AUC change against that
@@ -47,7 +48,7 @@ from analyses import quality  # noqa: E402
 from tracekit import recording  # noqa: E402
 from tracekit.cluster import Cluster  # noqa: E402
 from tracekit.figures import AUC_CHANGE  # noqa: E402
-from tracekit.optimize import _write_sections, record  # noqa: E402
+from tracekit.optimize import _why_not, _write_sections, record  # noqa: E402
 from tracekit.policy import read_policy  # noqa: E402
 from tracekit.quality_runs import SEEDS, calibrate  # noqa: E402
 from prediction_accuracy import (WORKLOADS, Workload, cluster_unavailable, default_lookup_every, machine,  # noqa: E402
@@ -126,6 +127,9 @@ def measure(w: Workload, folder: Path, say) -> dict:
     policy = read_policy(base / "policy.json")
     labels = [label for label in quality.LOSSY if label in policy.sections]
     row["derived"] = labels
+    row["not_run"] = {label: why for label in labels
+                      if (why := _why_not(replace(policy.sections[label], recommended=True, reason=None)))}
+    labels = [label for label in labels if label not in row["not_run"]]
     if not labels:
         return row
     say(f"calibrating {', '.join(labels)}")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from analyses.policies.dct_dp import _choose
 from collectors import comm, grads
 from collectors.steps import StepClock
 from tests.multiprocess import run_ranks
@@ -343,3 +344,12 @@ def test_buckets_that_do_not_match_pad_each_parameter_alone(tmp_path: Path) -> N
     # one bucket of 2,010 entries, 18 entries: 2 * 6 * 18, and the counts of the 2 calls a step
     assert dp["predicted"]["dp_bytes_per_step"] == 2 * 6 * 18 + 2 * 4 * 2
     assert "not matched" in evidence["buckets"]
+
+
+def test_the_replay_takes_the_keep_ratio_the_calibration_chose_and_its_longest_held_refresh() -> None:
+    pairs = pl.DataFrame({"keep_ratio": [0.001, 0.001, 0.01, 0.01, 0.1], "refresh_every": [5, 20, 5, 20, 5],
+                          "drift": [1.5, 3.0, 1.2, 1.8, 1.1]})
+    assert _choose(pairs)[:2] == (0.001, 5)  # the smallest keep ratio, uncalibrated
+    assert _choose(pairs, 0.01)[:2] == (0.01, 20)
+    assert _choose(pairs, 0.1)[:2] == (0.1, 5)
+    assert _choose(pairs.with_columns(pl.lit(9.0).alias("drift")), 0.01) == (0.01, 1, None)  # none held: every step

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from analyses import quality
 from analyses.context import open_context
 from analyses.network import warmup_steps
 from analyses.policies import compression, lag
@@ -221,6 +222,26 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
         "bf16": measured / 2, "fp16": measured / 2, "fp8": 256 * (16 + 4)}
     assert set(derived.tables["dct_mp"]["tag"]) == {"_AllToAll.forward", "_AllToAll.backward"}
     validate(policy_with(derived.section, "compression"), tmp_path / "policy.json")
+
+
+def test_compression_dp_takes_the_most_compressive_keep_ratio_its_calibration_keeps_in_budget(tmp_path: Path) -> None:
+    """Calibrated at keep 0.1% (over the AUC budget at one seed) and 1% (within at both), the section
+    is written at 1%, refreshed every step, sending 1% of `a`'s 1,000 and `b`'s 200 entries."""
+    run = compression_run(tmp_path / "run")
+    base = {"eval_auc": 0.75, "eval_logloss": 0.5}
+
+    def point(keep: float, *aucs: float) -> dict:
+        seeds = [quality.seed_of(i, f"runs/q{i}", {"eval_auc": 0.75 + auc, "eval_logloss": 0.5}, base)
+                 for i, auc in enumerate(aucs)]
+        return quality.point_of("compression.dp", keep, 30, seeds)
+
+    quality.write(run, [point(0.001, -0.001, -0.004), point(0.01, -0.0005, -0.001)])
+    with open_context(run) as ctx:
+        dp = compression.derive(ctx).section["dp"]
+    assert (dp["keep_ratio"], dp["refresh_every"]) == (0.01, 1)
+    assert dp["predicted"]["kept_elements_per_rank"] == 10 + 2
+    assert dp["predicted"]["eval_auc_change"] == pytest.approx(-0.00075)
+    assert "the most compressive measured within an eval AUC loss of at most 0.002" in dp["why"]
 
 
 def test_the_codec_work_is_the_calibrated_exchange_of_the_values_a_rank_sends_each_way(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
 from tracekit.figures import AUC_CHANGE, HOT_ROWS, LOGLOSS_CHANGE, STEP_TIME
 from tracekit.optimize import record as record_run
-from tracekit.policy import DctMp, Policy, Prediction, Schedule, load_policy
+from tracekit.policy import DctDp, DctMp, Policy, Prediction, Schedule, load_policy
 from tracekit.quality_runs import calibrate, ladder
 
 
@@ -116,6 +116,14 @@ def test_a_schedule_faster_on_time_waits_for_its_measured_quality_cost() -> None
 
 def test_the_mp_ladder_doubles_the_values_a_row_keeps() -> None:
     assert ladder("compression.mp", _mp_policy(None)) == [1 / 16, 2 / 16, 4 / 16, 8 / 16]
+
+
+def test_the_dp_ladder_is_the_traces_keep_ratios_from_the_derived_one() -> None:
+    policy = _mp_policy(None)
+    for derived, tried in ((0.001, [0.001, 0.01, 0.1]), (0.01, [0.01, 0.1])):
+        dp = replace(policy, sections={"compression.dp": DctDp(keep_ratio=derived, refresh_every=1,
+                                                                      prediction=Prediction({}, "test"))})
+        assert ladder("compression.dp", dp) == tried
 
 
 STEPS = "40"

@@ -5,8 +5,8 @@ For each lossy section that analyze would recommend on time but whose cost is no
 recorded command is re-run with that section alone, at settings from the most compressive up,
 until one keeps the quality budget. compression.mp tries K = ⌈5% · D⌉, then twice that, and so on
 below D (at most MP_POINTS runs), as a fraction of the rows' D values; compression.dp, the keep
-ratio analyze derived from the DCT-DP replay (a larger one is not derived from the trace); the
-schedule, its hot set as derived. Each setting runs at SEEDS seeds: the command as given (against
+ratios of the trace's gradient statistics and replay (tracekit.schema.KEEP_RATIOS) from the one
+analyze derived, at the derived refresh period; the schedule, its hot set as derived. Each setting runs at SEEDS seeds: the command as given (against
 the recorded baseline) and with `--seed N` appended (against the baseline re-run at that seed,
 OUT/quality-baseline-seedN); a command that takes no `--seed` is calibrated at one seed, and says so.
 Each run is recorded like optimize's re-runs (OUT/quality-<label>-<setting>[-seedN]); what its eval
@@ -25,7 +25,8 @@ from typing import Callable
 
 from analyses import quality
 from tracekit import recording
-from tracekit.policy import DctMp, Policy, read_policy, write_policy
+from tracekit.policy import DctDp, DctMp, Policy, read_policy, write_policy
+from tracekit.schema import KEEP_RATIOS
 
 MP_POINTS = 4
 """compression.mp's settings at most (K, 2K, 4K, 8K values a row)."""
@@ -43,6 +44,9 @@ def pending(policy: Policy) -> list[str]:
 def ladder(label: str, policy: Policy) -> list[float]:
     """The settings (analyses.quality.SETTING) to try for `label`, most compressive first."""
     section = policy.sections[label]
+    if isinstance(section, DctDp):  # the keep ratios the trace's statistics and replay hold, from the derived one
+        return [keep for keep in sorted(KEEP_RATIOS.values()) if keep >= section.keep_ratio - 1e-12] or [
+            section.keep_ratio]
     if not isinstance(section, DctMp):
         return [float(getattr(section, quality.SETTING[label]))]
     dims = {int(t["dim"]) for t in (policy.model or {}).get("tables", [])}
@@ -99,7 +103,7 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
         for i, setting in enumerate(settings, 1):
             name = f"quality-{label.replace('.', '-')}-{setting:.4g}"
             section = replace(policy.sections[label], recommended=True, reason=None)
-            if isinstance(section, DctMp):
+            if isinstance(section, (DctDp, DctMp)):
                 section = replace(section, keep_ratio=setting)
             path = base / f"policy.{name}.json"
             write_policy(path, replace(policy, sections={label: section}, combined=None).to_json())

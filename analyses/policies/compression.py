@@ -88,7 +88,7 @@ def derive(ctx: Context) -> PolicyResult:
     world = ctx.model.world_size
     steps = traffic.training_steps(ctx)
     calibration = quality.load(ctx.path)
-    dp, dp_reason = _derive_dp(ctx, world, steps, result)
+    dp, dp_reason = _derive_dp(ctx, world, steps, result, calibration)
     mp, mp_reason = _derive_mp(ctx, world, steps, result, calibration)
     for name, body in (("dp", dp), ("mp", mp)):
         if body is not None:
@@ -169,9 +169,12 @@ def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:
             .sort("name")), per_step
 
 
-def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tuple[dict | None, str | None]:
+def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult,
+               calibration: quality.Calibration | None) -> tuple[dict | None, str | None]:
+    calibrated = None if calibration is None else calibration.choose("compression.dp", ctx.options.quality_budget)
     if ctx.has("dct_replay"):  # error feedback replayed: the keep ratio, refresh period and bytes from it
-        return dct_dp.derive(ctx, world, steps, _dp_baseline(ctx, steps), DP_ROWS, result)
+        return dct_dp.derive(ctx, world, steps, _dp_baseline(ctx, steps), DP_ROWS, result,
+                             keep=calibrated.setting if calibrated else None)
     if not ctx.has("grads"):
         return None, "no grads table (recorded with --grad-every 0?): no gradient statistics to set thresholds from"
     table, per_step = drift_table(ctx)
@@ -189,7 +192,8 @@ def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
     # Without the replay, what error feedback makes of a stale threshold is not known (on the Kaggle
     # layout at dim 128, 12x the stale count of the uncompressed gradients: bench/RESULTS.md §33), so
     # the threshold is refreshed every step, which sends each parameter's target exactly.
-    suffix, keep = ordered[0]
+    suffix, keep = next(((name, k) for name, k in ordered if calibrated and math.isclose(k, calibrated.setting)),
+                        ordered[0])
     kept = float(sum(dct_dp.target(int(n), keep) for n in table["numel"]))
     # a parameter sent whole sends its nonzero entries, which `grads` does not count: all of them at most
     whole = float(sum(int(n) for n in table["numel"] if dct_dp.target(int(n), keep) == int(n)))
@@ -204,7 +208,9 @@ def _derive_dp(ctx: Context, world: int, steps: int, result: PolicyResult) -> tu
     baseline_dp = _dp_baseline(ctx, steps)
     predicted = dct_dp.figures(world, dp_bytes, baseline_dp, kept)
     spans = {DP_BYTES: (dp_bytes_of(kept - whole), dp_bytes)} if whole else {}
-    why = (f"keep {keep:.1%} of each gradient, the smallest of {', '.join(f'{k:.1%}' for k in KEEP_RATIOS.values())}, "
+    which = ("the smallest of " + ", ".join(f"{k:.1%}" for k in KEEP_RATIOS.values()) if calibrated is None else
+             quality.source(calibrated, ctx.options.quality_budget))
+    why = (f"keep {keep:.1%} of each gradient ({which}), "
            f"the threshold refreshed every step: without the DCT-DP replay (record --dct-replay) a stale "
            f"threshold's growth under error feedback is not known (uncompressed, it let through "
            f"{overall[suffix]:.2f}x its target over {per_step['step'].n_unique()} sampled steps); "
@@ -265,11 +271,8 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
         return None, "the tables have different dims: the output rows' width is unknown"
     chosen = None if calibration is None else calibration.choose("compression.mp", ctx.options.quality_budget)
     keep = MP_KEEP_RATIO if chosen is None else chosen.setting
-    budget = ctx.options.quality_budget
     source = ("the DCT paper's 5% (its 20x fewer elements; the trace has no activation statistics)" if chosen is None
-              else f"the most compressive measured within {budget.describe()} (analysis/quality.json)"
-              if budget.exceeded_by(chosen.figures(), chosen.intervals()) is None
-              else "the least compressive measured (analysis/quality.json); none kept the quality budget")
+              else quality.source(chosen, ctx.options.quality_budget))
     k = max(1, min(dim, math.ceil(keep * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
     rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)

@@ -53,9 +53,10 @@ prototype against §9's run); +0.7% on the tests' TINY trainer."""
 
 
 def derive(ctx: Context, world: int, steps: int, baseline_dp: float | None, dp_rows: str,
-           result: PolicyResult) -> tuple[dict | None, str | None]:
+           result: PolicyResult, keep: float | None = None) -> tuple[dict | None, str | None]:
     """The compression.dp section from `dct_replay`, or the reason there is none. `baseline_dp`: DDP's
-    gradient bytes per step in the run; `dp_rows`: the SQL condition on `train_comms` of its calls."""
+    gradient bytes per step in the run; `dp_rows`: the SQL condition on `train_comms` of its calls;
+    `keep`: the keep ratio (a replayed one) its model-quality calibration chose, else the smallest."""
     params = ctx.frame("""
         SELECT name, any_value(numel) AS numel, any_value(replayed) AS replayed,
                median(position) FILTER (WHERE position >= 0) AS position
@@ -86,7 +87,7 @@ def derive(ctx: Context, world: int, steps: int, baseline_dp: float | None, dp_r
     high = (pl.max_horizontal("bytes_upper", point_bytes) + spread) * (1 + RERUN_ALLOWANCE)
     pairs = pairs.with_columns(pl.col(point_bytes).alias(DP_BYTES),
                                low.clip(lower_bound=0).alias("low"), high.alias("high"))
-    keep, refresh, row = _choose(pairs)
+    keep, refresh, row = _choose(pairs, keep)
     pairs = pairs.with_columns(((pl.col("keep_ratio") == keep) & (pl.col("refresh_every") == refresh)).alias("chosen"))
     result.tables["dct_dp_replay"] = pairs.select(
         "keep_ratio", "refresh_every", "replayed_steps", "drift", "drift_max", "kept", "target", "sd",
@@ -226,10 +227,11 @@ def _drift_curve(ctx: Context, targets: pl.DataFrame) -> pl.DataFrame:
             .sort("keep_ratio", "refresh_every", "steps_since_refresh"))
 
 
-def _choose(pairs: pl.DataFrame) -> tuple[float, int, dict | None]:
-    """The smallest keep ratio, and the largest replayed refresh period whose drift is held (its
-    row), else 1 (no row)."""
-    keep = float(pairs["keep_ratio"].min())
+def _choose(pairs: pl.DataFrame, keep: float | None = None) -> tuple[float, int, dict | None]:
+    """`keep` (a replayed keep ratio), else the smallest, and the largest replayed refresh period
+    whose drift is held (its row), else 1 (no row)."""
+    replayed = set(pairs["keep_ratio"].to_list())
+    keep = next((k for k in replayed if keep is not None and math.isclose(k, keep)), float(min(replayed)))
     held = pairs.filter((pl.col("keep_ratio") == keep) & (pl.col("drift") <= DRIFT_BOUND)).sort("refresh_every")
     if held.height == 0:
         return keep, 1, None
