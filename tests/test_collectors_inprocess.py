@@ -110,8 +110,14 @@ def recording(tmp_path):
 
 
 def read(run_dir: Path, table: str) -> list[tuple]:
+    """`table`'s rows, sorted, without rank and phase; `lookups` without `feature` too, after checking
+    it is 0 (each table here is looked up by one feature)."""
     write_manifest(run_dir, {"status": "completed"})
-    return sorted(open_run(run_dir).scan(table).drop("rank", "phase", strict=False).collect().rows())
+    frame = open_run(run_dir).scan(table).drop("rank", "phase", strict=False).collect()
+    if table == "lookups":
+        assert set(frame["feature"]) <= {0}, frame["feature"].unique()
+        frame = frame.drop("feature")
+    return sorted(frame.rows())
 
 
 def test_accesses_and_steps_match_the_fed_ids(recording, tmp_path):
@@ -320,9 +326,10 @@ def test_bag_lookups_of_many_calls_at_once_equal_each_calls_positions(padding):
         sample, pos = embedding.positions(c.ids, c.offsets)
         expected += [(c.step, s, p, int(i) + 1000) for s, p, i in zip(sample.tolist(), pos.tolist(), c.ids.tolist())
                      if int(i) != padding]
-    got = embedding.lookup_rows(calls)
+    *got, feature = embedding.lookup_rows(calls)
     assert list(zip(*(column.tolist() for column in got))) == expected
     assert all(column.dtype == np.int64 for column in got)
+    assert feature.dtype == np.int16 and not feature.any()  # one feature looks the table up
 
 
 @pytest.mark.parametrize("num_rows", [50, 2**40], ids=["int32 keys", "int64 keys"])

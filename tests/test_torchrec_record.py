@@ -72,12 +72,12 @@ def fed_accesses(fed: list[dict]) -> Counter:
     return counts
 
 
-def fed_lookups(fed: list[dict], *, own_batch: bool, block: int = ROWS, features: bool = False) -> Counter:
+def fed_lookups(fed: list[dict], *, own_batch: bool, block: int = ROWS, with_feature: bool = False) -> Counter:
     """(step, phase, table, sample, pos, row) of the sampled steps' lookups, as the rank holding a
     table sees them: its own batch (`own_batch`, data-parallel), else every rank's, ordered by source
     rank (sample = source rank * BATCH + bag). A shard of `block` rows sees the ids of a bag that fall
     in its rows (row-wise: TorchRec's input dist sends it no others), so `pos` counts those only. With
-    `features`, each ends with the feature's order among its table's (t0's f0 and f1: 0 and 1)."""
+    `with_feature`, each ends with the feature's order among its table's (t0's f0 and f1: 0 and 1)."""
     counts: Counter = Counter()
     for source, per_rank in enumerate(fed):
         for batch, features in per_rank.items():
@@ -92,7 +92,7 @@ def fed_lookups(fed: list[dict], *, own_batch: bool, block: int = ROWS, features
                         seen: Counter = Counter()  # ids of this bag so far, per shard
                         for row in (next(values) for _ in range(length)):
                             key = (step, phase, table, sample, seen[row // block], row)
-                            counts[(*key, names.index(name)) if features else key] += 1
+                            counts[(*key, names.index(name)) if with_feature else key] += 1
                             seen[row // block] += 1
     return counts
 
@@ -125,7 +125,7 @@ def test_lookups_at_sampled_steps_are_the_keyed_jagged_tensors(recorded, shardin
     rows = open_run(run_dir).scan("lookups").select("step", "phase", "table_name", "sample", "pos", "row", "feature")
     block = ROWS // 2 if sharding in ROW_SHARDED else ROWS
     assert Counter(rows.collect().rows()) == fed_lookups(fed, own_batch=sharding == "data_parallel", block=block,
-                                                         features=True)
+                                                         with_feature=True)
 
 
 @pytest.mark.slow
