@@ -25,7 +25,7 @@ from typing import Callable
 
 from analyses import quality
 from tracekit import recording
-from tracekit.policy import DctDp, DctMp, Policy, read_policy, write_policy
+from tracekit.policy import DctDp, DctMp, Policy, Prediction, read_policy, write_policy
 from tracekit.schema import KEEP_RATIOS
 
 MP_POINTS = 4
@@ -103,8 +103,9 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
         for i, setting in enumerate(settings, 1):
             name = f"quality-{label.replace('.', '-')}-{setting:.4g}"
             section = replace(policy.sections[label], recommended=True, reason=None)
-            if isinstance(section, (DctDp, DctMp)):
-                section = replace(section, keep_ratio=setting)
+            if isinstance(section, (DctDp, DctMp)) and setting != section.keep_ratio:
+                # analyze's prediction is for its own keep ratio: the section at another is as if hand-written
+                section = replace(section, keep_ratio=setting, prediction=Prediction({}, ""))
             path = base / f"policy.{name}.json"
             write_policy(path, replace(policy, sections={label: section}, combined=None).to_json())
             at = f"{quality.SETTING[label].replace('_', ' ')} {setting:.2%}"
