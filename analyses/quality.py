@@ -47,6 +47,7 @@ SETTING = {"compression.dp": "keep_ratio", "compression.mp": "keep_ratio", "sche
 the field that sets how much: a point measured at another value of it is another section."""
 LOSSY = tuple(SETTING)
 NOT_MEASURED = "its model-quality cost is not measured"
+UNSTABLE = "the calibration seeds spread wider than twice the budget, so another seed's cost is not known to within it"
 AUC_BUDGET = 0.002
 LOSS_BUDGET = 0.005
 
@@ -82,20 +83,28 @@ class Budget:
     def exceeded_by(self, figures: dict[str, Any], intervals: dict[str, Any] | None = None) -> str | None:
         """Why a predicted change (AUC_CHANGE; LOGLOSS_CHANGE, relative) is beyond the budget; None
         within it. Where `intervals` give the change's range over the calibration seeds, its worst
-        end must keep the budget: every seed measured did."""
+        end must keep the budget (every seed measured did), and the range must be at most twice the
+        budget wide: on 60-step runs one section's AUC change ran from +0.008 to +0.055 over three
+        seeds and +0.015 at a fourth (bench/RESULTS.md §32b), a cost the mean does not predict to
+        within the budget, whichever way it goes."""
         auc, loss = figures.get(AUC_CHANGE), figures.get(LOGLOSS_CHANGE)
         spans = intervals or {}
         if self.auc is not None and auc is not None:
-            worst = min(auc, *spans.get(AUC_CHANGE, [auc]))
-            if worst >= -self.auc:
-                return None
-            return f"eval AUC {_with_range(auc, spans.get(AUC_CHANGE), '+.4f')}, beyond the quality budget's -{self.auc:g}"
+            span = spans.get(AUC_CHANGE, [auc, auc])
+            shown = f"eval AUC {_with_range(auc, spans.get(AUC_CHANGE), '+.4f')}"
+            if min(auc, *span) < -self.auc:
+                return f"{shown}, beyond the quality budget's -{self.auc:g}"
+            if span[1] - span[0] > 2 * self.auc:
+                return f"{shown}: {UNSTABLE} ({2 * self.auc:g})"
+            return None
         if loss is not None:
-            worst = max(loss, *spans.get(LOGLOSS_CHANGE, [loss]))
-            if worst <= self.loss:
-                return None
-            return (f"eval log loss {_with_range(loss, spans.get(LOGLOSS_CHANGE), '+.2%')}, beyond the quality "
-                    f"budget's +{self.loss:.2%}")
+            span = spans.get(LOGLOSS_CHANGE, [loss, loss])
+            shown = f"eval log loss {_with_range(loss, spans.get(LOGLOSS_CHANGE), '+.2%')}"
+            if max(loss, *span) > self.loss:
+                return f"{shown}, beyond the quality budget's +{self.loss:.2%}"
+            if span[1] - span[0] > 2 * self.loss:
+                return f"{shown}: {UNSTABLE} ({2 * self.loss:.2%})"
+            return None
         return f"{NOT_MEASURED} (`tracekit optimize` measures it with calibration runs)"
 
 
