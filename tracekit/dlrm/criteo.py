@@ -13,6 +13,9 @@ number and what was expected at the first bad line:
 
 from __future__ import annotations
 
+import gzip
+import io
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,10 +104,14 @@ def _read_strings(path: Path, limit: int | None) -> tuple[pa.Table, pacsv.Invali
             bad_rows.append(row)
         return "skip"
 
-    batches, rows = [], 0
     try:
-        reader = pacsv.open_csv(
-            path,  # pyarrow decompresses by the file extension
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as f:
+            text = f.read() if limit is None else b"".join(itertools.islice(f, limit))
+        # read whole, not streamed: pyarrow's streaming CSV reader, followed by any compute call,
+        # aborted the interpreter at exit one run in two (std::terminate), after a malformed file's error too
+        table = pacsv.read_csv(
+            io.BytesIO(text),
             read_options=pacsv.ReadOptions(column_names=list(COLUMNS), use_threads=False),  # threads hide line numbers
             parse_options=pacsv.ParseOptions(
                 delimiter="\t", quote_char=False, ignore_empty_lines=False, invalid_row_handler=skip_and_remember
@@ -113,18 +120,8 @@ def _read_strings(path: Path, limit: int | None) -> tuple[pa.Table, pacsv.Invali
                 column_types={c: pa.string() for c in COLUMNS}, strings_can_be_null=False
             ),
         )
-        while limit is None or rows < limit:
-            try:
-                batch = reader.read_next_batch()
-            except StopIteration:
-                break
-            batches.append(batch)
-            rows += batch.num_rows
-    except (pa.ArrowInvalid, OSError) as err:
+    except (pa.ArrowInvalid, OSError, EOFError) as err:
         raise DataError(f"criteo: {path}: cannot read as tab-separated text: {err}") from None
-    table = pa.Table.from_batches(batches, schema=reader.schema)
-    if limit is not None:
-        table = table.slice(0, limit)
     first_bad = bad_rows[0] if bad_rows else None
     if first_bad is not None and limit is not None and first_bad.number > limit:
         first_bad = None  # beyond the lines we load
