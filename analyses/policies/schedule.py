@@ -25,8 +25,8 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   on the others (held_out_ranks). The two figures are the intervals' ends.
 - The trainer replicates the hot set and serves hot ids from the replicas in every step, hot or
   cold (tracekit/dlrm). So the predicted all-to-all bytes per step are replication's replay of that
-  hot set (held out, as H) less the lengths entries of the hot samples, which hot steps do not
-  send: a2a = a2a_rep(K) − H · lengths.
+  hot set less the lengths entries of the hot samples, which hot steps do not send:
+  a2a = a2a_rep(K) − H · lengths, in-sample and held out each, weighed as H is (above).
 - The replicas are synchronised every step: dense 2(W−1)·Σ rb over the hot set (exact), or sparse
   as replication's replay of the recorded batches (approximate: hot and cold batches touch other
   unions); the kind of less time (a collective's latency each: 3 sparse, 1 dense), or of fewer
@@ -131,8 +131,8 @@ def hot_batch_sync(ctx: Context, s: ExchangeBaseline, hot_bytes: float, hot_rows
 class HotCurve:
     """Per hot-set size K = 0..n along the count order (arrays of n + 1): the samples all-hot, and
     the a2a bytes (all, remote) those samples send, summed over the sampled steps; and the samples
-    all-hot under a hot set of K rows chosen on the other half of the sampled steps
-    (`held_out_samples`, None from one sampled step)."""
+    all-hot when each fold of the sampled steps is classified by the top K rows on the others
+    (`held_out_samples`, `_held_out`; None from one sampled step)."""
 
     samples: np.ndarray
     out_bytes: np.ndarray
@@ -140,8 +140,8 @@ class HotCurve:
     held_out_samples: np.ndarray | None = None
 
     def fraction(self, k: int | np.ndarray, samples: int, coverage: float) -> float | np.ndarray:
-        """The share of the epoch's samples all-hot at hot-set size k: `coverage` of them (those the
-        hot set was chosen on, `coverage`) as counted in-sample, the rest as on held-out folds."""
+        """The share of the epoch's samples all-hot at hot-set size k: the `coverage` share the hot set
+        was chosen on as counted in-sample, the rest as on held-out folds."""
         inside = self.samples[k] / max(samples, 1)
         if self.held_out_samples is None:
             return inside
