@@ -26,6 +26,7 @@ from analyses.decision import decide
 from analyses.network import network
 from analyses.time_left import TimeLeft, expected_seconds
 from tracekit.policy import Policy, new_policy, write_policy
+from tracekit.store import loss_warning, lost_rows
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     # name: (module, trace tables it needs)
@@ -95,15 +96,6 @@ def phases(ctx: Context) -> dict[str, float]:
             for name, tables in {"open": (), **needs}.items()}
 
 
-def _dropped_rows(manifest: dict) -> dict[str, int]:
-    """Rows dropped per trace table, all ranks together (accesses: ids)."""
-    total: dict[str, int] = {}
-    for per_table in (manifest.get("dropped_rows") or {}).values():
-        for table, n in per_table.items():
-            total[table] = total.get(table, 0) + n
-    return {table: n for table, n in total.items() if n}
-
-
 def analyze(path: str | os.PathLike, options: Options | None = None,
             progress: Progress = lambda phase, left_s=None: None) -> dict[str, Any]:
     """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
@@ -121,11 +113,9 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             summary["warnings"].append(f"the trace is incomplete (manifest `truncated_at`: a write failed, e.g. a full "
                                        f"disk): only steps up to {ctx.truncated_at}, which every rank wrote whole, "
                                        "are analysed")
-        shed = _dropped_rows(ctx.manifest)
-        if shed and ctx.truncated_at is None:
-            summary["warnings"].append("rows were shed while a trace writer fell behind (manifest `dropped_rows`: "
-                                       + ", ".join(f"{table} {n:,}" for table, n in sorted(shed.items()))
-                                       + "): figures from those tables undercount")
+        lost = lost_rows(ctx.manifest)
+        if lost and ctx.truncated_at is None:
+            summary["warnings"].append(loss_warning(lost, ctx.manifest.get("lost_lookups")))
         if not ctx.window.everything:
             summary["warnings"].append(f"accesses, lookups and comms were recorded on {ctx.window.describe()} "
                                        "(record --steps/--every): every figure is over those steps")

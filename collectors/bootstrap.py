@@ -201,6 +201,7 @@ def activate(settings: Settings) -> None:
         parts = {"rank": lambda: settings.rank, "pid": os.getpid, "host": socket.gethostname,
                  "clock_anchor": lambda: anchor, "backend": lambda: comms.backend, "steps": lambda: clock.step,
                  "written_rows": lambda: dict(writer.written), "dropped_rows": lambda: dict(writer.dropped),
+                 "lost_lookups": lambda: writer.lost_lookups,
                  "errors": lambda: writer.errors, "first_error": lambda: writer.first_error,
                  "first_lost_step": lambda: writer.first_lost_step, "writer_cpu_s": lambda: writer.cpu_s,
                  "writer_scheduling": lambda: {"policy": writer.scheduling, "rescues": writer.rescues},

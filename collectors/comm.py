@@ -152,7 +152,8 @@ class CommHandle:
                     setattr(module, op, self._wrap(op, fn))
         self.ddp_forward = DistributedDataParallel.forward
         DistributedDataParallel.forward = _hooking_forward(self.ddp_forward)
-        writer.add_source(self.drain)
+        self._in_flight = 0  # calls the last drain took: lost if the writer fails to take them
+        writer.add_source(self.drain, in_flight=lambda: {"comms": self._in_flight})
 
     def _wrap(self, op: str, fn: Callable) -> Callable:
         names = list(inspect.signature(fn).parameters)
@@ -243,6 +244,7 @@ class CommHandle:
             if final:
                 call[PHASE] = self.clock.phase_after_close(call[0], call[PHASE])
             calls.append(call)
+        self._in_flight = len(calls)
         if not calls:
             return []
         columns = dict(zip(FIELDS, zip(*calls)))

@@ -67,13 +67,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
-import pyarrow as pa
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as torch_module
 
 from collectors import phase
+from collectors.counting import CPU, PHASES, PIECE_IDS, Kept, Table, carried, columns, count_rows
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
@@ -86,19 +86,7 @@ EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 MAX_PENDING_IDS = 64_000_000  # ids held for the writer (512 MB of int64) before calls are dropped (TRACEKIT_MAX_PENDING_IDS)
 
 
-@dataclass(frozen=True, eq=False)
-class Table:
-    """What the collector needs of a table module, fixed at its first call."""
-
-    name: str
-    num_rows: int  # the module's own rows: ids are below it
-    padding_idx: int | None  # a module row
-    first_row: int  # the table's row that the module's row 0 holds
-    index: int = 0  # its place in the handle's tables (kept calls name their table by it)
-
-
 CHUNK_IDS = 1 << 20  # ids per staging chunk (8 MB of int64)
-PIECE_IDS = 1 << 18  # ids the writer counts at once (bench/RESULTS.md §30)
 
 
 class Chunk:
@@ -187,137 +175,6 @@ def positions(ids: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Te
     return sample, torch.arange(length, device=device).repeat(batch)
 
 
-PHASES = (TRAIN, EVAL)  # a kept call's phase code is its index here
-
-
-@dataclass
-class Kept:
-    """Calls one drain took, on one device: their ids end to end (a numpy array on CPU, where the
-    writer counts with numpy; a tensor on an accelerator), and per call its step, table
-    (`Table.index`), phase (index in PHASES) and number of ids."""
-
-    ids: np.ndarray | torch.Tensor  # 1-D int64
-    step: np.ndarray
-    table: np.ndarray
-    phase: np.ndarray
-    size: np.ndarray
-
-    @property
-    def device(self) -> torch.device:
-        return self.ids.device if isinstance(self.ids, torch.Tensor) else CPU
-
-    @staticmethod
-    def of_ids(ids: torch.Tensor, step: np.ndarray, table: np.ndarray, phase: np.ndarray, size: np.ndarray) -> Kept:
-        return Kept(ids.numpy() if ids.device.type == "cpu" else ids, step, table, phase, size)
-
-    @staticmethod
-    def of_calls(calls: list[Call]) -> Kept:
-        """The calls one after another (a TBE call's split, a test's calls)."""
-        return Kept.of_ids(torch.cat([c.ids.reshape(-1).to(torch.int64) for c in calls]),
-                           np.array([c.step for c in calls], dtype=np.int64),
-                           np.array([c.table.index for c in calls], dtype=np.int64),
-                           np.array([PHASES.index(c.phase) for c in calls], dtype=np.int64),
-                           np.array([c.ids.numel() for c in calls], dtype=np.int64))
-
-    def pieces(self, ids: int) -> Iterator[Kept]:
-        """The calls in runs of whole steps of about `ids` ids each (one run if the steps are not in
-        order): counted apart, no (step, table, row) is split between two, and each run's sort and
-        passes stay in cache."""
-        ends = np.cumsum(self.size)
-        if len(ends) < 2 or ends[-1] <= ids or (np.diff(self.step) < 0).any():
-            yield self
-            return
-        new_step = np.flatnonzero(np.diff(self.step)) + 1  # calls that open a step
-        cuts = np.unique(new_step[np.minimum(np.searchsorted(ends[new_step - 1], np.arange(ids, ends[-1], ids)),
-                                             len(new_step) - 1)])
-        bounds = [0, *cuts.tolist(), len(ends)]
-        for lo, hi in zip(bounds, bounds[1:]):
-            first, last = (int(ends[lo - 1]) if lo else 0), int(ends[hi - 1])
-            yield Kept(self.ids[first:last], self.step[lo:hi], self.table[lo:hi], self.phase[lo:hi], self.size[lo:hi])
-
-    @staticmethod
-    def joined(parts: list[Kept]) -> Kept:
-        """The parts end to end, on CPU if they are on different devices (one sort per flush, so that
-        each (step, phase, table, row) is one row)."""
-        if len(parts) == 1:
-            return parts[0]
-        devices = {k.device for k in parts}
-        if len(devices) == 1 and CPU not in devices:
-            ids = torch.cat([k.ids for k in parts])
-        else:
-            ids = np.concatenate([k.ids.cpu().numpy() if isinstance(k.ids, torch.Tensor) else k.ids for k in parts])
-        return Kept(ids, *(np.concatenate([getattr(k, f) for k in parts]) for f in ("step", "table", "phase", "size")))
-
-
-CPU = torch.device("cpu")
-
-
-@dataclass
-class Counted:
-    """`accesses` rows of several (table, phase) groups, whole: the first sizes[0] rows are groups[0]'s,
-    and so on; within a group, unique (step, row), sorted."""
-
-    groups: list[tuple[Table, str]]
-    sizes: np.ndarray
-    step: np.ndarray
-    row: np.ndarray
-    count: np.ndarray
-
-    def columns(self) -> dict[str, Any]:
-        return _columns(self.groups, self.sizes, step=self.step, row=self.row, count=self.count)
-
-
-def count_rows(kept: Kept, tables: list[Table]) -> Counted:
-    """The `accesses` rows of each (table, phase) of the kept calls. One sort on the ids' device for
-    all of them: of `base + (step - first step) * num_rows + row`, each group's keys above the bases
-    of those before it, int32 keys where they fit (half the time of int64's; bench/RESULTS.md §19),
-    so one sort of a flush beats one per table. Every per-call step is a numpy pass over the calls:
-    no Python per call."""
-    if not len(kept.size):
-        return Counted([], np.zeros(0, dtype=np.int64), *(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.int32)))
-    group, inverse = np.unique(kept.table * len(PHASES) + kept.phase, return_inverse=True)
-    first = np.full(len(group), np.iinfo(np.int64).max)
-    last = np.full(len(group), np.iinfo(np.int64).min)
-    np.minimum.at(first, inverse, kept.step)
-    np.maximum.at(last, inverse, kept.step)
-    which = [tables[g // len(PHASES)] for g in group]
-    num_rows = np.array([t.num_rows for t in which], dtype=np.int64)
-    bases = np.concatenate([[0], np.cumsum((last - first + 1) * num_rows)])
-    call_key = bases[inverse] + (kept.step - first[inverse]) * num_rows[inverse]
-    padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in tables], dtype=np.int64)[kept.table]
-    unique, counts = _unique_keys(kept, call_key, padding if (padding >= 0).any() else None, bases[-1] <= 2**31)
-    unique = unique.astype(np.int64, copy=False)
-    cuts = np.searchsorted(unique, bases)
-    step, row = np.empty(len(unique), dtype=np.int64), np.empty(len(unique), dtype=np.int64)
-    for j, table in enumerate(which):  # written in place: no copy of a group's rows into the whole
-        part = slice(cuts[j], cuts[j + 1])
-        local = unique[part] - bases[j]  # (step - first) * num_rows + row
-        step[part] = local // table.num_rows  # np.divmod: 10x slower
-        row[part] = local - step[part] * table.num_rows + table.first_row
-        step[part] += first[j]
-    return Counted([(t, PHASES[g % len(PHASES)]) for t, g in zip(which, group)], np.diff(cuts[:len(group) + 1]),
-                   step, row, counts.astype(np.int32))
-
-
-def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, small: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct keys `id + call_key of its call` (ids equal to their call's `padding` left out) and
-    their counts, sorted; int32 keys where `small`. On CPU in numpy: its sort is 2-3x torch's here
-    (AVX-512), and torch's CPU ops would start an OpenMP team on the writer thread whose spinning
-    takes the cores from a rank that computes with several threads (bench/RESULTS.md §30)."""
-    if isinstance(kept.ids, np.ndarray):
-        key = kept.ids + np.repeat(call_key, kept.size)
-        if padding is not None:
-            key = key[kept.ids != np.repeat(padding, kept.size)]
-        return np.unique(key.astype(np.int32) if small else key, return_counts=True)
-    device, n = kept.ids.device, kept.ids.numel()
-    sizes = torch.from_numpy(kept.size).to(device)
-    key = kept.ids + torch.repeat_interleave(torch.from_numpy(call_key).to(device), sizes, output_size=n)
-    if padding is not None:
-        key = key[kept.ids != torch.repeat_interleave(torch.from_numpy(padding).to(device), sizes, output_size=n)]
-    unique, counts = torch.unique(key.int() if small else key, return_counts=True)
-    return unique.cpu().numpy(), counts.cpu().numpy()
-
-
 def lookup_rows(calls: list[Call]) -> tuple[np.ndarray, ...]:
     """(step, sample, pos, row, feature) of every non-padding lookup of one table's sampled calls."""
     if all(c.ids.dim() == 1 and c.offsets is not None and c.ids.device.type == "cpu" for c in calls):
@@ -380,20 +237,6 @@ def _by_table(calls: list[Call]) -> dict[tuple[Table, str], list[Call]]:
     return groups
 
 
-def _dictionary(values: list[str], sizes: list[int], index_type: pa.DataType) -> pa.DictionaryArray:
-    """`values[i]` repeated `sizes[i]` times, dictionary-encoded."""
-    unique = sorted(set(values))
-    which = np.repeat(np.array([unique.index(v) for v in values], dtype=index_type.to_pandas_dtype()), sizes)
-    return pa.DictionaryArray.from_arrays(pa.array(which, index_type), pa.array(unique, pa.string()))
-
-
-def _columns(groups: list[tuple[Table, str]], sizes: Any, **columns: np.ndarray) -> dict[str, Any]:
-    """Columns of several (table, phase) groups' rows, whole: the first sizes[0] rows are groups[0]'s,
-    and so on."""
-    return {"table_name": _dictionary([t.name for t, _ in groups], sizes, pa.int32()),
-            "phase": _dictionary([p for _, p in groups], sizes, pa.int8()), **columns}
-
-
 class EmbeddingHandle:
     """The installed embedding collector; `uninstall()` removes every hook it registered. The writer
     keeps draining it until closed, so calls made before uninstall are still written."""
@@ -421,6 +264,9 @@ class EmbeddingHandle:
         self._woken = False  # the writer was woken for held ids and has not drained since
         self._ids_added = 0  # written by the training thread only
         self._ids_drained = 0  # written by the writer thread only
+        self._carry: Kept | None = None  # counts of a step still running when a drain took its calls
+        self._taken: list[Kept] = []  # what the running drain has taken and not handed over (in_flight)
+        self._sampled_taken: list[Call] = []
         self._hooks = [
             torch_module.register_module_module_registration_hook(self._on_register),
             torch_module.register_module_parameter_registration_hook(self._on_parameter),
@@ -428,7 +274,7 @@ class EmbeddingHandle:
         for obj in gc.get_objects():  # tables created before install
             if issubclass(type(obj), EMBEDDINGS):  # type(): isinstance would read __class__ properties
                 self._hook(obj)
-        writer.add_source(self.drain)
+        writer.add_source(self.drain, in_flight=self.in_flight)
 
     def uninstall(self) -> None:
         global _installed
@@ -451,7 +297,18 @@ class EmbeddingHandle:
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.window.on(self.clock.step):
-            self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
+            if self.guard.enabled:
+                self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
+            else:
+                self._count_lost(module, args, kwargs)
+
+    def _count_lost(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A call the collector, switched off by an error, no longer records: its ids are counted as lost."""
+        self.guard.dropped += 1
+        try:
+            self.writer.count_dropped("accesses", args[0].numel() if args else kwargs["input"].numel())
+        except Exception:  # nothing to count it by: the error that switched the collector off is named already
+            pass
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         table = self._tables.get(module) or self._first_call(module)
@@ -565,20 +422,28 @@ class EmbeddingHandle:
         return table
 
     def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:
-        """The calls of steps the clock has left (all of them if `final`, or if too many are held) as
-        `accesses` and `lookups` columns."""
+        """The calls of steps the clock has left (all of them if `final`) as `accesses` and `lookups`
+        columns. Where more than `flush_rows` ids are held, the running step's calls are taken too and
+        counted, but their counts are carried to the next drain (`counting.carried`): no (step, table,
+        row) is written in two rows. While it runs, `in_flight()` says what it has taken and not yet
+        handed over, so a drain that fails counts those as lost."""
         for chunk in self._read:  # the last drain's rows are written by now: its chunks may be refilled
             chunk.reset()
             self._free.append(chunk)
         self._read = []
         everything = final or self._ids_added - self._ids_drained > self.writer.flush_rows
         self._woken = False
-        kept, sampled = self._take_chunks(everything)
+        current = self.clock.step  # read first: the calls of steps before it are final
+        kept, sampled = self._take_chunks(everything, current)
         self._ids_drained += sum(int(k.size.sum()) for k in kept)
-        for call in self._take_tables_calls(everything):
+        for call in self._take_tables_calls(everything, current):
             kept.append(Kept.of_calls([call]))
             if call.sampled:
                 sampled.append(call)
+        if self._carry is not None:
+            kept.append(self._carry)
+            self._carry = None
+        self._taken, self._sampled_taken = list(kept), list(sampled)
         if not kept:
             return
         if final:  # the calls after the last step, which no step end followed, are `eval`
@@ -586,8 +451,18 @@ class EmbeddingHandle:
                 k.phase[(k.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
             for call in sampled:
                 call.phase = self.clock.phase_after_close(call.step, call.phase)
-        for piece in Kept.joined(kept).pieces(PIECE_IDS):
+        whole = Kept.joined(kept)
+        self._taken = [whole]
+        if not final:
+            whole, running = whole.split_at(current)
+            self._taken = [whole, running]
+            if len(running.size):
+                self._carry = carried(count_rows(running, self._table_list))
+        pieces = list(whole.pieces(PIECE_IDS))
+        for i, piece in enumerate(pieces):
+            self._taken = pieces[i:]
             yield "accesses", count_rows(piece, self._table_list).columns()
+        self._taken = []
         if not self._free and self._chunk is not None:
             spare = Chunk(CHUNK_IDS, self._chunk.device)
             if spare.array is not None:
@@ -599,14 +474,23 @@ class EmbeddingHandle:
         if groups:
             found = [lookup_rows(group_calls) for group_calls in groups.values()]
             step, sample, pos, row, feature = (np.concatenate(column) for column in zip(*found))
-            yield "lookups", _columns(list(groups), [len(f[0]) for f in found], step=step,
-                                      sample=sample.astype(np.int32), pos=pos.astype(np.int32), row=row,
-                                      feature=feature)
+            yield "lookups", columns(list(groups), [len(f[0]) for f in found], step=step,
+                                     sample=sample.astype(np.int32), pos=pos.astype(np.int32), row=row,
+                                     feature=feature)
+        self._sampled_taken = []
 
-    def _take_chunks(self, everything: bool) -> tuple[list[Kept], list[Call]]:
-        """The staged calls of the steps the clock has left (all if `everything`): one `Kept` per chunk,
+    def in_flight(self) -> dict[str, int]:
+        """Lookups (padding ids left out) the drain running now has taken and not handed over, per
+        trace table: the writer counts them as lost if the drain fails."""
+        padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in self._table_list], dtype=np.int64)
+        return {"accesses": sum(k.lookups - k.padding_lookups(padding) for k in self._taken),
+                "lookups": sum(int((c.ids != -1 if c.table.padding_idx is None else c.ids != c.table.padding_idx).sum())
+                               for c in self._sampled_taken)}
+
+    def _take_chunks(self, everything: bool, current: int) -> tuple[list[Kept], list[Call]]:
+        """The staged calls of the steps before `current` (all if `everything`): one `Kept` per chunk,
         and the sampled ones as `Call`s over the chunk's ids."""
-        current, kept, sampled = self.clock.step, [], []
+        kept, sampled = [], []
         for chunk in list(self._chunks):
             retired = chunk is not self._chunk  # the training thread has moved on: its calls are final
             calls, lo = chunk.calls, chunk.taken
@@ -625,15 +509,15 @@ class EmbeddingHandle:
                     first = int(ends[i - 1]) if i else start
                     shape, offsets = layout[i]
                     sampled.append(Call(step[i], PHASES[codes[i]], self._table_list[table[i]],
-                                                    chunk.ids[first:int(ends[i])].reshape(shape), offsets, True))
+                                        chunk.ids[first:int(ends[i])].reshape(shape), offsets, True))
                 chunk.taken = hi
             if retired and chunk.taken == len(chunk.calls):
                 self._chunks.remove(chunk)
                 self._read.append(chunk)
         return kept, sampled
 
-    def _take_tables_calls(self, everything: bool) -> list[Call]:
-        current, calls = self.clock.step, []
+    def _take_tables_calls(self, everything: bool, current: int) -> list[Call]:
+        calls = []
         while self._tables_calls and (everything or self._tables_calls[0].step < current):
             taken = self._tables_calls.popleft()
             self._ids_drained += taken.ids.numel()  # as added: features of no recorded table too

@@ -191,7 +191,8 @@ class GradsHandle:
             register_optimizer_step_pre_hook(self._on_optimizer_step),
         ]
         clock.add_listener(self)
-        writer.add_source(self.drain)
+        self._in_flight = 0  # rows of the step the writer is converting: lost if that fails
+        writer.add_source(self.drain, in_flight=lambda: {"grads": self._in_flight})
 
     def uninstall(self) -> None:
         global _installed
@@ -273,7 +274,9 @@ class GradsHandle:
         """The rows of the steps ended since the last drain (called on the writer thread)."""
         for _ in range(len(self._ended)):
             step, rows = self._ended.popleft()
+            self._in_flight = sum(len(names) for names, _, _ in rows)
             yield "grads", self._columns(step, rows)
+        self._in_flight = 0
         if self.replays is not None:
             yield from self.replays.drain()
 

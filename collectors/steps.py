@@ -63,12 +63,13 @@ class StepClock:
         self._t_start_ns = time.monotonic_ns()
         self._rows: collections.deque[tuple] = collections.deque()  # appended here, popped by the writer
         self._drained_by: set[int] = set()  # ids of the writers this clock is a source of
+        self._in_flight = 0  # rows the last drain took: lost if the writer fails to take them
         self.attach(writer)
 
     def attach(self, writer: RunWriter | None) -> None:
         """Write later steps' rows to `writer` (None: write nothing)."""
         if writer is not None and id(writer) not in self._drained_by:
-            writer.add_source(self.drain)
+            writer.add_source(self.drain, in_flight=lambda: {"steps": self._in_flight})
             self._drained_by.add(id(writer))
         self.writer = writer
 
@@ -108,6 +109,7 @@ class StepClock:
     def drain(self, final: bool) -> list[tuple[str, dict]]:
         """The `steps` rows kept since the last drain (called on the writer thread)."""
         rows = [self._rows.popleft() for _ in range(len(self._rows))]
+        self._in_flight = len(rows)
         if not rows:
             return []
         step, t_start_ns, t_end_ns, samples, loss, schedule = zip(*rows)

@@ -14,6 +14,7 @@ from reports.html import Chart, Section, esc, figure, table, thin
 from reports.inputs import RunInputs
 from reports.numbers import show
 from tracekit.figures import A2A_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.store import loss_warning, lost_rows
 from tracekit.window import Window
 
 TOP_TABLES = 6
@@ -129,9 +130,9 @@ def warnings(run: RunInputs) -> list[str]:
     if m.get("status") != "completed":
         out.append(f"partial run: status {m.get('status')}, exit code {m.get('exit_code')}; the figures cover the "
                    "steps recorded before it ended")
-    dropped = {f"rank {r}: {t}": n for r, per in (m.get("dropped_rows") or {}).items() for t, n in per.items() if n}
-    if dropped:
-        out.append("dropped rows: " + ", ".join(f"{k} {n:,}" for k, n in dropped.items()))
+    lost = lost_rows(m)
+    if lost:
+        out.append(loss_warning(lost, m.get("lost_lookups")))
     window = Window.of_settings(m.get("collector_settings"))
     if not window.everything:
         out.append(f"accesses, lookups and comms were recorded on {window.describe()} (record --steps/--every): "

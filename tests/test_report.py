@@ -213,7 +213,7 @@ def test_nvml_samples_are_drawn_thinned_and_dropped_rows_warned(runs, tmp_path: 
         writer.close()
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["gpu"] = {"devices": [{"name": "H100"}], "samples": True}
-    manifest["dropped_rows"] = {"1": {"accesses": 1234}}
+    manifest["dropped_rows"] = {"1": {"accesses": 1234}}  # a run recorded before `lost_rows`
     (run / "manifest.json").write_text(json.dumps(manifest))
     section = sections.timeline(load(run))
     gpu = section.charts[-1].figure
@@ -222,7 +222,7 @@ def test_nvml_samples_are_drawn_thinned_and_dropped_rows_warned(runs, tmp_path: 
     assert not section.missing
     page = tmp_path / "report.html"
     markup = report(run, output=page)
-    assert "dropped rows: rank 1: accesses 1,234" in markup and "no GPU samples" not in markup
+    assert "the trace lost rows (manifest `lost_rows`: accesses 1,234)" in markup and "no GPU samples" not in markup
     dom = browse(page, tmp_path, "--dump-dom", "--virtual-time-budget=10000").stdout
     assert per_section(dom, r'class="plot-container') == per_section(markup, r'class="plotly-graph-div"')
 

@@ -49,11 +49,13 @@ def test_a_writer_behind_sheds_beyond_its_bound_and_every_tool_says_so(tmp_path:
     assert written + shed == fed_ids() and written > 0  # nothing lost unaccounted, nothing counted twice
     assert manifest["truncated_at"] == {}  # shedding is not a failed write: no step is cut off
 
-    assert "dropped rows:" in r.stderr and "accesses" in r.stderr.split("dropped rows:")[1].splitlines()[0]
+    assert manifest["lost_rows"]["accesses"] == shed and manifest["lost_lookups"] == shed
+    last = r.stderr.strip().splitlines()[-1]
+    assert "the trace is NOT whole" in last and f"accesses {shed:,} ({shed:,} lookups)" in last, last
     live = subprocess.run([sys.executable, "-m", "tracekit", "watch", str(run), "--once"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert f"accesses {shed:,}" in live.stdout.split("dropped rows:")[1].splitlines()[0], live.stdout
     summary = analyze(run)
-    assert any(w.startswith("rows were shed") and f"accesses {shed:,}" in w for w in summary["warnings"])
+    assert any(w.startswith("the trace lost rows") and f"accesses {shed:,}" in w for w in summary["warnings"])
     said = warnings(load(run))
-    assert any(w.startswith("dropped rows:") and "accesses" in w for w in said), said
+    assert any(w.startswith("the trace lost rows") and f"accesses {shed:,}" in w for w in said), said

@@ -13,7 +13,6 @@ import json
 import shutil
 import signal
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -462,13 +461,9 @@ def describe_record(s: dict) -> str:
     else:
         steps = ", ".join(f"{rank}: {s['steps'].get(str(rank), 'unknown')}" for rank in s["ranks"])
         rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s["rows"].items())) or "none"
-        shed: Counter[str] = Counter()
-        for per_rank in s["dropped_rows"].values():
-            shed.update(per_rank)
-        by_table = f" ({', '.join(f'{t} {n:,}' for t, n in sorted(shed.items()) if n)})" if shed.total() else ""
         lines = [f"tracekit: {s['status']} after {elapsed} s: {len(s['ranks'])} rank(s), "
                  f"{s['bytes'] / 1e6:.1f} MB in {s['run_dir']}", exits, f"  steps per rank: {steps}",
-                 f"  rows: {rows}", f"  dropped rows: {shed.total():,}{by_table}; gpu: {s['gpu']}"]
+                 f"  rows: {rows}", f"  gpu: {s['gpu']}"]
         if s["writer_cpu_s"]:
             cpu = ", ".join(f"{rank}: {seconds:.2f} s" for rank, seconds in sorted(s["writer_cpu_s"].items()))
             lines.append(f"  trace writer CPU per rank (counting, encoding, writing): {cpu}{_scheduling(s)}")
@@ -477,7 +472,19 @@ def describe_record(s: dict) -> str:
         lines.append(f"  the trace is incomplete: rank {rank} lost rows from step {last + 1} on ({why}); its steps "
                      f"up to {last} are whole (manifest `truncated_at`), the rows lost are counted in `dropped_rows`")
     lines += [f"  manifest incomplete: {error}" for error in s["finalise_errors"]]
+    if s["traced"]:
+        lines.append(describe_loss(s["lost_rows"], s["lost_lookups"]))
     return "\n".join(lines)
+
+
+def describe_loss(lost_rows: dict[str, int], lost_lookups: int) -> str:
+    """One line: whether the trace holds every row the run made, and if not, what it lost per table."""
+    if not lost_rows:
+        return "  the trace is whole: no row lost"
+    tables = ", ".join(f"{table} {n:,}" + (f" ({lost_lookups:,} lookups)" if table == "accesses" else "")
+                       for table, n in sorted(lost_rows.items()))
+    return (f"  the trace is NOT whole: {sum(lost_rows.values()):,} rows lost ({tables}; manifest `lost_rows`): "
+            "figures from those tables undercount")
 
 
 def _scheduling(summary: dict) -> str:

@@ -69,6 +69,10 @@ Source = Callable[[bool], Iterable[tuple[str, "dict[str, Any] | pa.RecordBatch"]
 """`drain(final)` -> (trace table, columns) pairs of the rows collected since the last drain; called
 on the writer thread at every flush, with final=True once, at close."""
 
+InFlight = Callable[[], dict[str, int]]
+"""A source's `in_flight()`: the rows per trace table its running drain has taken out of its buffers
+and not yet handed over (for `accesses`, lookups), which a failed drain loses."""
+
 
 def _prime() -> None:
     """Pay now, as the writer starts and before the traced program's loop, what its first flush would
@@ -158,6 +162,7 @@ class RunWriter:
         self._tid: int | None = None
         self._stopped = threading.Event()
         self.dropped: Counter[str] = Counter()
+        self.lost_lookups = 0  # of the `accesses` rows in `dropped`: the lookups they counted
         self.written: Counter[str] = Counter()
         self.errors = 0
         self.cpu_s = 0.0
@@ -174,7 +179,7 @@ class RunWriter:
         self._flush_done = 0  # flush() calls whose rows are written
         self._closing = False
         self._next_part: dict[str, int] = {}
-        self._sources: list[Source] = []
+        self._sources: list[tuple[Source, InFlight | None]] = []
         self._last_flush_at = time.monotonic()
         self._wake = False
         self._thread = threading.Thread(target=self._run, name=f"tracekit-writer-rank{rank}", daemon=True)
@@ -201,10 +206,12 @@ class RunWriter:
             elif self._pending_rows >= self.flush_rows:
                 self._cond.notify_all()
 
-    def add_source(self, drain: Source) -> None:
-        """Pull rows from `drain` on every flush (at least every `flush_interval_s`) and at close."""
+    def add_source(self, drain: Source, in_flight: InFlight | None = None) -> None:
+        """Pull rows from `drain` on every flush (at least every `flush_interval_s`) and at close. If a
+        drain fails, the rows `in_flight()` names are counted as lost; a source without it loses an
+        unknown number, counted as one row of each table it was draining."""
         with self._cond:
-            self._sources.append(drain)
+            self._sources.append((drain, in_flight))
             self._cond.notify_all()
 
     def wake(self) -> None:
@@ -213,10 +220,13 @@ class RunWriter:
             self._wake = True
             self._cond.notify_all()
 
-    def count_dropped(self, table: str, rows: int) -> None:
-        """Count rows a source had to drop (its buffer was full)."""
+    def count_dropped(self, table: str, rows: int, lookups: int | None = None) -> None:
+        """Count rows a source had to drop (its buffer was full); for `accesses`, `lookups` is the
+        lookups they held (rows: the ids, at most one row each, where they were never counted)."""
         with self._cond:
             self.dropped[table] += rows
+            if table == "accesses":
+                self.lost_lookups += rows if lookups is None else lookups
 
     def flush(self) -> None:
         """Write every row appended or held by a source so far and wait until it is on disk."""
@@ -300,16 +310,20 @@ class RunWriter:
             if rescue:
                 self.rescues += 1
 
-    def _drain(self, sources: list[Source], pending: dict[str, list[pa.RecordBatch]], *, final: bool) -> None:
-        """Add each source's rows to `pending`; a failing source is counted like a failed write."""
-        for drain in sources:
+    def _drain(self, sources: list[tuple[Source, InFlight | None]], pending: dict[str, list[pa.RecordBatch]], *,
+               final: bool) -> None:
+        """Add each source's rows to `pending`; a failing source's rows in flight are counted as lost,
+        like a failed write's."""
+        for drain, in_flight in sources:
+            table = None
             try:
                 for table, columns in drain(final):
                     batch = to_batch(table, columns)
                     if batch.num_rows:
                         pending.setdefault(table, []).append(batch)
             except Exception as e:  # a trace failure must never take the training process down
-                self._count_failure(getattr(drain, "__qualname__", "source"), 0, e)
+                self._count_failure(_in_flight(in_flight) or {table or "unknown": 1}, e,
+                                    source=getattr(drain, "__qualname__", "source"))
 
     def _due(self) -> bool:
         """Called with the lock held: is it time to write what is buffered?"""
@@ -341,20 +355,26 @@ class RunWriter:
             part = write_part(data, directory, index, **PARQUET_OPTIONS.get(table, {}))
             self.bytes_written += part.stat().st_size
         except Exception as e:  # a trace write must never take the training process down
-            self._count_failure(table, rows, e, _first_step(batches))
+            lookups = sum(pc.sum(b.column("count")).as_py() or 0 for b in batches) if table == "accesses" else rows
+            self._count_failure({table: rows}, e, _first_step(batches), lookups=lookups)
         else:
             with self._cond:
                 self.written[table] += rows
 
-    def _count_failure(self, table: str, rows: int, error: Exception, step: int | None = None) -> None:
+    def _count_failure(self, lost: dict[str, int], error: Exception, step: int | None = None, *,
+                       lookups: int | None = None, source: str | None = None) -> None:
+        """Count one failure that lost `lost` rows per trace table (`lookups`: the lookups of the
+        accesses rows among them; their row count where not given)."""
         with self._cond:
             self.errors += 1
-            self.dropped[table] += rows
+            self.dropped.update(lost)
+            self.lost_lookups += lost.get("accesses", 0) if lookups is None else lookups
+            table = ", ".join(lost)
             if step is not None and (self.first_lost_step is None or step < self.first_lost_step):
                 self.first_lost_step = step
             first = self.first_error is None
             if first:
-                self.first_error = f"{table}: {type(error).__name__}: {error}"
+                self.first_error = f"{source or table}: {type(error).__name__}: {error}"
         if first:
             message = f"tracekit: rank {self.rank} could not write {table} rows ({self.first_error})"
             print(f"{message}; counting the lost rows in `dropped` and carrying on", file=sys.stderr)
@@ -425,6 +445,14 @@ class SizeCapReached(Exception):
     """A writer stops writing once it has written its share of `record --max-size`."""
 
 
+def _in_flight(in_flight: InFlight | None) -> dict[str, int]:
+    """What a failed source had in flight, rows > 0 only; {} where it cannot say."""
+    try:
+        return {table: rows for table, rows in (in_flight() if in_flight else {}).items() if rows > 0}
+    except Exception:
+        return {}
+
+
 def _first_step(batches: list[pa.RecordBatch]) -> int | None:
     """The least `step` among the rows of `batches`, or None where they have no steps."""
     steps = [pc.min(b.column("step")).as_py() for b in batches if "step" in b.schema.names and b.num_rows]
@@ -451,3 +479,23 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TracekitError(f"{path} is not valid JSON ({e})") from e
+
+
+def lost_rows(manifest: dict) -> dict[str, int]:
+    """Rows lost per trace table, all ranks together: the manifest's `lost_rows`, or for a run recorded
+    before it, the sum of `dropped_rows` over ranks. For `accesses`, ids never counted are counted as
+    rows (at most one row each); `lost_lookups` has the lookups."""
+    if manifest.get("lost_rows") is not None:
+        return dict(manifest["lost_rows"])
+    total: Counter[str] = Counter()
+    for per_table in (manifest.get("dropped_rows") or {}).values():
+        total.update(per_table)
+    return {table: n for table, n in sorted(total.items()) if n}
+
+
+def loss_warning(lost: dict[str, int], lost_lookups: int | None) -> str:
+    """What `analyze` and the report say of a run that lost rows (`lost_rows`' figures)."""
+    tables = ", ".join(f"{table} {n:,}" + (f" ({lost_lookups:,} lookups)" if table == "accesses" and lost_lookups else "")
+                       for table, n in sorted(lost.items()))
+    return (f"the trace lost rows (manifest `lost_rows`: {tables}): a trace writer fell behind or failed, so figures "
+            "from those tables undercount")
