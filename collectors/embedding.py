@@ -74,6 +74,7 @@ from torch.nn.modules import module as torch_module
 
 from collectors import phase
 from collectors.counting import CPU, PHASES, PIECE_IDS, Kept, Table, carried, columns, count_rows
+from collectors.device_staging import DeviceStaging
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
@@ -267,6 +268,10 @@ class EmbeddingHandle:
         self._carry: Kept | None = None  # counts of a step still running when a drain took its calls
         self._taken: list[Kept] = []  # what the running drain has taken and not handed over (in_flight)
         self._sampled_taken: list[Call] = []
+        self._staging: dict[torch.device, DeviceStaging] = {}  # calls on CUDA devices, by device
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every table module seen
+        self._hooked = window.on(clock.step)  # whether the modules carry their forward hook now
+        clock.add_listener(self)
         self._hooks = [
             torch_module.register_module_module_registration_hook(self._on_register),
             torch_module.register_module_parameter_registration_hook(self._on_parameter),
@@ -282,6 +287,8 @@ class EmbeddingHandle:
             hook.remove()
         self._hooks = []
         self._module_hooks = weakref.WeakKeyDictionary()
+        self._modules = weakref.WeakSet()
+        self.clock.remove_listener(self)
         if _installed is self:
             _installed = None
 
@@ -289,11 +296,26 @@ class EmbeddingHandle:
         self.guard.run(self.names.on_module, parent, attr, child)  # returns None: child unchanged
 
     def _on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
-        if isinstance(module, EMBEDDINGS) and module not in self._module_hooks:
+        if isinstance(module, EMBEDDINGS) and module not in self._modules:
             self.guard.run(self._hook, module)  # returns None: the parameter is unchanged
 
     def _hook(self, module: nn.Module) -> None:
-        self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._modules.add(module)
+        if self._hooked:
+            self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    def on_step_end(self, step: int) -> None:
+        """Hook the table modules while the window records the next step, and unhook them while it does
+        not: a module with no hook costs a lookup nothing."""
+        if self.window.on(step + 1) != self._hooked:
+            self._hooked = not self._hooked
+            if self._hooked:
+                for module in list(self._modules):
+                    self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
+            else:
+                for hook in self._module_hooks.values():
+                    hook.remove()
+                self._module_hooks = weakref.WeakKeyDictionary()
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.window.on(self.clock.step):
@@ -335,6 +357,12 @@ class EmbeddingHandle:
         n = ids.numel()
         if self._held_full(n):
             return
+        if ids.is_cuda:
+            layout = (ids.shape, offsets) if self.sampled() else None
+            self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
+            self._ids_added += n
+            self._wake_if_full()
+            return
         chunk = self._chunk
         if chunk is None or chunk.used + n > chunk.ids.numel() or chunk.device != ids.device:
             chunk = self._next_chunk(n, ids.device)
@@ -350,6 +378,21 @@ class EmbeddingHandle:
         chunk.used = end
         self._ids_added += n
         self._wake_if_full()
+
+    def _device_staging(self, device: torch.device) -> DeviceStaging:
+        """The staging of `device`'s calls (collectors/device_staging.py), made at its first call."""
+        staging = self._staging.get(device)
+        if staging is None:
+            staging = self._staging[device] = DeviceStaging(device, self._count_lost_rows, self._sampled_call)
+            self.clock.add_listener(staging)
+        return staging
+
+    def _count_lost_rows(self, table: str, rows: int) -> None:
+        self.writer.count_dropped(table, rows)
+
+    def _sampled_call(self, step: int, call_phase: str, table: int, ids: torch.Tensor,
+                      offsets: torch.Tensor | None) -> Call:
+        return Call(step, call_phase, self._table_list[table], ids, offsets, True)
 
     def _next_chunk(self, n: int, device: torch.device) -> Chunk:
         chunk = self._free.popleft() if self._free else None
@@ -444,14 +487,23 @@ class EmbeddingHandle:
             kept.append(self._carry)
             self._carry = None
         self._taken, self._sampled_taken = list(kept), list(sampled)
-        if not kept:
+        for staging in list(self._staging.values()):
+            for kind, value in staging.drain(final, self._table_list, self.clock.phase_after_close):
+                if kind == "taken":
+                    self._ids_drained += value
+                elif kind == "counted":
+                    yield "accesses", value.columns()
+                else:
+                    sampled += value
+        if not kept and not sampled:
             return
         if final:  # the calls after the last step, which no step end followed, are `eval`
             for k in kept:
                 k.phase[(k.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
             for call in sampled:
                 call.phase = self.clock.phase_after_close(call.step, call.phase)
-        whole = Kept.joined(kept)
+        whole = Kept.joined(kept) if kept else Kept.of_ids(torch.zeros(0, dtype=torch.int64), *(
+            np.zeros(0, dtype=np.int64) for _ in range(4)))
         self._taken = [whole]
         if not final:
             whole, running = whole.split_at(current)
@@ -483,7 +535,8 @@ class EmbeddingHandle:
         """Lookups (padding ids left out) the drain running now has taken and not handed over, per
         trace table: the writer counts them as lost if the drain fails."""
         padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in self._table_list], dtype=np.int64)
-        return {"accesses": sum(k.lookups - k.padding_lookups(padding) for k in self._taken),
+        on_devices = sum(staging.pending_lookups() for staging in self._staging.values())
+        return {"accesses": on_devices + sum(k.lookups - k.padding_lookups(padding) for k in self._taken),
                 "lookups": sum(int((c.ids != -1 if c.table.padding_idx is None else c.ids != c.table.padding_idx).sum())
                                for c in self._sampled_taken)}
 

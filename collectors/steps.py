@@ -64,6 +64,7 @@ class StepClock:
         self._rows: collections.deque[tuple] = collections.deque()  # appended here, popped by the writer
         self._drained_by: set[int] = set()  # ids of the writers this clock is a source of
         self._in_flight = 0  # rows the last drain took: lost if the writer fails to take them
+        self._loss_streams: dict[torch.device, torch.cuda.Stream] = {}  # DeviceLoss's side stream per device
         self.attach(writer)
 
     def attach(self, writer: RunWriter | None) -> None:
@@ -101,14 +102,16 @@ class StepClock:
 
     def _keep(self, t_end_ns: int, samples: int | None, loss: float | torch.Tensor | None) -> None:
         if isinstance(loss, torch.Tensor):
-            loss = loss.detach()
+            loss = DeviceLoss(loss.detach(), self._loss_streams) if loss.is_cuda else loss.detach()
         samples = self.samples if samples is None else samples
         self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples), loss,
                            self.schedule))
 
     def drain(self, final: bool) -> list[tuple[str, dict]]:
         """The `steps` rows kept since the last drain (called on the writer thread)."""
-        rows = [self._rows.popleft() for _ in range(len(self._rows))]
+        rows = []
+        while self._rows and (final or not isinstance(self._rows[0][4], DeviceLoss) or self._rows[0][4].done()):
+            rows.append(self._rows.popleft())  # in step order: a loss still on its way holds back the steps after it
         self._in_flight = len(rows)
         if not rows:
             return []
@@ -116,6 +119,31 @@ class StepClock:
         loss = [None if x is None else float(x) for x in loss]
         return [("steps", {"step": step, "t_start_ns": t_start_ns, "t_end_ns": t_end_ns, "samples": samples,
                            "loss": loss, "schedule": schedule})]
+
+
+class DeviceLoss:
+    """A loss on a CUDA device, copied to pinned host memory on a low-priority side stream once the
+    training stream has computed it: `done()` polls the copy, `float()` reads it (waiting only at close).
+    The training thread neither waits for the device nor makes it wait."""
+
+    def __init__(self, loss: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream]) -> None:
+        stream = streams.get(loss.device)
+        if stream is None:
+            stream = streams[loss.device] = torch.cuda.Stream(loss.device, priority=max(torch.cuda.Stream.priority_range()))
+        stream.wait_stream(torch.cuda.current_stream(loss.device))
+        loss.record_stream(stream)
+        self.host = torch.empty(loss.shape, dtype=loss.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            self.host.copy_(loss, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def __float__(self) -> float:
+        self.event.synchronize()
+        return float(self.host)
 
 
 class StepsHandle:

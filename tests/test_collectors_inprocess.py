@@ -426,3 +426,27 @@ def test_a_tagged_shard_is_named_by_its_table_and_writes_global_rows(recording, 
 ])
 def test_the_torchrun_launcher_is_recognised_from_the_original_command_line(orig_argv, launcher):
     assert is_launcher(orig_argv) is launcher
+
+
+def test_table_modules_carry_no_hook_outside_the_window(tmp_path):
+    """Outside `record --steps` a lookup costs nothing: the table modules lose their forward hook at the
+    window's last step and get it back at its next first."""
+    from tracekit.window import Window
+
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock()
+    model = Model()
+    window = Window(first=1, every=4, keep=2)  # steps 1, 4, 5
+    handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=0, window=window)]
+    hooked = []
+    try:
+        for batch in make_batches(8):
+            hooked.append(bool(model.tables["a"]._forward_hooks) and bool(model.tables["b"]._forward_hooks))
+            train(model, [batch])
+    finally:
+        for handle in reversed(handles):
+            handle.uninstall()
+        writer.close()
+    assert hooked == [window.on(step) for step in range(8)] and sum(hooked) == 3
+    assert {row[0] for row in read(tmp_path, "accesses")} == {1, 4, 5}
+    assert not model.tables["a"]._forward_hooks
