@@ -9,6 +9,7 @@ core each. With `--device cuda`: 1 rank on NCCL, NVML sampled while traced. From
     .venv/bin/python bench/record_overhead.py --runs 5
     .venv/bin/python bench/record_overhead.py --workload proxy --quick --steps 1000 --runs 10   # ~7 ms steps
     .venv/bin/python bench/record_overhead.py --workload proxy --ranks 1 --batch 1536 --quick --steps 1000 --runs 8
+    .venv/bin/python bench/record_overhead.py --workload host26 --quick --runs 4 --outside-window   # issue 43's proxy
     python3 bench/record_overhead.py --device cuda --python python3 --workload kaggle --quick --runs 3
     python3 bench/record_overhead.py --device cuda --python python3 --runs 3      # on a GPU machine
 """
@@ -115,10 +116,12 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--workload", choices=["default", "kaggle", "proxy", "proxy26"], default="default",
+    p.add_argument("--workload", choices=["default", "kaggle", "proxy", "proxy26", "host26"], default="default",
                    help="kaggle: the criteo-kaggle preset at full size, batch 16384 on cuda (--scale on cpu); "
                         "proxy: GPU-like short steps on CPU (8 tables x 100k rows, dim 16, batch 64, pooling 4, "
-                        "small MLPs); proxy26: the same with 26 tables")
+                        "small MLPs); proxy26: the same with 26 tables; host26: a GPU host's host-bound rank "
+                        "(issue 43): `python train.py`, one rank, OMP_NUM_THREADS=1, 26 tables x 100k rows, dim 16, "
+                        "batch 512, ~6.6 ms steps, the second core left free as a GPU host leaves its others")
     p.add_argument("--ranks", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--batch", type=int, default=64,
                    help="the proxy workloads' batch per rank (one rank: 1536 gives ~5.7 ms steps here)")
@@ -134,8 +137,11 @@ def main() -> int:
     p.add_argument("--writer-not-idle", action="store_true",
                    help="also trace with the writer thread at nice +10 but never SCHED_IDLE (TRACEKIT_WRITER_IDLE=0)")
     args = p.parse_args()
-    ranks = args.ranks or (2 if args.device == "cpu" else 1)
+    ranks = args.ranks or (2 if args.device == "cpu" and args.workload != "host26" else 1)
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    if args.workload == "host26":
+        torchrun = [args.python]
+        os.environ["OMP_NUM_THREADS"] = "1"
     train = ["--pooling", "1", "--zipf", "0", "--eval-fraction", "0", "--json", "--steps", str(args.steps),
              "--device", args.device]
     if args.workload == "kaggle":
@@ -143,6 +149,10 @@ def main() -> int:
         train = ["--preset", "criteo-kaggle", "--scale", str(args.scale), "--pooling", "1", "--eval-fraction", "0",
                  "--json", "--steps", str(args.steps), "--device", args.device, "--batch-size", str(batch),
                  "--samples", str(batch * ranks * (args.steps + 1))]
+    elif args.workload == "host26":
+        train = ["--tables", "26", "--rows", "100000", "--dim", "16", "--bottom-mlp", "32,16", "--top-mlp", "32,1",
+                 "--batch-size", "512", "--eval-fraction", "0", "--json", "--steps", str(args.steps),
+                 "--device", args.device]
     elif args.workload.startswith("proxy"):
         tables = "26" if args.workload == "proxy26" else "8"
         train = ["--tables", tables, "--rows", "100000", "--dim", "16", "--bottom-mlp", "32,16", "--top-mlp", "32,1",
@@ -169,7 +179,7 @@ def main() -> int:
             variants = {name: variants[name] for name in ("untraced", "tracekit record")}
         envs = {}
         if args.outside_window:
-            variants["tracekit record --steps 0:1 (outside the window)"] = traced(train, "--steps", "0:1")
+            variants["tracekit record --steps 0:2 (outside the window)"] = traced(train, "--steps", "0:2")
         if args.writer_nice_0:
             variants["tracekit record, writer at nice 0"] = traced(train)
             envs["tracekit record, writer at nice 0"] = {"TRACEKIT_WRITER_NICE": "0"}

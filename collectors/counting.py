@@ -185,17 +185,17 @@ def count_rows(kept: Kept, tables: list[Table]) -> Counted:
     call_key = bases[inverse] + (kept.step - first[inverse]) * num_rows[inverse]
     padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in tables], dtype=np.int64)[kept.table]
     unique, counts = _unique_keys(kept, call_key, padding if (padding >= 0).any() else None, bases[-1] <= 2**31)
-    unique = unique.astype(np.int64, copy=False)
     cuts = np.searchsorted(unique, bases)
-    step, row = np.empty(len(unique), dtype=np.int64), np.empty(len(unique), dtype=np.int64)
-    for j, table in enumerate(which):  # written in place: no copy of a group's rows into the whole
-        part = slice(cuts[j], cuts[j + 1])
-        local = unique[part] - bases[j]  # (step - first) * num_rows + row
-        step[part] = local // table.num_rows  # np.divmod: 10x slower
-        row[part] = local - step[part] * table.num_rows + table.first_row
-        step[part] += first[j]
+    # each (group, step) cell's keys start at its calls' key: its rows are one subtraction from there
+    cell = np.unique(call_key)
+    cell_group = np.searchsorted(bases, cell, side="right") - 1
+    cell_step = first[cell_group] + (cell - bases[cell_group]) // num_rows[cell_group]
+    first_row = np.array([t.first_row for t in which], dtype=np.int64)[cell_group]
+    per_cell = np.diff(np.searchsorted(unique, cell), append=len(unique))
+    step = np.repeat(cell_step, per_cell)
+    row = np.subtract(unique, np.repeat(cell - first_row, per_cell), dtype=np.int64)
     return Counted([(t, PHASES[g % len(PHASES)]) for t, g in zip(which, group)], np.diff(cuts[:len(group) + 1]),
-                   step, row, counts.astype(np.int32))
+                   step, row, counts.astype(np.int32, copy=False))
 
 
 def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, small: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -205,16 +205,13 @@ def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, s
     on the writer thread whose spinning takes the cores from a rank that computes with several
     threads (bench/RESULTS.md §30)."""
     if isinstance(kept.ids, np.ndarray):
-        key = kept.ids + np.repeat(call_key, kept.size)
+        dtype = np.int32 if small else np.int64
+        key = np.add(kept.ids, np.repeat(call_key.astype(dtype), kept.size), dtype=dtype, casting="unsafe")
         weight = kept.weight
         if padding is not None:
             keep = kept.ids != np.repeat(padding, kept.size)
             key, weight = key[keep], None if weight is None else weight[keep]
-        key = key.astype(np.int32) if small else key
-        if weight is None:
-            return np.unique(key, return_counts=True)
-        unique, inverse = np.unique(key, return_inverse=True)
-        return unique, np.bincount(inverse, weights=weight, minlength=len(unique)).astype(np.int64)
+        return _sorted_runs(key, weight)
     if kept.weight is not None:  # carried counts are on CPU: count there
         return _unique_keys(Kept(kept.ids.cpu().numpy(), kept.step, kept.table, kept.phase, kept.size, kept.weight),
                             call_key, padding, small)
@@ -225,6 +222,25 @@ def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, s
         key = key[kept.ids != torch.repeat_interleave(torch.from_numpy(padding).to(device), sizes, output_size=n)]
     unique, counts = torch.unique(key.int() if small else key, return_counts=True)
     return unique.cpu().numpy(), counts.cpu().numpy()
+
+
+def _sorted_runs(key: np.ndarray, weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys, sorted, and how many times each occurs (or the sum of their `weight`):
+    `np.unique(key, return_counts=True)` at a third of its time here. Torch's sort of a 1-D tensor (one
+    row: it runs on this thread, no OpenMP team) is twice numpy's on this box's CPUs, and the runs are
+    found in one numpy pass (bench/RESULTS.md §34)."""
+    if not len(key):
+        return key, np.zeros(0, dtype=np.int64)
+    if weight is None:
+        ordered = torch.sort(torch.from_numpy(key)).values.numpy()
+    else:
+        ordered, order = (t.numpy() for t in torch.sort(torch.from_numpy(key)))
+    opens = np.empty(len(ordered), dtype=bool)
+    opens[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=opens[1:])
+    starts = np.flatnonzero(opens)
+    counts = np.diff(starts, append=len(ordered)) if weight is None else np.add.reduceat(weight[order], starts)
+    return ordered[starts], counts
 
 
 def carried(counted: Counted) -> Kept:

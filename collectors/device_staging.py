@@ -44,8 +44,13 @@ class DeviceStaging:
 
     def keep(self, step: int, table: int, call_phase: str, ids: torch.Tensor, layout: tuple | None) -> None:
         """Keep a reference to one call's ids; `layout` on sampled steps only: (the ids' shape, a reference
-        to their bag offsets or None)."""
-        self._calls.append((step, table, call_phase, ids, ids._version, layout))
+        to their bag offsets or None, the offsets' version)."""
+        version = None  # a copy's: no one else writes it (inference tensors keep no version)
+        if ids.is_inference():
+            ids = ids.clone()
+        else:
+            version = ids._version
+        self._calls.append((step, table, call_phase, ids, version, layout))
         self._last_step_kept = step
 
     def on_step_end(self, step: int) -> None:
@@ -82,8 +87,8 @@ class DeviceStaging:
             yield "sampled", self._sampled_calls(copy, sampled)
 
     def _submit(self, calls: list[tuple], after: torch.cuda.Event, tables: list[Table]) -> None:
-        whole = [c for c in calls if c[3]._version == c[4]]
-        overwritten = sum(c[3].numel() for c in calls if c[3]._version != c[4])
+        whole = [c for c in calls if c[4] is None or c[3]._version == c[4]]
+        overwritten = sum(c[3].numel() for c in calls if c[4] is not None and c[3]._version != c[4])
         if overwritten:
             self._lost("accesses", overwritten)
         if not whole:
@@ -112,7 +117,7 @@ class DeviceStaging:
     def _sampled_calls(self, copy: HostCopy, calls: list[tuple]) -> list:
         arrays = iter(copy.arrays())
         out = []
-        for step, table, call_phase, _, _, (shape, offsets) in calls:
+        for step, table, call_phase, _, _, (shape, offsets, _) in calls:
             ids = torch.from_numpy(next(arrays)).reshape(shape)
             bags = None
             if offsets is not None:

@@ -2,13 +2,15 @@
 
 `install(writer, clock)` hooks every `nn.Embedding` / `nn.EmbeddingBag` instance, those that exist
 and those created later (a global parameter-registration hook sees each one's `weight` arrive),
-with a forward hook of its own: no other module pays for it. The hook copies the call's ids into
-a staging chunk, one call after another, and notes the call in one tuple beside them (its step,
-table, phase, where its ids end, and on sampled steps its shape and offsets); nothing else happens
-on the training thread. The writer thread reads the calls of finished steps out of the chunks in
-bulk at every flush (`RunWriter.add_source`), with numpy passes over the calls rather than Python
-per call, hands read chunks back for refilling (and keeps one spare, its pages touched, so the
-training thread does not fault them in), and turns the calls into
+with a forward hook of its own: no other module pays for it, and outside the recorded window
+(`record --steps/--every`) the modules carry no hook at all. The hook keeps a reference to the call's
+ids and notes the call in one tuple beside it (its step, table, phase, the ids' version counter, and
+on sampled steps its shape and offsets); nothing is copied on the training thread unless the program
+rewrites its id buffer in place (the same buffer passed again: that table's ids are copied from
+then on; ids rewritten before the writer read them are counted as lost, never written wrong). On a
+CUDA device the same references are counted on a side stream (collectors/device_staging.py). The
+writer thread reads the calls of finished steps in bulk at every flush (`RunWriter.add_source`),
+joins their ids with numpy, counts them in pieces (collectors/counting.py) and turns them into
 - `accesses`: exact counts per (step, table_name, row), one sort per table per flush; ids equal to
   the module's `padding_idx` are not lookups and are left out, weighted lookups
   (`per_sample_weights`) count like any other;
@@ -47,8 +49,8 @@ FBGEMM).
 Every call carries its `phase`, `train` or `eval`, decided at the call (collectors/phase.py).
 A step's calls are written once the clock has moved past it, so each (step, phase, table, row) is
 one row; calls after the last step (an evaluation pass) are written at close under the step the
-clock shows then, as `eval`. Only a step holding more than the writer's `flush_rows` ids is written
-in pieces.
+clock shows then, as `eval`. A step holding more than the writer's `flush_rows` ids is counted as
+it comes and written once it has ended (collectors/counting.py).
 
     clock = StepClock()
     steps_handle = steps.install(writer, clock)
@@ -60,6 +62,7 @@ in pieces.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import os
 import weakref
@@ -85,28 +88,6 @@ from tracekit.window import Window
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 MAX_PENDING_IDS = 64_000_000  # ids held for the writer (512 MB of int64) before calls are dropped (TRACEKIT_MAX_PENDING_IDS)
-
-
-CHUNK_IDS = 1 << 20  # ids per staging chunk (8 MB of int64)
-
-
-class Chunk:
-    """A buffer the training thread copies calls' ids into, one after another, with one tuple per
-    call: (step, table index, phase, end of its ids in the buffer, layout). `layout` is None except on
-    sampled steps, where it is (the ids' shape, their bag offsets from 0 or None). The
-    writer reads the calls of finished steps out of it in bulk; once read, and no longer the one being
-    filled, it is reused."""
-
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        self.ids = torch.empty(capacity, dtype=torch.int64, device=device)
-        self.array = self.ids.numpy() if device.type == "cpu" else None  # numpy copies cost less per call
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.used = 0  # ids copied in (training thread)
-        self.calls: list[tuple] = []  # appended by the training thread
-        self.taken = 0  # calls read by the writer
 
 
 @dataclass
@@ -257,20 +238,23 @@ class EmbeddingHandle:
         self._bags: weakref.WeakKeyDictionary[nn.Module, collections.deque] = weakref.WeakKeyDictionary()
         self._module_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self._table_list: list[Table] = []  # by Table.index
-        self._chunk: Chunk | None = None  # the one being filled (training thread)
-        self._chunks: collections.deque[Chunk] = collections.deque()  # with calls the writer has not all read
-        self._free: collections.deque[Chunk] = collections.deque()  # read and reset, for the training thread
-        self._read: list[Chunk] = []  # all read by the last drain: reset at the next (its rows are written then)
+        # (step, table index, phase, ids, their version, layout): appended here, popped by the writer
+        self._calls: collections.deque[tuple] = collections.deque()
+        self._last_ids: dict[int, torch.Tensor] = {}  # per table index: the ids of its last call kept
+        self._copying: set[int] = set()  # tables whose program rewrites its id buffer in place: their ids are copied
         self._tables_calls: collections.deque[TablesCall] = collections.deque()  # appended here, popped by the writer
         self._woken = False  # the writer was woken for held ids and has not drained since
         self._ids_added = 0  # written by the training thread only
+        self._step_ids = 0  # ids kept in the step now running (training thread)
         self._ids_drained = 0  # written by the writer thread only
         self._carry: Kept | None = None  # counts of a step still running when a drain took its calls
         self._taken: list[Kept] = []  # what the running drain has taken and not handed over (in_flight)
         self._sampled_taken: list[Call] = []
         self._staging: dict[torch.device, DeviceStaging] = {}  # calls on CUDA devices, by device
-        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every table module seen
-        self._hooked = window.on(clock.step)  # whether the modules carry their forward hook now
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # table modules whose class overrides forward
+        self._forwards = {cls: (cls.forward, self._recording_forward(cls.forward)) for cls in EMBEDDINGS}
+        self._hooked = False  # whether the table classes record (their forward wrapped, instance hooks on) now
+        self._record_from(window.on(clock.step))
         clock.add_listener(self)
         self._hooks = [
             torch_module.register_module_module_registration_hook(self._on_register),
@@ -283,10 +267,10 @@ class EmbeddingHandle:
 
     def uninstall(self) -> None:
         global _installed
-        for hook in [*self._hooks, *self._module_hooks.values()]:
+        self._record_from(False)
+        for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._module_hooks = weakref.WeakKeyDictionary()
         self._modules = weakref.WeakSet()
         self.clock.remove_listener(self)
         if _installed is self:
@@ -300,29 +284,54 @@ class EmbeddingHandle:
             self.guard.run(self._hook, module)  # returns None: the parameter is unchanged
 
     def _hook(self, module: nn.Module) -> None:
-        self._modules.add(module)
-        if self._hooked:
-            self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
+        """A table module whose class overrides `forward` gets a forward hook of its own (the wrapped
+        class forward does not record it: it may never call it, or call it for something else)."""
+        if type(module).forward not in {f for pair in self._forwards.values() for f in pair}:
+            self._modules.add(module)
+            if self._hooked:
+                self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    def _recording_forward(self, original: Any) -> Any:
+        """`nn.Embedding.forward` (or EmbeddingBag's) that records the call after it, for the modules
+        whose class does not override it: the module keeps torch's hook-free call path."""
+        @functools.wraps(original)
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            output = original(module, *args, **kwargs)
+            if type(module).forward is forward:
+                self._on_forward(module, args, kwargs, output)
+            return output
+
+        return forward
+
+    def _record_from(self, on: bool) -> None:
+        """Record lookups from now on (wrap the table classes' forward, hook the other table modules),
+        or stop: outside the recorded window a lookup costs nothing."""
+        if on == self._hooked:
+            return
+        self._hooked = on
+        for cls, (original, recording) in self._forwards.items():
+            cls.forward = recording if on else original
+        if on:
+            for module in list(self._modules):
+                self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
+        else:
+            for hook in self._module_hooks.values():
+                hook.remove()
+            self._module_hooks = weakref.WeakKeyDictionary()
 
     def on_step_end(self, step: int) -> None:
-        """Hook the table modules while the window records the next step, and unhook them while it does
-        not: a module with no hook costs a lookup nothing."""
-        if self.window.on(step + 1) != self._hooked:
-            self._hooked = not self._hooked
-            if self._hooked:
-                for module in list(self._modules):
-                    self._module_hooks[module] = module.register_forward_hook(self._on_forward, with_kwargs=True)
-            else:
-                for hook in self._module_hooks.values():
-                    hook.remove()
-                self._module_hooks = weakref.WeakKeyDictionary()
+        """Start the next step's count of ids, and record the next step or not, as the window says."""
+        self._step_ids = 0
+        self._record_from(self.window.on(step + 1))
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.window.on(self.clock.step):
-            if self.guard.enabled:
-                self.guard.run(self._record, module, args, kwargs)  # returns None: output unchanged
-            else:
-                self._count_lost(module, args, kwargs)
+        if not self.guard.enabled:
+            self._count_lost(module, args, kwargs)
+            return
+        try:
+            self._record(module, args, kwargs)
+        except Exception as e:  # a trace failure must never reach the traced program
+            self.guard.fail(e)
 
     def _count_lost(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A call the collector, switched off by an error, no longer records: its ids are counted as lost."""
@@ -334,10 +343,13 @@ class EmbeddingHandle:
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         table = self._tables.get(module) or self._first_call(module)
-        ids, offsets = lookup_ids(module, args, kwargs)
-        if offsets is None and self._bags:
-            expected = self._bags.get(module)
-            offsets = expected.popleft() if expected else None
+        ids = args[0] if args else kwargs["input"]
+        offsets = None
+        if self.lookup_every and self.clock.step % self.lookup_every == 0 or self._bags:  # the offsets are read
+            ids, offsets = lookup_ids(module, args, kwargs)
+            if offsets is None and self._bags:
+                expected = self._bags.get(module)
+                offsets = expected.popleft() if expected else None
         self._stage(table, ids, offsets, phase.of_call(module))
 
     def sampled(self) -> bool:
@@ -349,35 +361,43 @@ class EmbeddingHandle:
         `offsets` (bags of a 1-D `ids`, or None) are read on sampled steps only. Copies both, so the
         caller may reuse them."""
         if self.window.on(self.clock.step):
-            self._stage(table, ids, offsets, call_phase)
+            self._stage(table, ids, offsets, call_phase, copy=True)
 
-    def _stage(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str) -> None:
-        """Copy the call's ids into the chunk being filled and note the call beside them (Chunk): the
-        training thread's whole share of recording a lookup call."""
+    def _stage(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str,
+               copy: bool = False) -> None:
+        """Keep a reference to the call's ids (a copy if `copy`, or where the program rewrites its id
+        buffer in place) and note the call beside it: the training thread's whole share of recording a
+        lookup call."""
         n = ids.numel()
-        if self._held_full(n):
+        if self._ids_added - self._ids_drained + n > self.max_pending_ids:  # held for the writer: shed
+            self.writer.count_dropped("accesses", n)
             return
+        sampled = self.lookup_every and self.clock.step % self.lookup_every == 0
         if ids.is_cuda:
-            layout = (ids.shape, offsets) if self.sampled() else None
+            layout = (ids.shape, offsets, None if offsets is None else offsets._version) if sampled else None
             self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
-            self._ids_added += n
-            self._wake_if_full()
-            return
-        chunk = self._chunk
-        if chunk is None or chunk.used + n > chunk.ids.numel() or chunk.device != ids.device:
-            chunk = self._next_chunk(n, ids.device)
-        end = chunk.used + n
-        if chunk.array is not None:
-            chunk.array[chunk.used:end] = ids.numpy().reshape(-1)
         else:
-            chunk.ids[chunk.used:end].copy_(ids.reshape(-1))
-        layout = None
-        if self.sampled():  # the lookups need the bags or the shape
-            layout = (ids.shape, None if offsets is None else offsets - offsets[:1])  # offsets: a copy from 0
-        chunk.calls.append((self.clock.step, table.index, call_phase, end, layout))
-        chunk.used = end
+            if ids.device.type != "cpu":
+                ids = ids.cpu()
+            last = self._last_ids.get(table.index)  # held here: its memory cannot be another tensor's
+            version = None  # a copy's: no one else writes it
+            if copy or ids.is_inference() or table.index in self._copying or (
+                    last is not None and last.data_ptr() == ids.data_ptr()):
+                if not (copy or ids.is_inference()):
+                    self._copying.add(table.index)  # the buffer kept from its last call is this one, rewritten
+                ids = ids.clone()
+                offsets = None if offsets is None or not sampled else offsets.clone()
+            else:
+                self._last_ids[table.index] = ids
+                version = ids._version
+            layout = None
+            if sampled:
+                layout = (ids.shape, offsets, None if offsets is None or offsets.is_inference() else offsets._version)
+            self._calls.append((self.clock.step, table.index, call_phase, ids, version, layout))
         self._ids_added += n
-        self._wake_if_full()
+        self._step_ids += n
+        if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
+            self._wake()
 
     def _device_staging(self, device: torch.device) -> DeviceStaging:
         """The staging of `device`'s calls (collectors/device_staging.py), made at its first call."""
@@ -394,14 +414,6 @@ class EmbeddingHandle:
                       offsets: torch.Tensor | None) -> Call:
         return Call(step, call_phase, self._table_list[table], ids, offsets, True)
 
-    def _next_chunk(self, n: int, device: torch.device) -> Chunk:
-        chunk = self._free.popleft() if self._free else None
-        if chunk is None or chunk.ids.numel() < n or chunk.device != device:
-            chunk = Chunk(max(CHUNK_IDS, n), device)
-        self._chunks.append(chunk)
-        self._chunk = chunk
-        return chunk
-
     def record_tables(self, tables: list[Table | None], cuts: list[int], ids: torch.Tensor, offsets: torch.Tensor,
                       bounds: list[int], call_phase: str) -> None:
         """Keep one call looking up several tables made now (a `TablesCall`; `ids` already a copy of the
@@ -411,15 +423,19 @@ class EmbeddingHandle:
         self._tables_calls.append(TablesCall(self.clock.step, call_phase, tables, cuts, ids,
                                              offsets.clone() if self.sampled() else None, bounds))
         self._ids_added += ids.numel()
+        self._step_ids += ids.numel()
         self._wake_if_full()
 
     def _wake_if_full(self) -> None:
-        """Wake the writer once more than `flush_rows` ids wait, and not again until it has drained:
-        a wake on every call while it has not run yet (under SCHED_IDLE, on a busy core) would hand
-        it the GIL and a lock call by call (bench/RESULTS.md §30)."""
         if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
-            self._woken = True
-            self.writer.wake()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake the writer: more than `flush_rows` ids wait. Not again until it has drained: a wake on
+        every call while it has not run yet (under SCHED_IDLE, on a busy core) would hand it the GIL and
+        a lock call by call (bench/RESULTS.md §30)."""
+        self._woken = True
+        self.writer.wake()
 
     def _held_full(self, n: int) -> bool:
         """Whether keeping `n` more ids would hold more than `max_pending_ids` for the writer: they are
@@ -466,19 +482,14 @@ class EmbeddingHandle:
 
     def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         """The calls of steps the clock has left (all of them if `final`) as `accesses` and `lookups`
-        columns. Where more than `flush_rows` ids are held, the running step's calls are taken too and
+        columns. Where the running step holds more than `flush_rows` ids, its calls are taken too and
         counted, but their counts are carried to the next drain (`counting.carried`): no (step, table,
         row) is written in two rows. While it runs, `in_flight()` says what it has taken and not yet
         handed over, so a drain that fails counts those as lost."""
-        for chunk in self._read:  # the last drain's rows are written by now: its chunks may be refilled
-            chunk.reset()
-            self._free.append(chunk)
-        self._read = []
-        everything = final or self._ids_added - self._ids_drained > self.writer.flush_rows
+        everything = final or self._step_ids > self.writer.flush_rows  # a step larger than a flush
         self._woken = False
         current = self.clock.step  # read first: the calls of steps before it are final
-        kept, sampled = self._take_chunks(everything, current)
-        self._ids_drained += sum(int(k.size.sum()) for k in kept)
+        kept, sampled = self._take_calls(everything, current)
         for call in self._take_tables_calls(everything, current):
             kept.append(Kept.of_calls([call]))
             if call.sampled:
@@ -515,13 +526,6 @@ class EmbeddingHandle:
             self._taken = pieces[i:]
             yield "accesses", count_rows(piece, self._table_list).columns()
         self._taken = []
-        if not self._free and self._chunk is not None:
-            spare = Chunk(CHUNK_IDS, self._chunk.device)
-            if spare.array is not None:
-                spare.array.fill(0)  # numpy: no OpenMP team on this thread
-            else:
-                spare.ids.zero_()
-            self._free.append(spare)
         groups = _by_table(sampled)
         if groups:
             found = [lookup_rows(group_calls) for group_calls in groups.values()]
@@ -540,34 +544,35 @@ class EmbeddingHandle:
                 "lookups": sum(int((c.ids != -1 if c.table.padding_idx is None else c.ids != c.table.padding_idx).sum())
                                for c in self._sampled_taken)}
 
-    def _take_chunks(self, everything: bool, current: int) -> tuple[list[Kept], list[Call]]:
-        """The staged calls of the steps before `current` (all if `everything`): one `Kept` per chunk,
-        and the sampled ones as `Call`s over the chunk's ids."""
-        kept, sampled = [], []
-        for chunk in list(self._chunks):
-            retired = chunk is not self._chunk  # the training thread has moved on: its calls are final
-            calls, lo = chunk.calls, chunk.taken
-            hi = len(calls)
-            if not everything:  # a chunk's calls are in step order
-                while hi > lo and calls[hi - 1][0] >= current:
-                    hi -= 1
-            if hi > lo:
-                start = calls[lo - 1][3] if lo else 0
-                step, table, call_phase, end, layout = zip(*calls[lo:hi])
-                ends = np.array(end, dtype=np.int64)
-                codes = np.array([p == EVAL for p in call_phase], dtype=np.int64)
-                kept.append(Kept.of_ids(chunk.ids[start:int(ends[-1])], np.array(step, dtype=np.int64),
-                                        np.array(table, dtype=np.int64), codes, np.diff(ends, prepend=start)))
-                for i in (i for i, shape in enumerate(layout) if shape is not None):
-                    first = int(ends[i - 1]) if i else start
-                    shape, offsets = layout[i]
-                    sampled.append(Call(step[i], PHASES[codes[i]], self._table_list[table[i]],
-                                        chunk.ids[first:int(ends[i])].reshape(shape), offsets, True))
-                chunk.taken = hi
-            if retired and chunk.taken == len(chunk.calls):
-                self._chunks.remove(chunk)
-                self._read.append(chunk)
-        return kept, sampled
+    def _take_calls(self, everything: bool, current: int) -> tuple[list[Kept], list[Call]]:
+        """The kept calls of the steps before `current` (all if `everything`) as one `Kept`, their ids
+        joined with numpy, and the sampled ones as `Call`s. A call whose ids the program rewrote in
+        place since (its version moved) is counted as lost, and its table's later calls are copied."""
+        calls, taken = self._calls, []
+        while calls and (everything or calls[0][0] < current):
+            taken.append(calls.popleft())
+        self._ids_drained += sum(c[3].numel() for c in taken)
+        rewritten = [c for c in taken if c[4] is not None and c[3]._version != c[4]]
+        if rewritten:
+            self._copying.update(c[1] for c in rewritten)
+            self.writer.count_dropped("accesses", sum(c[3].numel() for c in rewritten))
+            taken = [c for c in taken if c[4] is None or c[3]._version == c[4]]
+        if not taken:
+            return [], []
+        step, table, call_phase, ids, _, layout = zip(*taken)
+        arrays = [t.numpy().reshape(-1) for t in ids]
+        kept = Kept(np.concatenate(arrays).astype(np.int64, copy=False), np.array(step, dtype=np.int64),
+                    np.array(table, dtype=np.int64), np.array([p == EVAL for p in call_phase], dtype=np.int64),
+                    np.array([a.size for a in arrays], dtype=np.int64))
+        sampled = []
+        for i in (i for i, shape in enumerate(layout) if shape is not None):
+            shape, offsets, version = layout[i]
+            if offsets is not None and version is not None and offsets._version != version:
+                self.writer.count_dropped("lookups", ids[i].numel())
+                continue
+            bags = None if offsets is None else torch.from_numpy(offsets.numpy() - offsets.numpy()[:1])
+            sampled.append(Call(step[i], call_phase[i], self._table_list[table[i]], ids[i].reshape(shape), bags, True))
+        return [kept], sampled
 
     def _take_tables_calls(self, everything: bool, current: int) -> list[Call]:
         calls = []

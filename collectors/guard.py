@@ -27,6 +27,13 @@ class Guard:
         self.errors = 0
         self.dropped = 0
 
+    def fail(self, e: Exception) -> None:
+        """Log and count `e`, raised by a hook body run without `run`, and switch the collector off."""
+        self.errors += 1
+        self.enabled = False
+        print(f"tracekit: the {self.collector} collector failed ({type(e).__name__}: {e}); "
+              "switching it off, the traced program carries on", file=sys.stderr)
+
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         if not self.enabled:
             self.dropped += 1

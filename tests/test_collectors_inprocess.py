@@ -154,32 +154,13 @@ def test_a_step_is_written_once_it_has_ended_and_lookups_after_the_last_step_at_
         {("tables.b", r): 2 * n for r, n in Counter(b_ids.flatten().tolist()).items() if r != 0})
 
 
-@pytest.mark.parametrize("copy", ["numpy", "torch"])
-def test_calls_across_many_small_chunks_reused_between_flushes_are_written_exactly(tmp_path, monkeypatch, copy):
-    """The training thread copies ids into chunks (embedding.Chunk) the writer reads in bulk and hands
-    back: with 8-id chunks, calls fill several, some are larger than one, and read chunks are
-    refilled after a flush, and each flush is counted in pieces. Every access and lookup is still the
-    fed ids'. `torch`: the copy a GPU's chunk takes (Tensor.copy_ rather than a numpy view), on CPU."""
-    monkeypatch.setattr(embedding, "CHUNK_IDS", 8)
-    monkeypatch.setattr(embedding, "PIECE_IDS", 16)  # flushes counted in several pieces of whole steps
-    if copy == "torch":
-        init = embedding.Chunk.__init__
-
-        def torch_copy(chunk: embedding.Chunk, capacity: int, device: torch.device) -> None:
-            init(chunk, capacity, device)
-            chunk.array = None
-
-        monkeypatch.setattr(embedding.Chunk, "__init__", torch_copy)
+def test_calls_across_many_flushes_counted_in_small_pieces_are_written_exactly(tmp_path, monkeypatch):
+    """The training thread keeps references to the calls' ids; the writer reads them in bulk at each
+    flush and counts each flush in pieces. Every access and lookup is still the fed ids'."""
+    monkeypatch.setattr(embedding, "PIECE_IDS", 16)  # flushes counted in several pieces
     writer = RunWriter(tmp_path, rank=0, flush_interval_s=3600)
     clock = StepClock()
     handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=2)]
-    resets, reset = Counter(), embedding.Chunk.reset
-
-    def counted_reset(chunk: embedding.Chunk) -> None:  # at creation, and when read and handed back
-        resets[id(chunk)] += 1
-        reset(chunk)
-
-    monkeypatch.setattr(embedding.Chunk, "reset", counted_reset)
     try:
         batches = make_batches(12)
         model = Model()
@@ -194,7 +175,34 @@ def test_calls_across_many_small_chunks_reused_between_flushes_are_written_exact
     accesses = read(tmp_path, "accesses")
     assert Counter({(s, t, r): c for s, t, r, c in accesses}) == counts and len(accesses) == len(counts)
     assert read(tmp_path, "lookups") == lookups
-    assert max(resets.values()) > 1, "no chunk was handed back for reuse"
+
+
+def test_a_program_rewriting_its_id_buffer_in_place_loses_only_what_it_overwrote_and_says_so(tmp_path):
+    """A program that copies each batch's ids into one buffer: the reference kept of its first call is
+    rewritten before the writer reads it (counted as lost, never written as another step's), and from
+    its second call on that table's ids are copied at the call, so every later step is exact."""
+    writer = RunWriter(tmp_path, rank=0, flush_interval_s=3600)
+    clock = StepClock()
+    table = nn.EmbeddingBag(50, 2, mode="sum")
+    handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=0)]
+    optimizer = torch.optim.SGD(table.parameters(), lr=0.1)
+    buffer, g, fed = torch.zeros(12, dtype=torch.int64), torch.Generator().manual_seed(3), Counter()
+    try:
+        for step in range(5):
+            buffer.copy_(torch.randint(0, 50, (12,), generator=g))
+            fed.update((step, int(r)) for r in buffer)
+            optimizer.zero_grad()
+            table(buffer, torch.arange(0, 12, 3)).sum().backward()
+            optimizer.step()
+    finally:
+        for handle in reversed(handles):
+            handle.uninstall()
+        writer.close()
+    recorded = Counter()
+    for step, _, row, count in read(tmp_path, "accesses"):
+        recorded[(step, row)] += count
+    assert recorded == Counter({k: n for k, n in fed.items() if k[0] > 0})
+    assert writer.dropped["accesses"] == 12 and writer.lost_lookups == 12
 
 
 def test_lookups_are_written_on_sampled_steps_only(recording, tmp_path):
@@ -428,25 +436,54 @@ def test_the_torchrun_launcher_is_recognised_from_the_original_command_line(orig
     assert is_launcher(orig_argv) is launcher
 
 
-def test_table_modules_carry_no_hook_outside_the_window(tmp_path):
-    """Outside `record --steps` a lookup costs nothing: the table modules lose their forward hook at the
-    window's last step and get it back at its next first."""
+def test_table_classes_record_only_inside_the_window(tmp_path):
+    """Outside `record --steps` a lookup costs nothing: `nn.Embedding` and `nn.EmbeddingBag` get back
+    their own forward at the window's last step, and the recording one at its next first."""
     from tracekit.window import Window
 
+    originals = (nn.Embedding.forward, nn.EmbeddingBag.forward)
     writer = RunWriter(tmp_path, rank=0)
     clock = StepClock()
     model = Model()
     window = Window(first=1, every=4, keep=2)  # steps 1, 4, 5
     handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=0, window=window)]
-    hooked = []
+    recording = []
     try:
         for batch in make_batches(8):
-            hooked.append(bool(model.tables["a"]._forward_hooks) and bool(model.tables["b"]._forward_hooks))
+            recording.append(nn.Embedding.forward is not originals[0] and nn.EmbeddingBag.forward is not originals[1])
             train(model, [batch])
     finally:
         for handle in reversed(handles):
             handle.uninstall()
         writer.close()
-    assert hooked == [window.on(step) for step in range(8)] and sum(hooked) == 3
+    assert recording == [window.on(step) for step in range(8)] and sum(recording) == 3
     assert {row[0] for row in read(tmp_path, "accesses")} == {1, 4, 5}
-    assert not model.tables["a"]._forward_hooks
+    assert (nn.Embedding.forward, nn.EmbeddingBag.forward) == originals
+
+
+class Scaled(nn.Embedding):
+    """A table class with a forward of its own, which calls the base's."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2
+
+
+def test_a_table_class_with_its_own_forward_is_recorded_once_per_call(tmp_path):
+    writer = RunWriter(tmp_path, rank=0)
+    clock = StepClock()
+    handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=0)]
+    table = Scaled(40, 2)
+    optimizer = torch.optim.SGD(table.parameters(), lr=0.1)
+    ids = [torch.tensor([1, 2, 2, 39]), torch.tensor([5, 5, 5])]
+    try:
+        for step_ids in ids:
+            optimizer.zero_grad()
+            table(step_ids).sum().backward()
+            optimizer.step()
+    finally:
+        for handle in reversed(handles):
+            handle.uninstall()
+        writer.close()
+    assert table._forward_hooks == {}  # removed with the collector
+    assert read(tmp_path, "accesses") == [(0, "Scaled_0", 1, 1), (0, "Scaled_0", 2, 2), (0, "Scaled_0", 39, 1),
+                                         (1, "Scaled_0", 5, 3)]
