@@ -166,48 +166,77 @@ class Counted:
         return columns(self.groups, self.sizes, step=self.step, row=self.row, count=self.count)
 
 
+@dataclass
+class Keys:
+    """How the kept calls' ids are keyed for one sort: id `i` of a call is `call_key + i`, where each
+    (table, phase) group's keys lie above the bases of those before it: `bases[g] + (step - first[g])
+    * num_rows + row`. `padding` is each call's table's padding row (-1: none), or None where no
+    table has one."""
+
+    groups: np.ndarray  # table index * len(PHASES) + phase, per group, increasing
+    tables: list[Table]  # per group
+    first: np.ndarray  # per group: its first step
+    bases: np.ndarray  # per group, and the end of the last
+    call_key: np.ndarray  # per call
+    padding: np.ndarray | None  # per call
+
+    @staticmethod
+    def of(kept: Kept, tables: list[Table]) -> Keys:
+        group, inverse = np.unique(kept.table * len(PHASES) + kept.phase, return_inverse=True)
+        first = np.full(len(group), np.iinfo(np.int64).max)
+        last = np.full(len(group), np.iinfo(np.int64).min)
+        np.minimum.at(first, inverse, kept.step)
+        np.maximum.at(last, inverse, kept.step)
+        which = [tables[g // len(PHASES)] for g in group]
+        num_rows = np.array([t.num_rows for t in which], dtype=np.int64)
+        bases = np.concatenate([[0], np.cumsum((last - first + 1) * num_rows)]).astype(np.int64)
+        call_key = bases[inverse] + (kept.step - first[inverse]) * num_rows[inverse]
+        padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in tables], dtype=np.int64)[kept.table]
+        return Keys(group, which, first, bases, call_key, padding if (padding >= 0).any() else None)
+
+    @property
+    def small(self) -> bool:
+        """Whether every key fits in int32 (half the sort time of int64's; bench/RESULTS.md §19)."""
+        return int(self.bases[-1]) <= 2**31
+
+    def rows(self, unique: np.ndarray, counts: np.ndarray) -> Counted:
+        """The `accesses` rows of the distinct keys `unique` (increasing) counted `counts` times."""
+        cuts = np.searchsorted(unique, self.bases)
+        # each (group, step) cell's keys start at its calls' key: its rows are one subtraction from there
+        cell = np.unique(self.call_key)
+        cell_group = np.searchsorted(self.bases, cell, side="right") - 1
+        num_rows = np.array([t.num_rows for t in self.tables], dtype=np.int64)[cell_group]
+        first_row = np.array([t.first_row for t in self.tables], dtype=np.int64)[cell_group]
+        per_cell = np.diff(np.searchsorted(unique, cell), append=len(unique))
+        step = np.repeat(self.first[cell_group] + (cell - self.bases[cell_group]) // num_rows, per_cell)
+        row = np.subtract(unique, np.repeat(cell - first_row, per_cell), dtype=np.int64)
+        return Counted([(t, PHASES[g % len(PHASES)]) for t, g in zip(self.tables, self.groups)],
+                       np.diff(cuts[:len(self.groups) + 1]), step, row, counts.astype(np.int32, copy=False))
+
+
 def count_rows(kept: Kept, tables: list[Table]) -> Counted:
-    """The `accesses` rows of each (table, phase) of the kept calls. One sort on the ids' device for
-    all of them: of `base + (step - first step) * num_rows + row`, each group's keys above the bases
-    of those before it, int32 keys where they fit (half the time of int64's; bench/RESULTS.md §19),
-    so one sort of a flush beats one per table. Every per-call step is a numpy pass over the calls:
-    no Python per call."""
+    """The `accesses` rows of each (table, phase) of the kept calls: one sort on the ids' device of
+    all their keys (`Keys`), so one sort of a flush beats one per table. Every per-call step is a
+    numpy pass over the calls: no Python per call."""
     if not len(kept.size):
         return Counted([], np.zeros(0, dtype=np.int64), *(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.int32)))
-    group, inverse = np.unique(kept.table * len(PHASES) + kept.phase, return_inverse=True)
-    first = np.full(len(group), np.iinfo(np.int64).max)
-    last = np.full(len(group), np.iinfo(np.int64).min)
-    np.minimum.at(first, inverse, kept.step)
-    np.maximum.at(last, inverse, kept.step)
-    which = [tables[g // len(PHASES)] for g in group]
-    num_rows = np.array([t.num_rows for t in which], dtype=np.int64)
-    bases = np.concatenate([[0], np.cumsum((last - first + 1) * num_rows)])
-    call_key = bases[inverse] + (kept.step - first[inverse]) * num_rows[inverse]
-    padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in tables], dtype=np.int64)[kept.table]
-    unique, counts = _unique_keys(kept, call_key, padding if (padding >= 0).any() else None, bases[-1] <= 2**31)
-    cuts = np.searchsorted(unique, bases)
-    # each (group, step) cell's keys start at its calls' key: its rows are one subtraction from there
-    cell = np.unique(call_key)
-    cell_group = np.searchsorted(bases, cell, side="right") - 1
-    cell_step = first[cell_group] + (cell - bases[cell_group]) // num_rows[cell_group]
-    first_row = np.array([t.first_row for t in which], dtype=np.int64)[cell_group]
-    per_cell = np.diff(np.searchsorted(unique, cell), append=len(unique))
-    step = np.repeat(cell_step, per_cell)
-    row = np.subtract(unique, np.repeat(cell - first_row, per_cell), dtype=np.int64)
-    return Counted([(t, PHASES[g % len(PHASES)]) for t, g in zip(which, group)], np.diff(cuts[:len(group) + 1]),
-                   step, row, counts.astype(np.int32, copy=False))
+    keys = Keys.of(kept, tables)
+    return keys.rows(*_unique_keys(kept, keys.call_key, keys.padding, keys.small))
 
 
 def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, small: bool) -> tuple[np.ndarray, np.ndarray]:
     """The distinct keys `id + call_key of its call` (ids equal to their call's `padding` left out) and
     their counts (each id's weight summed, where it has one), sorted; int32 keys where `small`. On CPU
-    in numpy: its sort is 2-3x torch's here (AVX-512), and torch's CPU ops would start an OpenMP team
-    on the writer thread whose spinning takes the cores from a rank that computes with several
-    threads (bench/RESULTS.md §30)."""
+    in numpy (`_sorted_runs`); on an accelerator with torch, whose result `.cpu()` waits for (the
+    collector counts CUDA calls with collectors/device_counting.py instead)."""
     if isinstance(kept.ids, np.ndarray):
         dtype = np.int32 if small else np.int64
         key = np.add(kept.ids, np.repeat(call_key.astype(dtype), kept.size), dtype=dtype, casting="unsafe")
         weight = kept.weight
+        if weight is None:
+            ordered = _sorted_by_cell(key, kept, call_key, padding)
+            if ordered is not None:
+                return _runs(ordered)
         if padding is not None:
             keep = kept.ids != np.repeat(padding, kept.size)
             key, weight = key[keep], None if weight is None else weight[keep]
@@ -224,23 +253,67 @@ def _unique_keys(kept: Kept, call_key: np.ndarray, padding: np.ndarray | None, s
     return unique.cpu().numpy(), counts.cpu().numpy()
 
 
-def _sorted_runs(key: np.ndarray, weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct keys, sorted, and how many times each occurs (or the sum of their `weight`):
-    `np.unique(key, return_counts=True)` at a third of its time here. Torch's sort of a 1-D tensor (one
-    row: it runs on this thread, no OpenMP team) is twice numpy's on this box's CPUs, and the runs are
-    found in one numpy pass (bench/RESULTS.md §34)."""
-    if not len(key):
-        return key, np.zeros(0, dtype=np.int64)
-    if weight is None:
-        ordered = torch.sort(torch.from_numpy(key)).values.numpy()
-    else:
-        ordered, order = (t.numpy() for t in torch.sort(torch.from_numpy(key)))
+CELL_SORT_MAX = 1 << 16  # ids of the largest (step, table) a flush may sort row by row
+CELL_SORT_SPREAD = 4  # ... and how much larger than the mean one it may be
+
+
+def _sorted_by_cell(key: np.ndarray, kept: Kept, call_key: np.ndarray, padding: np.ndarray | None
+                    ) -> np.ndarray | None:
+    """`key` sorted (padding ids left out), or None where its cells are too uneven for this: each
+    (step, table, phase) cell's keys lie in a range of their own, increasing with the cell's key, so
+    the keys are sorted by putting each cell in a row of a 2-D array (padded with the dtype's largest
+    value), sorting the rows and reading them in order. numpy sorts rows of a few hundred ids ~9x
+    faster than the same ids in one 1-D sort on this box (bench/RESULTS.md §34)."""
+    cells, cell_of_call = np.unique(call_key, return_inverse=True)
+    per_cell = np.bincount(cell_of_call, weights=kept.size, minlength=len(cells)).astype(np.int64)
+    width = int(per_cell.max()) if len(per_cell) else 0
+    n = len(key)
+    if not n or width > CELL_SORT_MAX or width * len(cells) > CELL_SORT_SPREAD * n:
+        return None
+    sentinel = np.iinfo(key.dtype).max
+    if int(key.max()) >= sentinel:
+        return None
+    if padding is not None:
+        key = np.where(kept.ids == np.repeat(padding, kept.size), sentinel, key)
+    # where each call's ids start in its cell's row: after the calls of the same cell before it
+    by_cell = np.argsort(cell_of_call, kind="stable")
+    size = kept.size[by_cell]
+    offset_in_cell = np.empty(len(size), dtype=np.int64)
+    offset_in_cell[by_cell] = np.cumsum(size) - size - np.repeat((np.cumsum(per_cell) - per_cell), np.bincount(
+        cell_of_call, minlength=len(cells)))
+    start = cell_of_call * width + offset_in_cell  # the call's first slot in the flattened grid
+    grid = np.full(len(cells) * width, sentinel, dtype=key.dtype)
+    grid[np.repeat(start - (np.cumsum(kept.size) - kept.size), kept.size) + np.arange(n)] = key
+    grid = grid.reshape(len(cells), width)
+    grid.sort(axis=1)
+    flat = grid.reshape(-1)
+    return flat if len(flat) == n and padding is None else flat[flat != sentinel]
+
+
+def _runs(ordered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of sorted `ordered` and how many times each occurs, in one pass."""
+    if not len(ordered):
+        return ordered, np.zeros(0, dtype=np.int64)
     opens = np.empty(len(ordered), dtype=bool)
     opens[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=opens[1:])
     starts = np.flatnonzero(opens)
-    counts = np.diff(starts, append=len(ordered)) if weight is None else np.add.reduceat(weight[order], starts)
-    return ordered[starts], counts
+    return ordered[starts], np.diff(starts, append=len(ordered))
+
+
+def _sorted_runs(key: np.ndarray, weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys, sorted, and how many times each occurs (or the sum of their `weight`): what
+    `np.unique(key, return_counts=True)` gives. numpy, not torch: torch sorts a large 1-D tensor on an
+    OpenMP team that the writer thread would start and leave spinning on a rank's cores
+    (bench/RESULTS.md §30, §34)."""
+    if weight is None:
+        return _runs(np.sort(key))
+    if not len(key):
+        return key, np.zeros(0, dtype=np.int64)
+    order = np.argsort(key)
+    unique, counts = _runs(key[order])
+    starts = np.cumsum(counts) - counts
+    return unique, np.add.reduceat(weight[order], starts)
 
 
 def carried(counted: Counted) -> Kept:

@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from collectors.counting import PHASES, Counted, Kept, Table
+from collectors.counting import Counted, Kept, Keys, Table
 
 ALIGN = 64  # bytes: each view cut from a slot's host buffer starts at a multiple of it
 MIN_HOST_BYTES = 1 << 16
@@ -38,16 +38,11 @@ MIN_HOST_BYTES = 1 << 16
 
 @dataclass
 class KeyLayout:
-    """`count_rows`'s keys of a `Kept`, computed on the host: each call's ids are keyed
-    `call_key + id`, each (table, phase) group's keys above the bases of those before it. `meta`
-    is what the device needs, one column per call: rows (call_key, size) and, where a table of the
-    calls has a padding row, that row (-1 for the others). Padding ids get the key `sentinel`, above
-    every other key."""
+    """`count_rows`'s keys of a `Kept` (`counting.Keys`), and what the device needs of them: `meta`,
+    one column per call, rows (call_key, size) and, where a table of the calls has a padding row,
+    that row (-1 for the others). Padding ids get the key `sentinel`, above every other key."""
 
-    groups: np.ndarray  # table index * len(PHASES) + phase, per group, increasing
-    tables: list[Table]  # per group
-    first: np.ndarray  # per group: its first step
-    bases: np.ndarray  # per group, and the end of the last
+    keys: Keys
     meta: np.ndarray  # int64 [2 or 3, calls]
     ids: int  # padding ids included
 
@@ -57,7 +52,7 @@ class KeyLayout:
 
     @property
     def sentinel(self) -> int:
-        return int(self.bases[-1])
+        return int(self.keys.bases[-1])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,18 +64,9 @@ class KeyLayout:
 def key_layout(kept: Kept, tables: list[Table]) -> KeyLayout:
     """The layout of `kept`'s keys, as `count_rows` builds them."""
     size = kept.size.astype(np.int64, copy=False)
-    group, inverse = np.unique(kept.table * len(PHASES) + kept.phase, return_inverse=True)
-    first = np.full(len(group), np.iinfo(np.int64).max)
-    last = np.full(len(group), np.iinfo(np.int64).min)
-    np.minimum.at(first, inverse, kept.step)
-    np.maximum.at(last, inverse, kept.step)
-    which = [tables[g // len(PHASES)] for g in group]
-    num_rows = np.array([t.num_rows for t in which], dtype=np.int64)
-    bases = np.concatenate([[0], np.cumsum((last - first + 1) * num_rows)]).astype(np.int64)
-    call_key = bases[inverse] + (kept.step - first[inverse]) * num_rows[inverse]
-    padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in tables], dtype=np.int64)[kept.table]
-    rows = [call_key, size] + ([padding] if (padding >= 0).any() else [])
-    return KeyLayout(group, which, first, bases, np.stack(rows).astype(np.int64), int(size.sum()))
+    keys = Keys.of(kept, tables)
+    rows = [keys.call_key, size] + ([keys.padding] if keys.padding is not None else [])
+    return KeyLayout(keys, np.stack(rows).astype(np.int64), int(size.sum()))
 
 
 def build_keys(ids: torch.Tensor, meta: torch.Tensor, layout: KeyLayout) -> torch.Tensor:
@@ -118,17 +104,7 @@ def decode(layout: KeyLayout, unique: np.ndarray, counts: np.ndarray) -> Counted
     ids were counted) and their counts: what `count_rows` returns for the same calls."""
     if layout.has_padding and len(unique) and unique[-1] == layout.sentinel:
         unique, counts = unique[:-1], counts[:-1]
-    unique = unique.astype(np.int64, copy=False)
-    cuts = np.searchsorted(unique, layout.bases)
-    step, row = np.empty(len(unique), dtype=np.int64), np.empty(len(unique), dtype=np.int64)
-    for j, table in enumerate(layout.tables):
-        part = slice(cuts[j], cuts[j + 1])
-        local = unique[part] - layout.bases[j]
-        step[part] = local // table.num_rows
-        row[part] = local - step[part] * table.num_rows + table.first_row
-        step[part] += layout.first[j]
-    groups = [(t, PHASES[g % len(PHASES)]) for t, g in zip(layout.tables, layout.groups)]
-    return Counted(groups, np.diff(cuts), step, row, counts.astype(np.int32))
+    return layout.keys.rows(unique, counts)
 
 
 class HostBuffer:

@@ -76,6 +76,27 @@ def test_pieces_cut_at_call_boundaries_never_split_a_count_and_stay_near_their_s
     assert len({r[:4] for r in together}) == len(together)
 
 
+@pytest.mark.parametrize("seed", range(100))
+def test_count_rows_equals_a_plain_count_of_the_ids_whether_its_cells_are_sorted_row_by_row_or_not(seed):
+    """count_rows sorts each (step, table, phase) cell on a row of its own where the cells are even
+    (`counting._sorted_by_cell`), and all keys in one sort where they are not: both are a plain count."""
+    rng = np.random.default_rng(5000 + seed)
+    kept = random_kept(rng, TABLES)
+    if seed % 2:  # even cells: every call the same size
+        kept.size[:] = int(rng.integers(1, 30))
+        kept.ids = np.concatenate([rng.integers(0, TABLES[t].num_rows, int(s)) for t, s in zip(kept.table, kept.size)])
+    expected = Counter()
+    for (step, table, ph), ids in zip(zip(kept.step, kept.table, kept.phase),
+                                      np.split(kept.ids, np.cumsum(kept.size)[:-1])):
+        t = TABLES[table]
+        expected.update((t.name, PHASES[ph], int(step), int(i) + t.first_row) for i in ids if i != t.padding_idx)
+    rows = rows_of(count_rows(kept, TABLES))
+    assert Counter({r[:4]: r[4] for r in rows}) == expected and len(rows) == len(expected)
+    for name, phase in {r[:2] for r in rows}:  # within a (table, phase): (step, row) increasing
+        cells = [r[2:4] for r in rows if r[:2] == (name, phase)]
+        assert cells == sorted(cells)
+
+
 @pytest.mark.parametrize("seed", range(50))
 def test_counts_carried_to_the_next_flush_add_up_with_the_rest_of_their_step(seed):
     rng = np.random.default_rng(1000 + seed)
