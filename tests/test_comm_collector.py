@@ -22,7 +22,7 @@ def test_uninstall_restores_the_very_functions(tmp_path) -> None:
     before = {op: (getattr(dist, op, None), getattr(c10d, op, None)) for op in comm.OPS}
 
     class Writer:
-        def add_source(self, drain):
+        def add_source(self, drain, in_flight=None):
             assert drain(True) == [], "no collective ran, nothing to write"
 
     handle = comm.install(Writer(), StepClock())
@@ -34,7 +34,7 @@ def test_uninstall_restores_the_very_functions(tmp_path) -> None:
 
 def test_calls_behind_an_async_call_that_never_completes_are_written_anyway(monkeypatch) -> None:
     class Writer:
-        def add_source(self, drain):
+        def add_source(self, drain, in_flight=None):
             self.drain = drain
 
     writer = Writer()

@@ -232,7 +232,7 @@ class Rows:
         self._rows: list[dict] = []
         self._sources = []
 
-    def add_source(self, drain):
+    def add_source(self, drain, in_flight=None):
         self._sources.append(drain)
 
     @property
