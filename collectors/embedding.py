@@ -76,12 +76,12 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from collectors import phase
-from collectors.counting import CPU, PHASES, PIECE_IDS, Kept, Table, carried, columns, count_rows
+from collectors.counting import PHASES, PIECE_IDS, Kept, Table, carried, columns, count_rows
 from collectors.device_staging import DeviceStaging
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
-from tracekit.phases import EVAL, TRAIN
+from tracekit.phases import EVAL
 from tracekit.shards import Shard, shard_of
 from tracekit.store import RunWriter
 from tracekit.window import Window
