@@ -26,7 +26,7 @@ from analyses.decision import decide
 from analyses.network import network
 from analyses.time_left import TimeLeft, expected_seconds
 from tracekit.policy import Policy, new_policy, write_policy
-from tracekit.store import loss_warning, lost_rows
+from tracekit.losses import loss_warning, lost_rows
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     # name: (module, trace tables it needs)

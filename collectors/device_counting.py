@@ -36,6 +36,11 @@ ALIGN = 64  # bytes: each view cut from a slot's host buffer starts at a multipl
 MIN_HOST_BYTES = 1 << 16
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new stream of `device` at the lowest priority (a larger number is a lower priority)."""
+    return torch.cuda.Stream(device, priority=max(torch.cuda.Stream.priority_range()))
+
+
 @dataclass
 class KeyLayout:
     """`count_rows`'s keys of a `Kept` (`counting.Keys`), and what the device needs of them: `meta`,
@@ -188,8 +193,7 @@ class DeviceCounter:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        lowest = max(torch.cuda.Stream.priority_range())  # a larger number is a lower priority
-        self.stream = torch.cuda.Stream(self.device, priority=lowest)
+        self.stream = side_stream(self.device)
         self._free: list[HostBuffer] = [HostBuffer(pin=True) for _ in range(slots)]
         self._jobs: collections.deque[_Count] = collections.deque()
         self._closed = False

@@ -2,8 +2,9 @@
 
 `install(writer, clock)` hooks every `nn.Embedding` / `nn.EmbeddingBag` instance, those that exist
 and those created later (a global parameter-registration hook sees each one's `weight` arrive),
-with a forward hook of its own: no other module pays for it, and outside the recorded window
-(`record --steps/--every`) the modules carry no hook at all. The hook keeps a reference to the call's
+while the recorded window (`record --steps/--every`) is open, through their class's `forward`, wrapped
+then and torch's own outside it (a module whose class has a forward of its own gets a forward hook
+instead): no other module pays, and outside the window a lookup costs nothing. It keeps a reference to the call's
 ids and notes the call in one tuple beside it (its step, table, phase, the ids' version counter, and
 on sampled steps its shape and offsets); nothing is copied on the training thread unless the program
 rewrites its id buffer in place (the same buffer passed again: that table's ids are copied from
@@ -194,6 +195,12 @@ def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, ...]:
     return step, sample, pos, rows + table.first_row, feature
 
 
+def _version(tensor: torch.Tensor | None) -> int | None:
+    """The version counter of `tensor`, which moves when it is written in place; None for no tensor or
+    an inference tensor (which keeps none)."""
+    return None if tensor is None or tensor.is_inference() else tensor._version
+
+
 def _rank_and_world() -> tuple[int, int]:
     """This process's rank and world size: the default process group's, else torchrun's variables."""
     if dist.is_available() and dist.is_initialized():
@@ -345,7 +352,7 @@ class EmbeddingHandle:
         table = self._tables.get(module) or self._first_call(module)
         ids = args[0] if args else kwargs["input"]
         offsets = None
-        if self.lookup_every and self.clock.step % self.lookup_every == 0 or self._bags:  # the offsets are read
+        if self.sampled() or self._bags:  # the offsets are read
             ids, offsets = lookup_ids(module, args, kwargs)
             if offsets is None and self._bags:
                 expected = self._bags.get(module)
@@ -369,12 +376,11 @@ class EmbeddingHandle:
         buffer in place) and note the call beside it: the training thread's whole share of recording a
         lookup call."""
         n = ids.numel()
-        if self._ids_added - self._ids_drained + n > self.max_pending_ids:  # held for the writer: shed
-            self.writer.count_dropped("accesses", n)
+        if self._held_full(n):
             return
-        sampled = self.lookup_every and self.clock.step % self.lookup_every == 0
+        sampled = self.sampled()
         if ids.is_cuda:
-            layout = (ids.shape, offsets, None if offsets is None else offsets._version) if sampled else None
+            layout = (ids.shape, offsets, _version(offsets)) if sampled else None
             self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
         else:
             if ids.device.type != "cpu":
@@ -390,25 +396,19 @@ class EmbeddingHandle:
             else:
                 self._last_ids[table.index] = ids
                 version = ids._version
-            layout = None
-            if sampled:
-                layout = (ids.shape, offsets, None if offsets is None or offsets.is_inference() else offsets._version)
+            layout = (ids.shape, offsets, _version(offsets)) if sampled else None
             self._calls.append((self.clock.step, table.index, call_phase, ids, version, layout))
         self._ids_added += n
         self._step_ids += n
-        if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
-            self._wake()
+        self._wake_if_full()
 
     def _device_staging(self, device: torch.device) -> DeviceStaging:
         """The staging of `device`'s calls (collectors/device_staging.py), made at its first call."""
         staging = self._staging.get(device)
         if staging is None:
-            staging = self._staging[device] = DeviceStaging(device, self._count_lost_rows, self._sampled_call)
+            staging = self._staging[device] = DeviceStaging(device, self.writer.count_dropped, self._sampled_call)
             self.clock.add_listener(staging)
         return staging
-
-    def _count_lost_rows(self, table: str, rows: int) -> None:
-        self.writer.count_dropped(table, rows)
 
     def _sampled_call(self, step: int, call_phase: str, table: int, ids: torch.Tensor,
                       offsets: torch.Tensor | None) -> Call:
@@ -427,15 +427,12 @@ class EmbeddingHandle:
         self._wake_if_full()
 
     def _wake_if_full(self) -> None:
+        """Wake the writer once more than `flush_rows` ids wait, and not again until it has drained:
+        a wake on every call while it has not run yet (under SCHED_IDLE, on a busy core) would hand
+        it the GIL and a lock call by call (bench/RESULTS.md §30)."""
         if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
-            self._wake()
-
-    def _wake(self) -> None:
-        """Wake the writer: more than `flush_rows` ids wait. Not again until it has drained: a wake on
-        every call while it has not run yet (under SCHED_IDLE, on a busy core) would hand it the GIL and
-        a lock call by call (bench/RESULTS.md §30)."""
-        self._woken = True
-        self.writer.wake()
+            self._woken = True
+            self.writer.wake()
 
     def _held_full(self, n: int) -> bool:
         """Whether keeping `n` more ids would hold more than `max_pending_ids` for the writer: they are
@@ -506,25 +503,13 @@ class EmbeddingHandle:
                     yield "accesses", value.columns()
                 else:
                     sampled += value
-        if not kept and not sampled:
-            return
         if final:  # the calls after the last step, which no step end followed, are `eval`
             for k in kept:
                 k.phase[(k.step == self.clock.step) & (self.clock.step > 0)] = PHASES.index(EVAL)
             for call in sampled:
                 call.phase = self.clock.phase_after_close(call.step, call.phase)
-        whole = Kept.joined(kept) if kept else Kept.of_ids(torch.zeros(0, dtype=torch.int64), *(
-            np.zeros(0, dtype=np.int64) for _ in range(4)))
-        self._taken = [whole]
-        if not final:
-            whole, running = whole.split_at(current)
-            self._taken = [whole, running]
-            if len(running.size):
-                self._carry = carried(count_rows(running, self._table_list))
-        pieces = list(whole.pieces(PIECE_IDS))
-        for i, piece in enumerate(pieces):
-            self._taken = pieces[i:]
-            yield "accesses", count_rows(piece, self._table_list).columns()
+        if kept:
+            yield from self._counted(Kept.joined(kept), None if final else current)
         self._taken = []
         groups = _by_table(sampled)
         if groups:
@@ -535,13 +520,27 @@ class EmbeddingHandle:
                                      feature=feature)
         self._sampled_taken = []
 
+    def _counted(self, whole: Kept, running: int | None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """`accesses` columns of `whole`'s calls in pieces; those of step `running` and later (None:
+        none) counted and carried to the next drain instead."""
+        self._taken = [whole]
+        if running is not None:
+            whole, later = whole.split_at(running)
+            self._taken = [whole, later]
+            if len(later.size):
+                self._carry = carried(count_rows(later, self._table_list))
+        pieces = list(whole.pieces(PIECE_IDS))
+        for i, piece in enumerate(pieces):
+            self._taken = pieces[i:]
+            yield "accesses", count_rows(piece, self._table_list).columns()
+
     def in_flight(self) -> dict[str, int]:
         """Lookups (padding ids left out) the drain running now has taken and not handed over, per
         trace table: the writer counts them as lost if the drain fails."""
         padding = np.array([-1 if t.padding_idx is None else t.padding_idx for t in self._table_list], dtype=np.int64)
         on_devices = sum(staging.pending_lookups() for staging in self._staging.values())
         return {"accesses": on_devices + sum(k.lookups - k.padding_lookups(padding) for k in self._taken),
-                "lookups": sum(int((c.ids != -1 if c.table.padding_idx is None else c.ids != c.table.padding_idx).sum())
+                "lookups": sum(c.ids.numel() if c.table.padding_idx is None else int((c.ids != c.table.padding_idx).sum())
                                for c in self._sampled_taken)}
 
     def _take_calls(self, everything: bool, current: int) -> tuple[list[Kept], list[Call]]:

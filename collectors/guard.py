@@ -41,8 +41,5 @@ class Guard:
         try:
             return fn(*args)
         except Exception as e:  # a trace failure must never reach the traced program
-            self.errors += 1
-            self.enabled = False
-            print(f"tracekit: the {self.collector} collector failed ({type(e).__name__}: {e}); "
-                  "switching it off, the traced program carries on", file=sys.stderr)
+            self.fail(e)
             return None

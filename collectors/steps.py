@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from collectors.device_counting import side_stream
 from collectors.guard import Guard
 from tracekit.store import RunWriter
 from tracekit.phases import EVAL
@@ -129,7 +130,7 @@ class DeviceLoss:
     def __init__(self, loss: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream]) -> None:
         stream = streams.get(loss.device)
         if stream is None:
-            stream = streams[loss.device] = torch.cuda.Stream(loss.device, priority=max(torch.cuda.Stream.priority_range()))
+            stream = streams[loss.device] = side_stream(loss.device)
         stream.wait_stream(torch.cuda.current_stream(loss.device))
         loss.record_stream(stream)
         self.host = torch.empty(loss.shape, dtype=loss.dtype, pin_memory=True)

@@ -14,7 +14,7 @@ from reports.html import Chart, Section, esc, figure, table, thin
 from reports.inputs import RunInputs
 from reports.numbers import show
 from tracekit.figures import A2A_BYTES, STEP_TIME, SYNC_BYTES
-from tracekit.store import loss_warning, lost_rows
+from tracekit.losses import loss_warning, lost_rows
 from tracekit.window import Window
 
 TOP_TABLES = 6

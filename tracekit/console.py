@@ -21,6 +21,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, SHOWN, STEP_TIME, SYNC_BYTES
+from tracekit.losses import lost_by_table
 from tracekit.units import format_bytes
 
 # 120 columns where no terminal says otherwise (a pipe, a file, the README): the tables stay whole
@@ -481,10 +482,8 @@ def describe_loss(lost_rows: dict[str, int], lost_lookups: int) -> str:
     """One line: whether the trace holds every row the run made, and if not, what it lost per table."""
     if not lost_rows:
         return "  the trace is whole: no row lost"
-    tables = ", ".join(f"{table} {n:,}" + (f" ({lost_lookups:,} lookups)" if table == "accesses" else "")
-                       for table, n in sorted(lost_rows.items()))
-    return (f"  the trace is NOT whole: {sum(lost_rows.values()):,} rows lost ({tables}; manifest `lost_rows`): "
-            "figures from those tables undercount")
+    return (f"  the trace is NOT whole: {sum(lost_rows.values()):,} rows lost ({lost_by_table(lost_rows, lost_lookups)}; "
+            "manifest `lost_rows`): figures from those tables undercount")
 
 
 def _scheduling(summary: dict) -> str:

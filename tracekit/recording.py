@@ -38,7 +38,8 @@ from tracekit.errors import TracekitError
 from tracekit.files import Reserve
 from tracekit.hang import HangWatch
 from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
-from tracekit.store import lost_rows, read_manifest, write_manifest
+from tracekit.losses import lost_rows
+from tracekit.store import read_manifest, write_manifest
 from tracekit.torchrec_plan import ENV as ENV_PLAN
 from tracekit.torchrec_plan import read_plan
 from tracekit.window import Window
@@ -258,8 +259,7 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
         "steps": lambda: each("steps"), "clock_anchors": lambda: each("clock_anchor"),
         "written_rows": lambda: dict(sum((Counter(rows) for rows in each("written_rows").values()), Counter())),
         "dropped_rows": lambda: {rank: rows for rank, rows in each("dropped_rows").items() if rows},
-        "lost_rows": lambda: {table: n for table, n in sorted(sum((Counter(rows) for rows in each("dropped_rows").values()),
-                                                                   Counter()).items()) if n},
+        "lost_rows": lambda: lost_rows({"dropped_rows": each("dropped_rows")}),
         "lost_lookups": lambda: sum(each("lost_lookups").values()),
         "truncated_at": lambda: {rank: step - 1 for rank, step in each("first_lost_step").items() if step is not None},
         "writer_first_errors": lambda: {rank: error for rank, error in each("first_error").items() if error},

@@ -208,8 +208,8 @@ class RunWriter:
 
     def add_source(self, drain: Source, in_flight: InFlight | None = None) -> None:
         """Pull rows from `drain` on every flush (at least every `flush_interval_s`) and at close. If a
-        drain fails, the rows `in_flight()` names are counted as lost; a source without it loses an
-        unknown number, counted as one row of each table it was draining."""
+        drain fails, the rows `in_flight()` names are counted as lost; a source that cannot say loses
+        an unknown number, counted as one row of the table it was draining (`unknown` if none yet)."""
         with self._cond:
             self._sources.append((drain, in_flight))
             self._cond.notify_all()
@@ -480,22 +480,3 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
     except json.JSONDecodeError as e:
         raise TracekitError(f"{path} is not valid JSON ({e})") from e
 
-
-def lost_rows(manifest: dict) -> dict[str, int]:
-    """Rows lost per trace table, all ranks together: the manifest's `lost_rows`, or for a run recorded
-    before it, the sum of `dropped_rows` over ranks. For `accesses`, ids never counted are counted as
-    rows (at most one row each); `lost_lookups` has the lookups."""
-    if manifest.get("lost_rows") is not None:
-        return dict(manifest["lost_rows"])
-    total: Counter[str] = Counter()
-    for per_table in (manifest.get("dropped_rows") or {}).values():
-        total.update(per_table)
-    return {table: n for table, n in sorted(total.items()) if n}
-
-
-def loss_warning(lost: dict[str, int], lost_lookups: int | None) -> str:
-    """What `analyze` and the report say of a run that lost rows (`lost_rows`' figures)."""
-    tables = ", ".join(f"{table} {n:,}" + (f" ({lost_lookups:,} lookups)" if table == "accesses" and lost_lookups else "")
-                       for table, n in sorted(lost.items()))
-    return (f"the trace lost rows (manifest `lost_rows`: {tables}): a trace writer fell behind or failed, so figures "
-            "from those tables undercount")
