@@ -152,7 +152,7 @@ def warnings(run: RunInputs) -> list[str]:
         out.extend(run.summary.get("warnings", []))
     for error in m.get("finalise_errors") or []:
         out.append(f"manifest incomplete: {error}")
-    return out
+    return list(dict.fromkeys(out))  # analyze's summary repeats what the manifest says (the loss)
 
 
 # skew -------------------------------------------------------------------------------------------
