@@ -28,7 +28,8 @@ import polars as pl
 
 ROOT = Path(__file__).resolve().parent.parent
 PROXY = ["--tables", "26", "--rows", "100000", "--dim", "16", "--bottom-mlp", "32,16", "--top-mlp", "32,1",
-         "--batch-size", "512", "--eval-fraction", "0", "--log-every", "100000"]
+         "--batch-size", "512", "--eval-fraction", "0", "--log-every", "100000", "--epochs", "1000"]
+# --epochs: the synthetic set holds 2,048 steps of 512; --steps ends the run
 
 
 def one_run(run_dir: Path, steps: int, block: int, settle: int, extra: list[str], python: str) -> dict:

@@ -79,6 +79,7 @@ from torch.nn.modules import module as torch_module
 from collectors import phase
 from collectors.counting import PHASES, PIECE_IDS, Kept, Table, carried, columns, count_rows
 from collectors.device_staging import DeviceStaging
+from collectors.host_staging import HostStaging
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
@@ -198,7 +199,12 @@ def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, ...]:
 def _version(tensor: torch.Tensor | None) -> int | None:
     """The version counter of `tensor`, which moves when it is written in place; None for no tensor or
     an inference tensor (which keeps none)."""
-    return None if tensor is None or tensor.is_inference() else tensor._version
+    if tensor is None:
+        return None
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter": cheaper than asking is_inference()
+        return None
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -240,15 +246,14 @@ class EmbeddingHandle:
         self.guard = Guard("embedding")
         self.names = ModuleNames()
         self.tables: list[dict] = []  # one entry per module seen, in first-call order (module docstring)
-        self._tables: weakref.WeakKeyDictionary[nn.Module, Table] = weakref.WeakKeyDictionary()
+        self._tables: dict[int, tuple[weakref.ref, Table]] = {}  # id(module) -> (the module, its table)
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # name_table()
         self._bags: weakref.WeakKeyDictionary[nn.Module, collections.deque] = weakref.WeakKeyDictionary()
+        self._expecting_bags = False  # whether `expect_bags` was ever called: the hot path reads this, not `_bags`
+        self._sampled = lookup_every > 0 and clock.step % lookup_every == 0  # the step now running writes lookups
         self._module_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self._table_list: list[Table] = []  # by Table.index
-        # (step, table index, phase, ids, their version, layout): appended here, popped by the writer
-        self._calls: collections.deque[tuple] = collections.deque()
-        self._last_ids: dict[int, torch.Tensor] = {}  # per table index: the ids of its last call kept
-        self._copying: set[int] = set()  # tables whose program rewrites its id buffer in place: their ids are copied
+        self._host = HostStaging(self.writer.count_dropped)  # the calls on the host (collectors/host_staging.py)
         self._tables_calls: collections.deque[TablesCall] = collections.deque()  # appended here, popped by the writer
         self._woken = False  # the writer was woken for held ids and has not drained since
         self._ids_added = 0  # written by the training thread only
@@ -327,16 +332,35 @@ class EmbeddingHandle:
             self._module_hooks = weakref.WeakKeyDictionary()
 
     def on_step_end(self, step: int) -> None:
-        """Start the next step's count of ids, and record the next step or not, as the window says."""
+        """Copy the step's ids out of the program's tensors, start the next step's count of ids, and
+        record the next step or not, as the window says."""
+        try:
+            self._host.spill()
+        except Exception as e:  # a trace failure must never reach the traced program
+            self.guard.fail(e)
         self._step_ids = 0
+        self._sampled = self.lookup_every > 0 and (step + 1) % self.lookup_every == 0
         self._record_from(self.window.on(step + 1))
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Keep one lookup call: the training thread's whole share of recording it. Every µs here is
+        ~0.4% of a 6.6 ms step of 26 lookups, with the trainer's work evicting this code and its objects
+        from the caches between calls, so it reads as few objects as it can (bench/RESULTS.md §35)."""
         if not self.guard.enabled:
             self._count_lost(module, args, kwargs)
             return
         try:
-            self._record(module, args, kwargs)
+            known = self._tables.get(id(module))
+            table = known[1] if known is not None and known[0]() is module else self._first_call(module)
+            ids = args[0] if args else kwargs["input"]
+            offsets = None
+            sampled = self._sampled
+            if sampled or self._expecting_bags:  # the offsets are read
+                ids, offsets = lookup_ids(module, args, kwargs)
+                if offsets is None and self._bags:
+                    expected = self._bags.get(module)
+                    offsets = expected.popleft() if expected else None
+            self._stage(table, ids, offsets, phase.of_call(module), sampled)
         except Exception as e:  # a trace failure must never reach the traced program
             self.guard.fail(e)
 
@@ -348,59 +372,39 @@ class EmbeddingHandle:
         except Exception:  # nothing to count it by: the error that switched the collector off is named already
             pass
 
-    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        table = self._tables.get(module) or self._first_call(module)
-        ids = args[0] if args else kwargs["input"]
-        offsets = None
-        if self.sampled() or self._bags:  # the offsets are read
-            ids, offsets = lookup_ids(module, args, kwargs)
-            if offsets is None and self._bags:
-                expected = self._bags.get(module)
-                offsets = expected.popleft() if expected else None
-        self._stage(table, ids, offsets, phase.of_call(module))
-
     def sampled(self) -> bool:
         """Whether the step now running writes its lookups (those need `record_call`'s offsets)."""
-        return self.lookup_every > 0 and self.clock.step % self.lookup_every == 0
+        return self._sampled
 
     def record_call(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str) -> None:
         """Keep one lookup call of `table` made now: `ids` are module rows (below `table.num_rows`),
         `offsets` (bags of a 1-D `ids`, or None) are read on sampled steps only. Copies both, so the
         caller may reuse them."""
         if self.window.on(self.clock.step):
-            self._stage(table, ids, offsets, call_phase, copy=True)
+            self._stage(table, ids, offsets, call_phase, self.sampled(), copy=True)
 
     def _stage(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str,
-               copy: bool = False) -> None:
+               sampled: bool, copy: bool = False) -> None:
         """Keep a reference to the call's ids (a copy if `copy`, or where the program rewrites its id
-        buffer in place) and note the call beside it: the training thread's whole share of recording a
-        lookup call."""
+        buffer in place) and note the call beside it."""
         n = ids.numel()
-        if self._held_full(n):
+        if self._ids_added - self._ids_drained + n > self.max_pending_ids:
+            self.writer.count_dropped("accesses", n)
             return
-        sampled = self.sampled()
         if ids.is_cuda:
             layout = (ids.shape, offsets, _version(offsets)) if sampled else None
             self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
         else:
-            if ids.device.type != "cpu":
+            if not ids.is_cpu:
                 ids = ids.cpu()
-            last = self._last_ids.get(table.index)  # held here: its memory cannot be another tensor's
-            version = None  # a copy's: no one else writes it
-            if copy or ids.is_inference() or table.index in self._copying or (
-                    last is not None and last.data_ptr() == ids.data_ptr()):
-                if not (copy or ids.is_inference()):
-                    self._copying.add(table.index)  # the buffer kept from its last call is this one, rewritten
-                ids = ids.clone()
-                offsets = None if offsets is None or not sampled else offsets.clone()
-            else:
-                self._last_ids[table.index] = ids
-                version = ids._version
-            layout = (ids.shape, offsets, _version(offsets)) if sampled else None
-            self._calls.append((self.clock.step, table.index, call_phase, ids, version, layout))
+            layout = (ids.shape, offsets.clone() if copy and offsets is not None else offsets,
+                      None if copy else _version(offsets)) if sampled else None
+            self._host.keep(self.clock.step, table.index, call_phase, ids, n, layout,
+                            copy or table.index in self._host.copying)
         self._ids_added += n
         self._step_ids += n
-        self._wake_if_full()
+        if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
+            self._wake()
 
     def _device_staging(self, device: torch.device) -> DeviceStaging:
         """The staging of `device`'s calls (collectors/device_staging.py), made at its first call."""
@@ -424,19 +428,19 @@ class EmbeddingHandle:
                                              offsets.clone() if self.sampled() else None, bounds))
         self._ids_added += ids.numel()
         self._step_ids += ids.numel()
-        self._wake_if_full()
+        if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
+            self._wake()
 
-    def _wake_if_full(self) -> None:
-        """Wake the writer once more than `flush_rows` ids wait, and not again until it has drained:
+    def _wake(self) -> None:
+        """Wake the writer, once more than `flush_rows` ids wait, and not again until it has drained:
         a wake on every call while it has not run yet (under SCHED_IDLE, on a busy core) would hand
         it the GIL and a lock call by call (bench/RESULTS.md §30)."""
-        if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:
-            self._woken = True
-            self.writer.wake()
+        self._woken = True
+        self.writer.wake()
 
     def _held_full(self, n: int) -> bool:
         """Whether keeping `n` more ids would hold more than `max_pending_ids` for the writer: they are
-        then counted as dropped `accesses`."""
+        then counted as dropped `accesses` (inline in `_stage`, the hot path)."""
         if self._ids_added - self._ids_drained + n > self.max_pending_ids:
             self.writer.count_dropped("accesses", n)
             return True
@@ -456,6 +460,7 @@ class EmbeddingHandle:
         samples' sequences (a TorchRec EmbeddingCollection's feature): their lookups get `sample` and
         `pos` from them. Replaces what was expected before."""
         self._bags[module] = collections.deque(offsets)
+        self._expecting_bags = True
 
     def name_table(self, module: nn.Module, name: str) -> None:
         """Name `module`'s table `name` instead of its module path (a TorchRec table config's name);
@@ -473,8 +478,8 @@ class EmbeddingHandle:
                 name = f"{name}@rank{rank}"
             shard = Shard(name, 0, rows)
         entry = {**table_entry(module, shard), "placement": placement}
-        table = self._tables[module] = self.add_table(entry, num_rows=rows, first_row=shard.first_row,
-                                                      padding_idx=module.padding_idx)
+        table = self.add_table(entry, num_rows=rows, first_row=shard.first_row, padding_idx=module.padding_idx)
+        self._tables[id(module)] = (weakref.ref(module), table)
         return table
 
     def drain(self, final: bool) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -486,6 +491,8 @@ class EmbeddingHandle:
         everything = final or self._step_ids > self.writer.flush_rows  # a step larger than a flush
         self._woken = False
         current = self.clock.step  # read first: the calls of steps before it are final
+        if final:  # the calls since the last step's end (the training thread spills them at each step's end)
+            self._host.spill()
         kept, sampled = self._take_calls(everything, current)
         for call in self._take_tables_calls(everything, current):
             kept.append(Kept.of_calls([call]))
@@ -544,33 +551,12 @@ class EmbeddingHandle:
                                for c in self._sampled_taken)}
 
     def _take_calls(self, everything: bool, current: int) -> tuple[list[Kept], list[Call]]:
-        """The kept calls of the steps before `current` (all if `everything`) as one `Kept`, their ids
-        joined with numpy, and the sampled ones as `Call`s. A call whose ids the program rewrote in
-        place since (its version moved) is counted as lost, and its table's later calls are copied."""
-        calls, taken = self._calls, []
-        while calls and (everything or calls[0][0] < current):
-            taken.append(calls.popleft())
-        self._ids_drained += sum(c[3].numel() for c in taken)
-        rewritten = [c for c in taken if c[4] is not None and c[3]._version != c[4]]
-        if rewritten:
-            self._copying.update(c[1] for c in rewritten)
-            self.writer.count_dropped("accesses", sum(c[3].numel() for c in rewritten))
-            taken = [c for c in taken if c[4] is None or c[3]._version == c[4]]
-        if not taken:
+        """The host's calls of the steps before `current` (all if `everything`) as one `Kept`, and the
+        sampled ones as `Call`s (collectors/host_staging.py)."""
+        kept, sampled = self._host.take(everything, current, self._sampled_call)
+        if kept is None:
             return [], []
-        step, table, call_phase, ids, _, layout = zip(*taken)
-        arrays = [t.numpy().reshape(-1) for t in ids]
-        kept = Kept(np.concatenate(arrays).astype(np.int64, copy=False), np.array(step, dtype=np.int64),
-                    np.array(table, dtype=np.int64), np.array([p == EVAL for p in call_phase], dtype=np.int64),
-                    np.array([a.size for a in arrays], dtype=np.int64))
-        sampled = []
-        for i in (i for i, shape in enumerate(layout) if shape is not None):
-            shape, offsets, version = layout[i]
-            if offsets is not None and version is not None and offsets._version != version:
-                self.writer.count_dropped("lookups", ids[i].numel())
-                continue
-            bags = None if offsets is None else torch.from_numpy(offsets.numpy() - offsets.numpy()[:1])
-            sampled.append(Call(step[i], call_phase[i], self._table_list[table[i]], ids[i].reshape(shape), bags, True))
+        self._ids_drained += int(kept.size.sum())
         return [kept], sampled
 
     def _take_tables_calls(self, everything: bool, current: int) -> list[Call]:

@@ -28,20 +28,27 @@ from contextvars import ContextVar
 import torch
 from torch.autograd.function import Function
 
-from tracekit.phases import EVAL, TRAIN, forced
+from tracekit import phases
+from tracekit.phases import EVAL, TRAIN
 
 # Gradient mode outside the outermost autograd Function now running forward; None outside any.
 _grad_outside: ContextVar[bool | None] = ContextVar("tracekit_grad_outside", default=None)
 
 
+_inference_mode = torch.is_inference_mode_enabled
+_grad_enabled = torch.is_grad_enabled
+_graph_task = torch._C._current_graph_task_id
+
+
 def of_call(module: torch.nn.Module | None = None) -> str:
-    """The phase of a lookup by `module` (None for a collective) made now."""
-    name = forced()
+    """The phase of a lookup by `module` (None for a collective) made now. Runs on every lookup, so
+    it reads torch's state through module-level names."""
+    name = phases._forced
     if name is not None:
         return name
-    if torch.is_inference_mode_enabled() or (module is not None and not module.training):
+    if _inference_mode() or (module is not None and not module.training):
         return EVAL
-    if torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+    if _grad_enabled() or _graph_task() != -1:
         return TRAIN
     return TRAIN if _grad_outside.get() else EVAL
 

@@ -1,0 +1,169 @@
+"""Lookup calls on the host, kept for the writer at the cost of a few list appends a call.
+
+Per lookup call the training thread notes the call (its table, phase, number of ids, the ids' version
+counter) and keeps a reference to its ids until the step ends. At the step's end (and mid-step once a
+step holds more than `SPILL_IDS` ids) one `torch.cat` copies the step's ids into a chunk of a few
+reused int64 arrays, and the references are let go: no Python object of a call outlives its step, so
+the garbage collector's full passes, which a second of held tensors brought on every few seconds
+(100–150 ms each over a trainer's heap), and the memory the trainer could not reuse both stay as they
+are untraced (bench/RESULTS.md §35). The writer thread takes the filled chunks' ids as one array and
+hands the chunks back for reuse.
+
+What cannot be written is counted as lost, never written wrong: a call whose ids the program rewrote
+in place before its step ended (its version moved) loses its ids, and its table's later calls are
+copied at the call instead.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from collectors.counting import Kept
+from tracekit.phases import EVAL, TRAIN
+
+SPILL_IDS = 1 << 18  # ids a step holds by reference before they are copied mid-step
+CHUNK_IDS = 1 << 20  # int64 ids a reused chunk holds (8 MB)
+
+
+@dataclass
+class Spilled:
+    """The calls one spill copied: their ids at `chunk[start:start + size.sum()]`, and per call its
+    step, table index, phase (1: eval) and number of ids; `layouts` for sampled calls: (the call's
+    position, its ids' shape, a reference to its bag offsets or None, the offsets' version)."""
+
+    step: np.ndarray
+    chunk: np.ndarray
+    start: int
+    table: np.ndarray
+    phase: np.ndarray
+    size: np.ndarray
+    layouts: list[tuple]
+
+    @property
+    def first_step(self) -> int:
+        return int(self.step[0])
+
+
+class HostStaging:
+    """The host's lookup calls: `keep`, `spill` (at each step's end) on the training thread, `take` on
+    the writer's. `lost(table, rows)` counts what cannot be written."""
+
+    def __init__(self, lost: Callable[[str, int], None]) -> None:
+        self._lost = lost
+        self.copying: set[int] = set()  # tables whose program rewrites its id buffer in place: copied at the call
+        # the calls of the running step, one list per field (no tuple a call)
+        self._ids: list[torch.Tensor] = []
+        self._step: list[int] = []
+        self._table: list[int] = []
+        self._phase: list[str] = []
+        self._version: list[int | None] = []
+        self._size: list[int] = []
+        self._layouts: list[tuple] = []
+        self.held = 0  # ids in the lists above
+        self.spilled: collections.deque[Spilled] = collections.deque()  # appended here, popped by the writer
+        self._chunk = np.empty(0, dtype=np.int64)
+        self._used = 0
+        self._spare: collections.deque[np.ndarray] = collections.deque()  # chunks the writer is done with
+        self._last_taken: np.ndarray | None = None  # the chunk of the last spill the writer took
+
+    def keep(self, step: int, table: int, call_phase: str, ids: torch.Tensor, n: int,
+             layout: tuple | None, copy: bool) -> None:
+        """Keep one call of `n` ids: a reference to them (a copy if `copy`, or for an inference tensor,
+        which keeps no version); `layout` on sampled steps: (shape, offsets, the offsets' version)."""
+        version = None
+        if not copy:
+            try:
+                version = ids._version
+            except RuntimeError:  # "Inference tensors do not track version counter"
+                copy = True
+        if copy:
+            ids = ids.clone()
+        if layout is not None:
+            self._layouts.append((len(self._ids), *layout))
+        self._ids.append(ids if ids.dim() == 1 else ids.reshape(-1))
+        self._step.append(step)
+        self._table.append(table)
+        self._phase.append(call_phase)
+        self._version.append(version)
+        self._size.append(n)
+        self.held += n
+        if self.held > SPILL_IDS:
+            self.spill()
+
+    def spill(self) -> None:
+        """Copy the kept calls' ids into a chunk and let go of them (at each step's end)."""
+        if not self._ids:
+            return
+        ids, step, table, call_phase, version, size, layouts = (
+            self._ids, self._step, self._table, self._phase, self._version, self._size, self._layouts)
+        self._ids, self._step, self._table, self._phase, self._version, self._size, self._layouts = [], [], [], [], [], [], []
+        self.held = 0
+        moved = [i for i, t in enumerate(ids) if version[i] is not None and t._version != version[i]]
+        if moved:  # rewritten in place since the call: lost, and the table's later calls copied at the call
+            self._lost("accesses", sum(size[i] for i in moved))
+            self.copying.update(table[i] for i in moved)
+            keep = [i for i in range(len(ids)) if i not in set(moved)]
+            position = {old: new for new, old in enumerate(keep)}
+            layouts = [(position[lay[0]], *lay[1:]) for lay in layouts if lay[0] in position]
+            ids, step, table, call_phase, size = ([column[i] for i in keep] for column in (ids, step, table, call_phase, size))
+            if not ids:
+                return
+        total = sum(size)
+        chunk, start = self._room(total)
+        torch.cat(ids, out=torch.from_numpy(chunk[start:start + total]))
+        self.spilled.append(Spilled(np.array(step, dtype=np.int64), chunk, start, np.array(table, dtype=np.int64),
+                                    np.array([p == EVAL for p in call_phase], dtype=np.int64),
+                                    np.array(size, dtype=np.int64), layouts))
+
+    def _room(self, n: int) -> tuple[np.ndarray, int]:
+        """A chunk with `n` ids free from the returned position on: the current one, a spare, or new."""
+        if n > CHUNK_IDS:
+            return np.empty(n, dtype=np.int64), 0
+        if self._used + n > len(self._chunk):
+            self._chunk = self._spare.popleft() if self._spare else np.empty(CHUNK_IDS, dtype=np.int64)
+            self._used = 0
+        start, self._used = self._used, self._used + n
+        return self._chunk, start
+
+    def take(self, everything: bool, current: int, make_call: Callable[..., Any]) -> tuple[Kept | None, list]:
+        """The spilled calls of the steps before `current` (all if `everything`) as one `Kept` (their ids
+        copied out of the chunks, which go back for reuse), and the sampled ones as `make_call(step,
+        phase, table index, ids, offsets)`; a sampled call whose offsets were rewritten since loses its
+        lookups."""
+        taken = []
+        while self.spilled and (everything or self.spilled[0].first_step < current):
+            taken.append(self.spilled.popleft())
+        if not taken:
+            return None, []
+        ids = [s.chunk[s.start:s.start + int(s.size.sum())] for s in taken]
+        joined = np.concatenate(ids) if len(ids) > 1 else ids[0].copy()
+        for s in taken:  # a chunk before the last one taken is done: the training thread fills later ones
+            if s.chunk is not self._last_taken:
+                if self._last_taken is not None and len(self._last_taken) == CHUNK_IDS:
+                    self._spare.append(self._last_taken)
+                self._last_taken = s.chunk
+        kept = Kept(joined, *(np.concatenate([getattr(s, f) for s in taken]) for f in ("step", "table", "phase", "size")))
+        sampled, base = [], 0
+        for s, part in zip(taken, ids):
+            if s.layouts:
+                starts = np.cumsum(s.size) - s.size
+                for i, shape, offsets, version in s.layouts:
+                    if offsets is not None and version is not None and offsets._version != version:
+                        self._lost("lookups", int(s.size[i]))
+                        continue
+                    lo = base + int(starts[i])
+                    call_ids = torch.from_numpy(joined[lo:lo + int(s.size[i])]).reshape(shape)
+                    bags = None if offsets is None else torch.from_numpy(offsets.numpy() - offsets.numpy()[:1])
+                    sampled.append(make_call(int(s.step[i]), EVAL if s.phase[i] else TRAIN, int(s.table[i]),
+                                             call_ids, bags))
+            base += len(part)
+        return kept, sampled
+
+    def pending_lookups(self) -> int:
+        """Ids kept or spilled and not yet taken (padding ids included)."""
+        return self.held + sum(int(s.size.sum()) for s in list(self.spilled))
