@@ -32,21 +32,18 @@ CHUNK_IDS = 1 << 20  # int64 ids a reused chunk holds (8 MB)
 
 @dataclass
 class Spilled:
-    """The calls one spill copied: their ids at `chunk[start:start + size.sum()]`, and per call its
-    step, table index, phase (1: eval) and number of ids; `layouts` for sampled calls: (the call's
-    position, its ids' shape, a reference to its bag offsets or None, the offsets' version)."""
+    """The calls one spill copied: their ids at `chunk[start:start + sum(size)]`, and per call its step,
+    table index, phase (True: eval) and number of ids, as the training thread's lists (the writer makes
+    arrays of them); `layouts` for sampled calls: (the call's position, its ids' shape, a reference to
+    its bag offsets or None, the offsets' version)."""
 
-    step: np.ndarray
-    chunk: np.ndarray
+    chunk: torch.Tensor
     start: int
-    table: np.ndarray
-    phase: np.ndarray
-    size: np.ndarray
+    step: list[int]
+    table: list[int]
+    eval: list[bool]
+    size: list[int]
     layouts: list[tuple]
-
-    @property
-    def first_step(self) -> int:
-        return int(self.step[0])
 
 
 class HostStaging:
@@ -66,10 +63,10 @@ class HostStaging:
         self._layouts: list[tuple] = []
         self.held = 0  # ids in the lists above
         self.spilled: collections.deque[Spilled] = collections.deque()  # appended here, popped by the writer
-        self._chunk = np.empty(0, dtype=np.int64)
+        self._chunk = torch.empty(0, dtype=torch.int64)
         self._used = 0
-        self._spare: collections.deque[np.ndarray] = collections.deque()  # chunks the writer is done with
-        self._last_taken: np.ndarray | None = None  # the chunk of the last spill the writer took
+        self._spare: collections.deque[torch.Tensor] = collections.deque()  # chunks the writer is done with
+        self._last_taken: torch.Tensor | None = None  # the chunk of the last spill the writer took
 
     def keep(self, step: int, table: int, call_phase: str, ids: torch.Tensor, n: int,
              layout: tuple | None, copy: bool) -> None:
@@ -115,17 +112,15 @@ class HostStaging:
                 return
         total = sum(size)
         chunk, start = self._room(total)
-        torch.cat(ids, out=torch.from_numpy(chunk[start:start + total]))
-        self.spilled.append(Spilled(np.array(step, dtype=np.int64), chunk, start, np.array(table, dtype=np.int64),
-                                    np.array([p == EVAL for p in call_phase], dtype=np.int64),
-                                    np.array(size, dtype=np.int64), layouts))
+        torch.cat(ids, out=chunk[start:start + total])
+        self.spilled.append(Spilled(chunk, start, step, table, [p == EVAL for p in call_phase], size, layouts))
 
-    def _room(self, n: int) -> tuple[np.ndarray, int]:
+    def _room(self, n: int) -> tuple[torch.Tensor, int]:
         """A chunk with `n` ids free from the returned position on: the current one, a spare, or new."""
         if n > CHUNK_IDS:
-            return np.empty(n, dtype=np.int64), 0
+            return torch.empty(n, dtype=torch.int64), 0
         if self._used + n > len(self._chunk):
-            self._chunk = self._spare.popleft() if self._spare else np.empty(CHUNK_IDS, dtype=np.int64)
+            self._chunk = self._spare.popleft() if self._spare else torch.empty(CHUNK_IDS, dtype=torch.int64)
             self._used = 0
         start, self._used = self._used, self._used + n
         return self._chunk, start
@@ -136,34 +131,34 @@ class HostStaging:
         phase, table index, ids, offsets)`; a sampled call whose offsets were rewritten since loses its
         lookups."""
         taken = []
-        while self.spilled and (everything or self.spilled[0].first_step < current):
+        while self.spilled and (everything or self.spilled[0].step[0] < current):
             taken.append(self.spilled.popleft())
         if not taken:
             return None, []
-        ids = [s.chunk[s.start:s.start + int(s.size.sum())] for s in taken]
+        ids = [s.chunk.numpy()[s.start:s.start + sum(s.size)] for s in taken]
         joined = np.concatenate(ids) if len(ids) > 1 else ids[0].copy()
         for s in taken:  # a chunk before the last one taken is done: the training thread fills later ones
             if s.chunk is not self._last_taken:
                 if self._last_taken is not None and len(self._last_taken) == CHUNK_IDS:
                     self._spare.append(self._last_taken)
                 self._last_taken = s.chunk
-        kept = Kept(joined, *(np.concatenate([getattr(s, f) for s in taken]) for f in ("step", "table", "phase", "size")))
+        kept = Kept(joined, *(np.array([v for s in taken for v in getattr(s, f)], dtype=np.int64)
+                              for f in ("step", "table", "eval", "size")))
         sampled, base = [], 0
         for s, part in zip(taken, ids):
             if s.layouts:
                 starts = np.cumsum(s.size) - s.size
                 for i, shape, offsets, version in s.layouts:
                     if offsets is not None and version is not None and offsets._version != version:
-                        self._lost("lookups", int(s.size[i]))
+                        self._lost("lookups", s.size[i])
                         continue
                     lo = base + int(starts[i])
-                    call_ids = torch.from_numpy(joined[lo:lo + int(s.size[i])]).reshape(shape)
+                    call_ids = torch.from_numpy(joined[lo:lo + s.size[i]]).reshape(shape)
                     bags = None if offsets is None else torch.from_numpy(offsets.numpy() - offsets.numpy()[:1])
-                    sampled.append(make_call(int(s.step[i]), EVAL if s.phase[i] else TRAIN, int(s.table[i]),
-                                             call_ids, bags))
+                    sampled.append(make_call(s.step[i], EVAL if s.eval[i] else TRAIN, s.table[i], call_ids, bags))
             base += len(part)
         return kept, sampled
 
     def pending_lookups(self) -> int:
         """Ids kept or spilled and not yet taken (padding ids included)."""
-        return self.held + sum(int(s.size.sum()) for s in list(self.spilled))
+        return self.held + sum(sum(s.size) for s in list(self.spilled))
