@@ -4,14 +4,13 @@
 and those created later (a global parameter-registration hook sees each one's `weight` arrive),
 while the recorded window (`record --steps/--every`) is open, through their class's `forward`, wrapped
 then and torch's own outside it (a module whose class has a forward of its own gets a forward hook
-instead): no other module pays, and outside the window a lookup costs nothing. It keeps a reference to the call's
-ids and notes the call in one tuple beside it (its step, table, phase, the ids' version counter, and
-on sampled steps its shape and offsets); nothing is copied on the training thread unless the program
-rewrites its id buffer in place (the same buffer passed again: that table's ids are copied from
-then on; ids rewritten before the writer read them are counted as lost, never written wrong). On a
-CUDA device the same references are counted on a side stream (collectors/device_staging.py). The
-writer thread reads the calls of finished steps in bulk at every flush (`RunWriter.add_source`),
-joins their ids with numpy, counts them in pieces (collectors/counting.py) and turns them into
+instead): no other module pays, and outside the window a lookup costs nothing. On the host it notes
+the call and keeps a reference to its ids until the step ends, when one copy per step takes the
+step's ids out of the program's tensors (collectors/host_staging.py: ids rewritten in place before
+then are counted as lost, never written wrong). On a CUDA device the references are counted on a
+side stream (collectors/device_staging.py). The writer thread takes the calls of finished steps in
+bulk at every flush (`RunWriter.add_source`), counts them in pieces (collectors/counting.py) and
+turns them into
 - `accesses`: exact counts per (step, table_name, row), one sort per table per flush; ids equal to
   the module's `padding_idx` are not lookups and are left out, weighted lookups
   (`per_sample_weights`) count like any other;
@@ -385,8 +384,8 @@ class EmbeddingHandle:
 
     def _stage(self, table: Table, ids: torch.Tensor, offsets: torch.Tensor | None, call_phase: str,
                sampled: bool, copy: bool = False) -> None:
-        """Keep a reference to the call's ids (a copy if `copy`, or where the program rewrites its id
-        buffer in place) and note the call beside it."""
+        """Note the call and keep its ids (a copy if `copy`, or where the program rewrote its id buffer
+        in place within a step) for the host's or the device's staging."""
         n = ids.numel()
         if self._ids_added - self._ids_drained + n > self.max_pending_ids:
             self.writer.count_dropped("accesses", n)

@@ -3,15 +3,16 @@
 Per lookup call the training thread notes the call (its table, phase, number of ids, the ids' version
 counter) and keeps a reference to its ids until the step ends. At the step's end (and mid-step once a
 step holds more than `SPILL_IDS` ids) one `torch.cat` copies the step's ids into a chunk of a few
-reused int64 arrays, and the references are let go: no Python object of a call outlives its step, so
-the garbage collector's full passes, which a second of held tensors brought on every few seconds
-(100–150 ms each over a trainer's heap), and the memory the trainer could not reuse both stay as they
-are untraced (bench/RESULTS.md §35). The writer thread takes the filled chunks' ids as one array and
-hands the chunks back for reuse.
+reused int64 tensors, the sampled calls' bag offsets are copied too, and the references are let go.
+No Python object of a call outlives its step: the garbage collector's full passes, which a second of
+held tensors brought on every few seconds (100–150 ms each over a trainer's heap), and the memory the
+trainer could not reuse both stay as they are untraced (bench/RESULTS.md §35). The writer thread takes
+the filled chunks' ids as one array and hands the chunks back for reuse.
 
 What cannot be written is counted as lost, never written wrong: a call whose ids the program rewrote
 in place before its step ended (its version moved) loses its ids, and its table's later calls are
-copied at the call instead.
+copied at the call instead; a sampled call whose offsets were rewritten loses its lookups. A program
+that refills one id buffer for each batch loses nothing: its ids are copied before the next batch.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Spilled:
     """The calls one spill copied: their ids at `chunk[start:start + sum(size)]`, and per call its step,
     table index, phase (True: eval) and number of ids, as the training thread's lists (the writer makes
     arrays of them); `layouts` for sampled calls: (the call's position, its ids' shape, a reference to
-    its bag offsets or None, the offsets' version)."""
+    its bag offsets, copied, or None)."""
 
     chunk: torch.Tensor
     start: int
@@ -64,7 +65,7 @@ class HostStaging:
         self.held = 0  # ids in the lists above
         self.spilled: collections.deque[Spilled] = collections.deque()  # appended here, popped by the writer
         self._chunk = torch.empty(0, dtype=torch.int64)
-        self._used = 0
+        self._used = self._capacity = 0  # ids of the chunk filled, and its length
         self._spare: collections.deque[torch.Tensor] = collections.deque()  # chunks the writer is done with
         self._last_taken: torch.Tensor | None = None  # the chunk of the last spill the writer took
 
@@ -113,23 +114,37 @@ class HostStaging:
         total = sum(size)
         chunk, start = self._room(total)
         torch.cat(ids, out=chunk[start:start + total])
+        if layouts:
+            layouts = self._copied_offsets(layouts, size)
         self.spilled.append(Spilled(chunk, start, step, table, [p == EVAL for p in call_phase], size, layouts))
+
+    def _copied_offsets(self, layouts: list[tuple], size: list[int]) -> list[tuple]:
+        """The sampled calls' layouts with their bag offsets copied; a call whose offsets were rewritten
+        in place since loses its lookups."""
+        out = []
+        for i, shape, offsets, version in layouts:
+            if offsets is not None:
+                if version is not None and offsets._version != version:
+                    self._lost("lookups", size[i])
+                    continue
+                offsets = offsets.clone()
+            out.append((i, shape, offsets))
+        return out
 
     def _room(self, n: int) -> tuple[torch.Tensor, int]:
         """A chunk with `n` ids free from the returned position on: the current one, a spare, or new."""
         if n > CHUNK_IDS:
             return torch.empty(n, dtype=torch.int64), 0
-        if self._used + n > len(self._chunk):
+        if self._used + n > self._capacity:
             self._chunk = self._spare.popleft() if self._spare else torch.empty(CHUNK_IDS, dtype=torch.int64)
-            self._used = 0
+            self._used, self._capacity = 0, CHUNK_IDS
         start, self._used = self._used, self._used + n
         return self._chunk, start
 
     def take(self, everything: bool, current: int, make_call: Callable[..., Any]) -> tuple[Kept | None, list]:
         """The spilled calls of the steps before `current` (all if `everything`) as one `Kept` (their ids
         copied out of the chunks, which go back for reuse), and the sampled ones as `make_call(step,
-        phase, table index, ids, offsets)`; a sampled call whose offsets were rewritten since loses its
-        lookups."""
+        phase, table index, ids, offsets from 0)`."""
         taken = []
         while self.spilled and (everything or self.spilled[0].step[0] < current):
             taken.append(self.spilled.popleft())
@@ -139,7 +154,7 @@ class HostStaging:
         joined = np.concatenate(ids) if len(ids) > 1 else ids[0].copy()
         for s in taken:  # a chunk before the last one taken is done: the training thread fills later ones
             if s.chunk is not self._last_taken:
-                if self._last_taken is not None and len(self._last_taken) == CHUNK_IDS:
+                if self._last_taken is not None and self._last_taken.numel() == CHUNK_IDS:
                     self._spare.append(self._last_taken)
                 self._last_taken = s.chunk
         kept = Kept(joined, *(np.array([v for s in taken for v in getattr(s, f)], dtype=np.int64)
@@ -148,14 +163,13 @@ class HostStaging:
         for s, part in zip(taken, ids):
             if s.layouts:
                 starts = np.cumsum(s.size) - s.size
-                for i, shape, offsets, version in s.layouts:
-                    if offsets is not None and version is not None and offsets._version != version:
-                        self._lost("lookups", s.size[i])
-                        continue
+                for i, shape, offsets in s.layouts:
                     lo = base + int(starts[i])
                     call_ids = torch.from_numpy(joined[lo:lo + s.size[i]]).reshape(shape)
-                    bags = None if offsets is None else torch.from_numpy(offsets.numpy() - offsets.numpy()[:1])
-                    sampled.append(make_call(s.step[i], EVAL if s.eval[i] else TRAIN, s.table[i], call_ids, bags))
+                    if offsets is not None:
+                        bags = offsets.numpy().astype(np.int64)
+                        offsets = torch.from_numpy(bags - bags[:1])
+                    sampled.append(make_call(s.step[i], EVAL if s.eval[i] else TRAIN, s.table[i], call_ids, offsets))
             base += len(part)
         return kept, sampled
 

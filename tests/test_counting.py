@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from collectors import counting, embedding, steps
+from collectors import counting, embedding, host_staging, steps
 from collectors.counting import PHASES, Kept, Table, carried, count_rows
 from collectors.steps import StepClock
 from tracekit.store import RunWriter
@@ -159,6 +159,40 @@ def test_steps_of_a_tenth_one_and_three_flushes_are_recorded_exactly(tmp_path, t
     flush_rows = 2000
     fed, recorded, writer = fed_and_recorded(tmp_path, int(times * flush_rows), flush_rows, flush_inside)
     assert recorded == fed and writer.errors == 0 and not writer.dropped and writer.lost_lookups == 0
+
+
+@pytest.mark.parametrize("times", [0.1, 1, 3])
+@pytest.mark.parametrize("flush_inside", [False, True])
+def test_steps_copied_out_mid_step_into_small_reused_chunks_are_recorded_exactly(tmp_path, monkeypatch, times,
+                                                                                flush_inside):
+    """With a spill every 500 ids and chunks of 1,500: calls spilled mid-step, steps spread over several
+    chunks, calls larger than a chunk, and chunks handed back and refilled."""
+    monkeypatch.setattr(host_staging, "SPILL_IDS", 500)
+    monkeypatch.setattr(host_staging, "CHUNK_IDS", 1500)
+    flush_rows = 2000
+    fed, recorded, writer = fed_and_recorded(tmp_path, int(times * flush_rows), flush_rows, flush_inside)
+    assert recorded == fed and writer.errors == 0 and not writer.dropped and writer.lost_lookups == 0
+
+
+def test_host_staging_hands_back_its_chunks_and_keeps_every_id_in_order(monkeypatch):
+    """50 steps of 3 calls through chunks of 1,000 ids, taken every 5 steps: the ids come back as kept,
+    call by call, and the training side fills at most three chunks, reused."""
+    monkeypatch.setattr(host_staging, "CHUNK_IDS", 1000)
+    staging, g = host_staging.HostStaging(lambda table, rows: pytest.fail(f"lost {rows} {table}")), np.random.default_rng(0)
+    fed, got, chunks = [], [], set()
+    for step in range(50):
+        for table in range(3):
+            ids = torch.from_numpy(g.integers(0, 100, int(g.integers(1, 200))))
+            fed.append((step, table, ids.tolist()))
+            staging.keep(step, table, "train", ids, ids.numel(), None, copy=False)
+        staging.spill()
+        chunks.add(id(staging._chunk))
+        if step % 5 == 4:
+            kept, _ = staging.take(False, step + 1, None)
+            ends = np.cumsum(kept.size)
+            got += [(int(s), int(t), kept.ids[e - n:e].tolist()) for s, t, n, e in zip(kept.step, kept.table, kept.size, ends)]
+    assert got == fed
+    assert len(chunks) <= 3
 
 
 def test_a_drain_made_to_fail_counts_its_rows_as_lost(tmp_path, monkeypatch):
