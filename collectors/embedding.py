@@ -390,16 +390,16 @@ class EmbeddingHandle:
         if self._ids_added - self._ids_drained + n > self.max_pending_ids:
             self.writer.count_dropped("accesses", n)
             return
-        if ids.is_cuda:
-            layout = (ids.shape, offsets, _version(offsets)) if sampled else None
-            self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
-        else:
+        if ids.is_cpu or not ids.is_cuda:
             if not ids.is_cpu:
                 ids = ids.cpu()
             layout = (ids.shape, offsets.clone() if copy and offsets is not None else offsets,
                       None if copy else _version(offsets)) if sampled else None
             self._host.keep(self.clock.step, table.index, call_phase, ids, n, layout,
                             copy or table.index in self._host.copying)
+        else:
+            layout = (ids.shape, offsets, _version(offsets)) if sampled else None
+            self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
         self._ids_added += n
         self._step_ids += n
         if not self._woken and self._ids_added - self._ids_drained > self.writer.flush_rows:

@@ -29,6 +29,7 @@ from tracekit.phases import EVAL, TRAIN
 
 SPILL_IDS = 1 << 18  # ids a step holds by reference before they are copied mid-step
 CHUNK_IDS = 1 << 20  # int64 ids a reused chunk holds (8 MB)
+FIELDS = 6  # a kept call's values: ids, step, table index, eval, the ids' version, their number
 
 
 @dataclass
@@ -54,15 +55,10 @@ class HostStaging:
     def __init__(self, lost: Callable[[str, int], None]) -> None:
         self._lost = lost
         self.copying: set[int] = set()  # tables whose program rewrites its id buffer in place: copied at the call
-        # the calls of the running step, one list per field (no tuple a call)
-        self._ids: list[torch.Tensor] = []
-        self._step: list[int] = []
-        self._table: list[int] = []
-        self._phase: list[str] = []
-        self._version: list[int | None] = []
-        self._size: list[int] = []
+        # the calls of the running step end to end, FIELDS values each: one list, one extend a call
+        self._calls: list = []
         self._layouts: list[tuple] = []
-        self.held = 0  # ids in the lists above
+        self.held = 0  # ids in `_calls`
         self.spilled: collections.deque[Spilled] = collections.deque()  # appended here, popped by the writer
         self._chunk = torch.empty(0, dtype=torch.int64)
         self._used = self._capacity = 0  # ids of the chunk filled, and its length
@@ -82,25 +78,19 @@ class HostStaging:
         if copy:
             ids = ids.clone()
         if layout is not None:
-            self._layouts.append((len(self._ids), *layout))
-        self._ids.append(ids if ids.dim() == 1 else ids.reshape(-1))
-        self._step.append(step)
-        self._table.append(table)
-        self._phase.append(call_phase)
-        self._version.append(version)
-        self._size.append(n)
+            self._layouts.append((len(self._calls) // FIELDS, *layout))
+        self._calls += (ids if ids.dim() == 1 else ids.reshape(-1), step, table, call_phase == EVAL, version, n)
         self.held += n
         if self.held > SPILL_IDS:
             self.spill()
 
     def spill(self) -> None:
         """Copy the kept calls' ids into a chunk and let go of them (at each step's end)."""
-        if not self._ids:
+        calls, layouts = self._calls, self._layouts
+        if not calls:
             return
-        ids, step, table, call_phase, version, size, layouts = (
-            self._ids, self._step, self._table, self._phase, self._version, self._size, self._layouts)
-        self._ids, self._step, self._table, self._phase, self._version, self._size, self._layouts = [], [], [], [], [], [], []
-        self.held = 0
+        self._calls, self._layouts, self.held = [], [], 0
+        ids, step, table, is_eval, version, size = (calls[f::FIELDS] for f in range(FIELDS))
         moved = [i for i, t in enumerate(ids) if version[i] is not None and t._version != version[i]]
         if moved:  # rewritten in place since the call: lost, and the table's later calls copied at the call
             self._lost("accesses", sum(size[i] for i in moved))
@@ -108,7 +98,7 @@ class HostStaging:
             keep = [i for i in range(len(ids)) if i not in set(moved)]
             position = {old: new for new, old in enumerate(keep)}
             layouts = [(position[lay[0]], *lay[1:]) for lay in layouts if lay[0] in position]
-            ids, step, table, call_phase, size = ([column[i] for i in keep] for column in (ids, step, table, call_phase, size))
+            ids, step, table, is_eval, size = ([column[i] for i in keep] for column in (ids, step, table, is_eval, size))
             if not ids:
                 return
         total = sum(size)
@@ -116,7 +106,7 @@ class HostStaging:
         torch.cat(ids, out=chunk[start:start + total])
         if layouts:
             layouts = self._copied_offsets(layouts, size)
-        self.spilled.append(Spilled(chunk, start, step, table, [p == EVAL for p in call_phase], size, layouts))
+        self.spilled.append(Spilled(chunk, start, step, table, is_eval, size, layouts))
 
     def _copied_offsets(self, layouts: list[tuple], size: list[int]) -> list[tuple]:
         """The sampled calls' layouts with their bag offsets copied; a call whose offsets were rewritten
