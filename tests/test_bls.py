@@ -125,8 +125,9 @@ def test_analyze_predicts_the_lag_makespan_and_compare_sets_it_beside_the_measur
         ("lag", section["predicted"]["makespan_s"], measured)]
     # the seeded stragglers (60 ms on 40% of the steps) dominate the makespan: the replay of the
     # baseline's recorded steps at the bound must predict what the bound run took over the same steps.
-    # Set against the trainer's whole-run makespan (the warm-up steps too) it was 23% short
-    assert section["predicted"]["makespan_s"] == pytest.approx(measured, rel=0.10)
+    # Two runs on a 2-core box differ by up to ~10% on their own; the whole-run makespan (warm-up steps
+    # too) is 23% off, which this bound still catches
+    assert section["predicted"]["makespan_s"] == pytest.approx(measured, rel=0.15)
 
 
 # rank 1's exchange thread fails at once, or its main thread at iteration 5 with the exchange
