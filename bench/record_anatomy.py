@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from record_blocks import PROXY  # issue 43's proxy (bench/ is the script's first path)
+
 ROOT = Path(__file__).resolve().parent.parent
-PROXY = ["--tables", "26", "--rows", "100000", "--dim", "16", "--bottom-mlp", "32,16", "--top-mlp", "32,1",
-         "--batch-size", "512", "--eval-fraction", "0", "--log-every", "100000", "--epochs", "1000"]
 BLOCK, SETTLE = 500, 150  # steps a block; steps left out at each block's start (the writer's flush of the last)
 
 

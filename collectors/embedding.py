@@ -78,7 +78,7 @@ from torch.nn.modules import module as torch_module
 from collectors import phase
 from collectors.counting import PHASES, PIECE_IDS, Kept, Table, carried, columns, count_rows
 from collectors.device_staging import DeviceStaging
-from collectors.host_staging import HostStaging
+from collectors.host_staging import HostStaging, version_of
 from collectors.guard import Guard
 from collectors.names import ModuleNames
 from collectors.steps import StepClock
@@ -193,17 +193,6 @@ def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, ...]:
         keep = rows != table.padding_idx
         step, sample, pos, rows, feature = step[keep], sample[keep], pos[keep], rows[keep], feature[keep]
     return step, sample, pos, rows + table.first_row, feature
-
-
-def _version(tensor: torch.Tensor | None) -> int | None:
-    """The version counter of `tensor`, which moves when it is written in place; None for no tensor or
-    an inference tensor (which keeps none)."""
-    if tensor is None:
-        return None
-    try:
-        return tensor._version
-    except RuntimeError:  # "Inference tensors do not track version counter": cheaper than asking is_inference()
-        return None
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -394,11 +383,11 @@ class EmbeddingHandle:
             if not ids.is_cpu:
                 ids = ids.cpu()
             layout = (ids.shape, offsets.clone() if copy and offsets is not None else offsets,
-                      None if copy else _version(offsets)) if sampled else None
+                      None if copy else version_of(offsets)) if sampled else None
             self._host.keep(self.clock.step, table.index, call_phase, ids, n, layout,
                             copy or table.index in self._host.copying)
         else:
-            layout = (ids.shape, offsets, _version(offsets)) if sampled else None
+            layout = (ids.shape, offsets, version_of(offsets)) if sampled else None
             self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
         self._ids_added += n
         self._step_ids += n

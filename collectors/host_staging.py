@@ -32,6 +32,17 @@ CHUNK_IDS = 1 << 20  # int64 ids a reused chunk holds (8 MB)
 FIELDS = 6  # a kept call's values: ids, step, table index, eval, the ids' version, their number
 
 
+def version_of(tensor: torch.Tensor | None) -> int | None:
+    """The version counter of `tensor`, which moves when it is written in place; None for no tensor or
+    an inference tensor (which keeps none; reading it raises, which is cheaper than asking is_inference())."""
+    if tensor is None:
+        return None
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class Spilled:
     """The calls one spill copied: their ids at `chunk[start:start + sum(size)]`, and per call its step,
@@ -69,13 +80,8 @@ class HostStaging:
              layout: tuple | None, copy: bool) -> None:
         """Keep one call of `n` ids: a reference to them (a copy if `copy`, or for an inference tensor,
         which keeps no version); `layout` on sampled steps: (shape, offsets, the offsets' version)."""
-        version = None
-        if not copy:
-            try:
-                version = ids._version
-            except RuntimeError:  # "Inference tensors do not track version counter"
-                copy = True
-        if copy:
+        version = None if copy else version_of(ids)
+        if version is None:
             ids = ids.clone()
         if layout is not None:
             self._layouts.append((len(self._calls) // FIELDS, *layout))
@@ -95,15 +101,19 @@ class HostStaging:
         if moved:  # rewritten in place since the call: lost, and the table's later calls copied at the call
             self._lost("accesses", sum(size[i] for i in moved))
             self.copying.update(table[i] for i in moved)
-            keep = [i for i in range(len(ids)) if i not in set(moved)]
+            keep = sorted(set(range(len(ids))) - set(moved))
             position = {old: new for new, old in enumerate(keep)}
             layouts = [(position[lay[0]], *lay[1:]) for lay in layouts if lay[0] in position]
             ids, step, table, is_eval, size = ([column[i] for i in keep] for column in (ids, step, table, is_eval, size))
             if not ids:
                 return
         total = sum(size)
-        chunk, start = self._room(total)
-        torch.cat(ids, out=chunk[start:start + total])
+        try:
+            chunk, start = self._room(total)
+            torch.cat(ids, out=chunk[start:start + total])
+        except Exception:  # the references are gone: the ids are lost, and said so
+            self._lost("accesses", total)
+            raise
         if layouts:
             layouts = self._copied_offsets(layouts, size)
         self.spilled.append(Spilled(chunk, start, step, table, is_eval, size, layouts))
@@ -162,7 +172,3 @@ class HostStaging:
                     sampled.append(make_call(s.step[i], EVAL if s.eval[i] else TRAIN, s.table[i], call_ids, offsets))
             base += len(part)
         return kept, sampled
-
-    def pending_lookups(self) -> int:
-        """Ids kept or spilled and not yet taken (padding ids included)."""
-        return self.held + sum(sum(s.size) for s in list(self.spilled))

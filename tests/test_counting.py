@@ -195,6 +195,21 @@ def test_host_staging_hands_back_its_chunks_and_keeps_every_id_in_order(monkeypa
     assert len(chunks) <= 3
 
 
+def test_a_step_end_copy_that_fails_counts_its_ids_as_lost(monkeypatch):
+    lost = Counter()
+    staging = host_staging.HostStaging(lambda table, rows: lost.update({table: rows}))
+    for table, n in ((0, 7), (1, 5)):
+        staging.keep(0, table, "train", torch.arange(n), n, None, copy=False)
+
+    def failing_cat(*args, **kwargs):
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(host_staging.torch, "cat", failing_cat)
+    with pytest.raises(RuntimeError, match="no room"):
+        staging.spill()
+    assert lost == {"accesses": 12} and not staging.spilled
+
+
 def test_a_drain_made_to_fail_counts_its_rows_as_lost(tmp_path, monkeypatch):
     calls = Counter()
     count = embedding.count_rows
