@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from analyses import attribution, network
+from analyses import attribution, network, replay
 from analyses.context import Context
 from tracekit import tags
 
@@ -467,7 +467,14 @@ def timing(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: An
     `rows` replica rows per step; `skipped_calls`: exchange calls per step it no longer makes.
     step = measured step − the baseline exchange's time + the policy's (exchange, sync, rank work);
     error: analyses.network's (each changed call's residual, a tenth of the wire time changed, the
-    calibration's residual, the baseline's drift)."""
+    calibration's residual, the baseline's drift).
+
+    Where the run's steps replay (analyses.replay), the step is the replay's instead: the recorded steps
+    with the exchange's bytes scaled, the sync added after the backward, the exchange skipped on the
+    share of steps that make none, and the work added; its error the spread of the per-step replays."""
+    replayed = _replayed(ctx, s, remote, sparse, sync_bytes, hot_ids, rows, skipped_calls)
+    if replayed is not None:
+        return replayed
     net = network.network(ctx)
     beta, alpha = net.fit.beta_s_per_byte, net.alpha(network.A2A)
     collectives = tuple(s.base)  # the exchange's collectives: COLLECTIVES
@@ -505,3 +512,52 @@ def timing(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: An
     error = (np.sqrt(changed * net.fit.residual_s ** 2 + (wire_change * net.wire_error) ** 2
                      + work_residual ** 2) + net.step.spread_s)
     return Timing(comm, work, step, error)
+
+
+def _replayed(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: Any, sync_bytes: Any, hot_ids: Any,
+              rows: Any, skipped_calls: Any) -> Timing | None:
+    """`timing` by the replay, at up to ~30 log-spaced points of a curve and interpolated between them;
+    None where the run does not replay (no steps every rank completed, or no measured step)."""
+    rp = replay.replay(ctx)
+    if not rp.steps or rp.measured_median_s is None or s.step_time_s is None:
+        return None
+    net = network.network(ctx)
+    shape = np.broadcast(*(np.asarray(remote[c]) for c in s.base), np.asarray(sparse), np.asarray(sync_bytes),
+                         np.asarray(hot_ids), np.asarray(rows), np.asarray(skipped_calls)).shape
+    size = int(np.prod(shape)) if shape else 1
+    flat = {name: np.broadcast_to(np.asarray(v, dtype=np.float64), shape).reshape(-1)
+            for name, v in (("sparse", sparse), ("sync", sync_bytes), ("hot", hot_ids), ("rows", rows),
+                            ("skipped", skipped_calls), *((c, remote[c]) for c in s.base))}
+    work_sparse = net.work("replication.sparse_allreduce", ids=s.lookups_per_rank, hot=flat["hot"], rows=flat["rows"])
+    work_dense = net.work("replication.dense_allreduce", ids=s.lookups_per_rank, hot=flat["hot"], rows=flat["rows"])
+    syncing = flat["sync"] > 0
+    sparse_flag = flat["sparse"] > 0
+    work = (np.zeros(size) if work_sparse is None or work_dense is None
+            else np.where(syncing, np.where(sparse_flag, work_sparse, work_dense), 0.0))
+    points = log_points(size - 1) if size > 1 else [0]
+    step, low, high = (np.empty(len(points)) for _ in range(3))
+    for n, i in enumerate(points):
+        scale = {c: flat[c][i] / s.base[c][1] if s.base[c][1] else 1.0 for c in s.base}
+        change = replay.Change(scale, float(flat["skipped"][i]) / len(COLLECTIVES),
+                               _sync_calls(bool(sparse_flag[i]), float(flat["sync"][i]), s.world), float(work[i]))
+        p = rp.predict(change)
+        step[n], low[n], high[n] = p.step_s, p.low_s, p.high_s
+    at = np.arange(size)
+    step_s, low_s, high_s = (np.interp(at, points, v) for v in (step, low, high))
+    error = np.maximum(step_s - low_s, high_s - step_s)  # the per-step spread and the baseline's drift
+    comm = np.maximum(step_s - work - rp.compute_s, 0.0)
+    out = [v.reshape(shape) if shape else float(v[0]) for v in (comm, work, step_s, error)]
+    return Timing(*out)
+
+
+def _sync_calls(sparse: bool, sync_bytes: float, world: int) -> tuple:
+    """A replica sync of `sync_bytes` a step (Σ ranks' wire bytes, `sync_bytes`'s formulas) as the
+    collectives the trainer issues after the backward: dense, one ring all-reduce; sparse, the count's
+    all-gather, the ids' all-to-all and the rows' all-reduce (its bytes given to the all-reduce)."""
+    if sync_bytes <= 0 or world < 2:
+        return ()
+    ring = replay.Added(network.ALL_REDUCE, sync_bytes / (2 * (world - 1)), tag=tags.REPLICA_SYNC)
+    if not sparse:
+        return (ring,)
+    return (replay.Added(network.ALL_GATHER, 8.0, tag=tags.REPLICA_SYNC),
+            replay.Added(network.A2A, 0.0, tag=tags.REPLICA_SYNC), ring)

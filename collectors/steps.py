@@ -9,7 +9,11 @@ e.g. FAE's "hot" or "cold"); it is written with the step's row and cleared when 
 
 `install(writer, clock)` attaches `writer` to the clock and registers a global optimizer-step
 post hook that calls `clock.advance()`, with the step's loss: the last one-element tensor that a
-`backward()` started from during the step (read by the writer thread, so never a sync point). Loops without an optimizer (inference) call
+`backward()` started from during the step (read by the writer thread, so never a sync point).
+The step's row also holds its last backward's times: called, its last gradient computed, returned.
+The middle one is where DDP begins to wait for its bucket all-reduces (the replay's wait point of
+the step's async calls, analyses/replay.py): a pre-hook on the backward's root node queues an engine
+callback, which runs when the graph is done and before DDP's own (queued at its last bucket). Loops without an optimizer (inference) call
 `clock.advance()` themselves; do not do both, or each step is counted twice.
 
     clock = StepClock()
@@ -66,6 +70,7 @@ class StepClock:
         self._drained_by: set[int] = set()  # ids of the writers this clock is a source of
         self._in_flight = 0  # rows the last drain took: lost if the writer fails to take them
         self._loss_streams: dict[torch.device, torch.cuda.Stream] = {}  # DeviceLoss's side stream per device
+        self.backward_ns: list[int | None] = [None, None, None]  # the step's last backward: called, grads done, returned
         self.attach(writer)
 
     def attach(self, writer: RunWriter | None) -> None:
@@ -94,6 +99,7 @@ class StepClock:
         self.step += 1
         self.schedule = None
         self.samples = None
+        self.backward_ns = [None, None, None]
         self._t_start_ns = t_end_ns
 
     def phase_after_close(self, step: int, phase: str) -> str:
@@ -106,7 +112,7 @@ class StepClock:
             loss = DeviceLoss(loss.detach(), self._loss_streams) if loss.is_cuda else loss.detach()
         samples = self.samples if samples is None else samples
         self._rows.append((self.step, self._t_start_ns, t_end_ns, 0 if samples is None else int(samples), loss,
-                           self.schedule))
+                           self.schedule, *self.backward_ns))
 
     def drain(self, final: bool) -> list[tuple[str, dict]]:
         """The `steps` rows kept since the last drain (called on the writer thread)."""
@@ -116,10 +122,11 @@ class StepClock:
         self._in_flight = len(rows)
         if not rows:
             return []
-        step, t_start_ns, t_end_ns, samples, loss, schedule = zip(*rows)
+        step, t_start_ns, t_end_ns, samples, loss, schedule, backward, grads, backward_end = zip(*rows)
         loss = [None if x is None else float(x) for x in loss]
         return [("steps", {"step": step, "t_start_ns": t_start_ns, "t_end_ns": t_end_ns, "samples": samples,
-                           "loss": loss, "schedule": schedule})]
+                           "loss": loss, "schedule": schedule, "t_backward_ns": backward, "t_grads_ns": grads,
+                           "t_backward_end_ns": backward_end})]
 
 
 class DeviceLoss:
@@ -180,9 +187,34 @@ class StepsHandle:
         def traced_backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if tensor.numel() == 1:
                 self._loss = tensor
-            return backward(tensor, *args, **kwargs)
+            times = self.clock.backward_ns = [time.monotonic_ns(), None, None]
+            hook = self.guard.run(self._mark_grads, tensor, times)
+            try:
+                return backward(tensor, *args, **kwargs)
+            finally:
+                times[2] = time.monotonic_ns()
+                if hook is not None:
+                    hook.remove()
 
         return traced_backward
+
+    @staticmethod
+    def _mark_grads(tensor: torch.Tensor, times: list) -> Any:
+        """A pre-hook on the backward's root node that queues the engine callback noting `times[1]`."""
+        node = tensor.grad_fn
+        if node is None:
+            return None
+
+        def done() -> None:
+            times[1] = time.monotonic_ns()
+
+        def queue(grad_outputs: Any) -> None:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(done)
+            except Exception:  # never the traced program's failure: the step's row says null
+                pass
+
+        return node.register_prehook(queue)
 
     def _on_step_start(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth += 1

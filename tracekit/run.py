@@ -31,9 +31,12 @@ if TYPE_CHECKING:
     import duckdb
     import polars as pl
 
-LATER_COLUMNS: dict[str, str | int | None] = {"phase": TRAIN, "schedule": None, "feature": 0}
-"""Columns added after schema 1.0 (phase in 1.1, schedule in 1.2, feature in 1.4), and what the readers
-show for them in a table whose part files predate them: a string column, or an integer one (feature)."""
+LATER_COLUMNS: dict[str, tuple[str | int | None, str]] = {
+    "phase": (TRAIN, "VARCHAR"), "schedule": (None, "VARCHAR"), "feature": (0, "SMALLINT"),
+    "t_backward_ns": (None, "BIGINT"), "t_grads_ns": (None, "BIGINT"), "t_backward_end_ns": (None, "BIGINT")}
+"""Columns added after schema 1.0 (phase in 1.1, schedule in 1.2, feature in 1.4, the backward's times in
+1.5), and what the readers show for them in a table whose part files predate them, with its SQL type."""
+_POLARS_TYPES = {"VARCHAR": "String", "SMALLINT": "Int16", "BIGINT": "Int64"}
 
 
 def open_run(path: str | os.PathLike) -> Run:
@@ -61,8 +64,8 @@ class Run:
 
         self._check(table)
         frame = pl.scan_parquet(self._glob(table), hive_partitioning=True)
-        frame = frame.with_columns(pl.lit(LATER_COLUMNS[c], dtype=pl.Int16 if isinstance(LATER_COLUMNS[c], int)
-                                          else pl.String).alias(c) for c in self._filled[table])
+        frame = frame.with_columns(pl.lit(LATER_COLUMNS[c][0], dtype=getattr(pl, _POLARS_TYPES[LATER_COLUMNS[c][1]]))
+                                   .alias(c) for c in self._filled[table])
         dictionaries = [f.name for f in TABLES[table] if pa.types.is_dictionary(f.type)]
         widened = [pl.col("count").cast(pl.Int64)] if table == "accesses" else []
         return frame.with_columns(pl.col(dictionaries).cast(pl.String), *widened)
@@ -78,8 +81,7 @@ class Run:
         files = self._glob(table) if parts is None else [str(p) for p in parts]
         relation = con.read_parquet(files, hive_partitioning=True)
         for column in self._filled[table]:
-            value = LATER_COLUMNS[column]
-            sql_type = "SMALLINT" if isinstance(value, int) else "VARCHAR"
+            value, sql_type = LATER_COLUMNS[column]
             relation = relation.project(f"*, CAST({'NULL' if value is None else repr(value)} AS {sql_type}) AS {column}")
         if table == "accesses":
             relation = relation.project('* REPLACE (CAST("count" AS BIGINT) AS "count")')

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 """major.minor; readers accept any minor of a major they know. 1.1 added `phase` to accesses, lookups
 and comms (readers show `train` for a 1.0 run); 1.2 added `schedule` to steps (readers show null for
 an older run); 1.3 added the dct_replay table (absent from an older run); 1.4 added `feature` to
-lookups (readers show 0 for an older run)."""
+lookups (readers show 0 for an older run); 1.5 added the backward's times to steps (null for an older run)."""
 
 VERSION_KEY = b"tracekit.schema_version"
 """Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
@@ -87,6 +87,11 @@ STEPS = pa.schema(
         _required("samples", pa.int32()),
         pa.field("loss", pa.float64(), nullable=True),
         pa.field("schedule", pa.string(), nullable=True),  # the step's kind, from tracekit.step_schedule ("hot")
+        # the step's (last) backward: when it was called, when its last gradient was computed (where DDP begins
+        # to wait for its bucket all-reduces: the async calls' wait point), and when it returned; null if none
+        pa.field("t_backward_ns", pa.int64(), nullable=True),
+        pa.field("t_grads_ns", pa.int64(), nullable=True),
+        pa.field("t_backward_end_ns", pa.int64(), nullable=True),
     ]
 )
 

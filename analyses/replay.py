@@ -1,0 +1,653 @@
+"""The replay: a recorded training step rebuilt as a graph and run again on a model of the links, so that a
+policy's step time is the same graph with its collectives changed (dPRO, Daydream: papers.md, anchors.md).
+
+The graph, per training step (after warm-up) and rank, from `steps` and `train_comms` on the common clock:
+- compute: the measured time between the rank's communication events;
+- a synchronous collective: the rank enters it and waits there until it completes. Its transfer starts when
+  the last rank of its group has entered (plus the op's α), so a late rank holds the others as it did;
+- an asynchronous one (DDP's bucket all-reduces): issued where it was, it runs beside compute, and the rank
+  waits for the step's issued ones at its wait point: where its backward's last gradient was computed
+  (`steps.t_grads_ns`), else the step's end.
+
+Each rank starts the step at its recorded offset from the first rank, and a replayed step lasts, as a
+measured one does, the slowest rank's start to end. Collectives are their flows, bytes from rank to rank:
+an all-to-all's splits, a ring all-reduce's 2(n−1)/n · S to the next rank, an all-gather's copies. A flow
+between nodes crosses its source node's link out and the destination node's link in, each `inter` bytes/s
+each way; within a node it takes its ranks' `intra`. Flows that share a link share it max-min fairly
+(progressive filling), and a collective completes when its last flow does.
+
+The links are fitted from the same run: α per op and the link's rate, by least squares over the synchronous
+calls that ran alone (no other collective's transfer overlapped theirs), as time = α_op + busiest link bytes
+/ rate (analyses.network's rule for the transfer time: last entry to last exit). `Fit` says how well.
+
+A policy is a `Change` of the graph: the exchange's collectives scaled to its replayed bytes, skipped on
+the steps that no longer make them, the collectives it adds (a replica sync) where the trainer issues them,
+and the rank-side work it adds. Every step is replayed with and without it; the prediction is the measured
+baseline's median step times the median of the per-step ratios, its interval the 10th to 90th percentile of those ratios widened by the baseline's own drift.
+
+    g = graph(ctx)                    # the recorded steps as graphs, and the fitted links
+    g.check()                         # the unchanged replay against the measured steps: median, p50, p90
+    g.predict(Change(scale={"output_fwd": 0.5}))   # Prediction(step_s, low_s, high_s, ...)
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from analyses import network
+from analyses.clocks import clock_offsets, offset_sql
+from analyses.context import Context
+from tracekit import tags
+
+EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
+INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
+EPS_BYTES = 1e-3
+
+
+@dataclass
+class Call:
+    """One collective of a step, matched across the ranks of its group (the k-th call of a group on
+    every rank): `flows[i, j]` bytes from its i-th rank to its j-th."""
+
+    op: str
+    tag: str
+    collective: str | None  # the exchange's collective (analyses.exchange.COLLECTIVES), else None
+    ranks: tuple[int, ...]
+    flows: np.ndarray
+    is_async: bool
+    time_s: float  # measured: the last entry to the last exit (synchronous calls)
+    entry_s: float  # the last entry, from the step's first start
+    entries: tuple[float, ...]  # each rank's entry, seconds from the step's first start
+    alone: bool = True  # no other collective's transfer overlapped it
+
+
+@dataclass
+class Step:
+    """A step's graph: per rank its start (seconds after the first rank's) and its program, a list of
+    ("compute", seconds) | ("call", key) | ("issue", key) | ("wait", None)."""
+
+    step: int
+    start: dict[int, float]
+    programs: dict[int, list[tuple[str, object]]]
+    calls: dict[int, Call]
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class Links:
+    node_of: tuple[int, ...]  # by rank
+    inter: float  # bytes/s of a node's link, each way
+    intra: float  # bytes/s of a rank within its node, each way
+    alpha: dict[str, float]
+
+    def alpha_of(self, op: str) -> float:
+        return self.alpha.get(op, self.alpha.get(network.A2A, 0.0))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How the links were fitted: over `calls` synchronous calls that ran alone (of `total`), with the
+    robust spread of their residuals, in seconds and relative to their median time."""
+
+    source: str
+    calls: int
+    total: int
+    residual_s: float
+    residual_rel: float
+    link_given: float | None  # the link's rate where the run names it (tracekit cluster), bytes/s
+
+
+@dataclass(frozen=True)
+class Added:
+    """A collective a policy adds on every rank, once a step: `op` moving `flows[i, j]` (or, for an
+    all-reduce, `bytes_per_rank` on a ring), issued `where`: "after_backward" (the replica sync) or
+    before the exchange's collective named (its own exchange)."""
+
+    op: str
+    bytes_per_rank: float
+    where: str = "after_backward"
+    tag: str = "added"
+
+
+@dataclass(frozen=True)
+class Change:
+    """A policy as a transformation of the graph: `scale[c]` the factor on exchange collective c's bytes
+    between ranks; `skip` the share of steps that make no exchange (FAE's all-hot ones); `added` the
+    collectives it adds; `work_s` rank-side seconds a step it adds (after the backward)."""
+
+    scale: dict[str, float] = field(default_factory=dict)
+    skip: float = 0.0
+    added: tuple[Added, ...] = ()
+    work_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    low_s: float
+    high_s: float
+    ratio: float  # replayed with the change / replayed without it, median over the steps
+
+
+@dataclass
+class Replay:
+    steps: list[Step]
+    links: Links
+    fit: Fit
+    measured_median_s: float | None
+    spread_s: float = 0.0  # the measured steps' own drift (analyses.network.StepTime)
+    notes: list[str] = field(default_factory=list)
+    _base: np.ndarray | None = None
+
+    def replayed(self, change: Change | None = None) -> np.ndarray:
+        """Each step's replayed time (seconds), with `change` applied."""
+        if change is None:
+            if self._base is None:
+                self._base = run_steps(self.steps, self.links)
+            return self._base
+        return run_steps(self.steps, self.links, change)
+
+    @property
+    def compute_s(self) -> float:
+        """The steps' compute: per step the most any rank computed, the median over the steps."""
+        per_step = [max(sum(arg for kind, arg in p if kind == "compute") for p in s.programs.values())
+                    for s in self.steps]
+        return float(np.median(per_step)) if per_step else 0.0
+
+    def check(self) -> dict:
+        """The unchanged replay against the measured steps: median, p50 and p90, and their errors."""
+        measured = np.array([s.measured_s for s in self.steps])
+        replayed = self.replayed()
+        if not len(measured):
+            return {"steps": 0}
+        out = {"steps": len(measured)}
+        for name, q in (("p50", 50), ("p90", 90)):
+            m, r = float(np.percentile(measured, q)), float(np.percentile(replayed, q))
+            out[name] = {"measured_s": m, "replayed_s": r, "error": r / m - 1 if m else None}
+        out["per_step_error_median"] = float(np.median(np.abs(replayed / measured - 1)))
+        return out
+
+    def predict(self, change: Change) -> Prediction | None:
+        """The step under `change` (module docstring); None without timed steps."""
+        if not self.steps or self.measured_median_s is None:
+            return None
+        base = self.replayed()
+        ratios = self.replayed(change) / np.maximum(base, 1e-12)
+        if change.skip > 0:  # the steps without an exchange, replayed as such, in their share
+            skipped = self.replayed(Change(change.scale, 1.0, change.added, change.work_s)) / np.maximum(base, 1e-12)
+            ratios = (1 - change.skip) * ratios + change.skip * skipped
+        mid = float(np.median(ratios))
+        lo, hi = (float(np.percentile(ratios, q)) for q in (10, 90))
+        step = self.measured_median_s
+        return Prediction(step * mid, step * lo - self.spread_s, step * hi + self.spread_s, mid)
+
+    def summary(self) -> dict:
+        f = self.fit
+        return {"steps": len(self.steps), "inter_bytes_per_s": self.links.inter, "intra_bytes_per_s": self.links.intra,
+                "alpha_s": self.links.alpha, "fit": {"source": f.source, "calls": f.calls, "of": f.total,
+                                                    "residual_s": f.residual_s, "residual_rel": f.residual_rel,
+                                                    "link_given_bytes_per_s": f.link_given},
+                "check": self.check(), "notes": self.notes}
+
+
+# the graph from the trace ----------------------------------------------------------------------------
+
+def replay(ctx: Context) -> Replay:
+    """The run's steps as graphs with the fitted links, once per context."""
+    return ctx.memo(replay, lambda: _build(ctx))
+
+
+def _build(ctx: Context) -> Replay:
+    notes: list[str] = []
+    topology = ctx.manifest.get("topology") or {}
+    world = ctx.model.world_size
+    node_of = tuple(int(n) for n in topology.get("rank_nodes") or [0] * world)
+    if len(node_of) != world:
+        node_of = tuple(r // max(world // max(int(topology.get("nodes") or 1), 1), 1) for r in range(world))
+    steps = _steps(ctx, notes)
+    _mark_alone(steps)
+    links, fit = _fit(ctx, steps, node_of, topology, notes)
+    measured = network.step_time(ctx)
+    return Replay(steps, links, fit, measured.median_s, measured.spread_s, notes)
+
+
+def _steps(ctx: Context, notes: list[str]) -> list[Step]:
+    if not (ctx.has("comms") and ctx.has("steps")):
+        return []
+    offset = offset_sql(clock_offsets(ctx.manifest)[0])
+    steps = ctx.frame(f"""
+        SELECT step, rank, t_start_ns + {offset} AS t0, t_end_ns + {offset} AS t1,
+               t_grads_ns + {offset} AS tg
+        FROM steps WHERE t_end_ns >= t_start_ns ORDER BY step, rank""")
+    calls = ctx.frame(f"""
+        SELECT step, rank, seq, op, "group", tag, "async", bytes_out, splits_out,
+               t_start_ns + {offset} AS c0, CASE WHEN t_end_ns >= t_start_ns THEN t_end_ns + {offset} END AS c1,
+               row_number() OVER (PARTITION BY rank, step, "group" ORDER BY seq) AS nth
+        FROM train_comms WHERE group_size >= 2 AND op NOT IN ('send', 'recv', 'isend', 'irecv')
+        ORDER BY step, rank, seq""")
+    n_steps = steps["step"].n_unique()
+    skip = network.warmup_steps(n_steps)
+    world = ctx.model.world_size
+    by_step = {k[0]: f for k, f in calls.partition_by("step", as_dict=True).items()}
+    out = []
+    for (step,), frame in steps.partition_by("step", as_dict=True).items():
+        if step < skip or frame.height < world:
+            continue
+        graph = _step(step, frame, by_step.get(step), world)
+        if graph is not None:
+            out.append(graph)
+    if not out:
+        notes.append("no step that every rank completed: nothing to replay")
+    return sorted(out, key=lambda s: s.step)
+
+
+def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int) -> Step | None:
+    t0 = dict(zip(ranks["rank"], ranks["t0"]))
+    t1 = dict(zip(ranks["rank"], ranks["t1"]))
+    tg = dict(zip(ranks["rank"], ranks["tg"]))
+    first = min(t0.values())
+    measured = max(t1[r] - t0[r] for r in t0) / 1e9
+    graph_calls: dict[int, Call] = {}
+    per_rank: dict[int, list[tuple]] = {r: [] for r in t0}
+    if calls is not None:
+        keys: dict[tuple, int] = {}
+        rows = calls.to_dicts()
+        groups: dict[tuple, list[dict]] = {}
+        for row in rows:
+            groups.setdefault((row["group"], row["nth"]), []).append(row)
+        for gk, members in groups.items():
+            members.sort(key=lambda r: r["rank"])
+            if len({m["op"] for m in members}) > 1:
+                return None  # a lost row: the ranks disagree on the call
+            key = keys[gk] = len(keys)
+            graph_calls[key] = _call(members)
+            for m in members:
+                per_rank[m["rank"]].append((m["c0"], m["c1"], key, m["async"]))
+        _name_exchange(graph_calls, per_rank)
+    programs = {r: _program(per_rank[r], t0[r], t1[r], tg[r], graph_calls) for r in t0}
+    for c in graph_calls.values():
+        c.entry_s = (c.entry_s - first) / 1e9
+        c.entries = tuple((e - first) / 1e9 for e in c.entries)
+    return Step(step, {r: (t0[r] - first) / 1e9 for r in t0}, programs, graph_calls, measured)
+
+
+def _call(members: list[dict]) -> Call:
+    n = len(members)
+    op = members[0]["op"]
+    flows = np.zeros((n, n))
+    if op == network.ALL_REDUCE:
+        size = float(members[0]["bytes_out"])
+        for i in range(n):
+            flows[i, (i + 1) % n] = 2 * (n - 1) / n * size
+    else:
+        for i, m in enumerate(members):
+            splits = m["splits_out"]
+            if splits is not None and len(splits) == n:
+                flows[i] = splits
+    np.fill_diagonal(flows, 0.0)
+    entries = [m["c0"] for m in members]
+    exits = [m["c1"] for m in members if m["c1"] is not None]
+    last_exit = max(exits) if exits else max(entries)
+    return Call(op, members[0]["tag"] or "", None, tuple(m["rank"] for m in members), flows, bool(members[0]["async"]),
+                max(last_exit - max(entries), 0) / 1e9, float(max(entries)), tuple(float(e) for e in entries))
+
+
+def _name_exchange(calls: dict[int, Call], per_rank: dict[int, list[tuple]]) -> None:
+    """The trainer's exchange collectives by tag, the input dist's two calls by their order."""
+    inputs = sorted((k for k, c in calls.items() if c.tag == tags.INPUT_DIST), key=lambda k: calls[k].entry_s)
+    for name, k in zip(INPUT_ORDER, inputs):
+        calls[k].collective = name
+    for c in calls.values():
+        if c.tag in EXCHANGE_TAGS:
+            c.collective = EXCHANGE_TAGS[c.tag]
+
+
+def _program(events: list[tuple], t0: int, t1: int, tg: int | None, calls: dict[int, Call]) -> list[tuple]:
+    """A rank's step as compute between its events (module docstring)."""
+    events = sorted(events)
+    program: list[tuple] = []
+    cursor = t0
+    pending: list[int] = []  # async calls issued and not waited for
+    waited = tg is None or not any(is_async for *_, is_async in events)
+    for c0, c1, key, is_async in events:
+        if not waited and c0 >= tg:
+            cursor = _wait(program, cursor, tg, pending, events)
+            waited = True
+        program.append(("compute", max(c0 - cursor, 0) / 1e9))
+        if is_async:
+            program.append(("issue", key))
+            pending.append(key)
+            cursor = max(cursor, c0)
+        else:
+            program.append(("call", key))
+            cursor = max(cursor, c1 if c1 is not None else c0)
+    if not waited:
+        cursor = _wait(program, cursor, tg, pending, events)
+    program.append(("compute", max(t1 - cursor, 0) / 1e9))
+    if pending and tg is None:
+        program.append(("wait", None))
+    return program
+
+
+def _wait(program: list[tuple], cursor: int, tg: int, pending: list[int], events: list[tuple]) -> int:
+    """The wait point: compute up to it, then blocked until the pending async calls completed."""
+    tg = max(tg, cursor)
+    program.append(("compute", (tg - cursor) / 1e9))
+    program.append(("wait", None))
+    done = [c1 for c0, c1, key, _ in events if key in pending and c1 is not None]
+    pending.clear()
+    return max([tg, *done])
+
+
+def _mark_alone(steps: list[Step]) -> None:
+    """A synchronous call ran alone if no async call's transfer (its last issue to its completion, taken
+    as the call's `entry_s` + `time_s`) overlapped its own."""
+    for s in steps:
+        spans = [(c.entry_s, c.entry_s + c.time_s) for c in s.calls.values() if c.is_async]
+        for c in s.calls.values():
+            a, b = c.entry_s, c.entry_s + c.time_s
+            c.alone = not c.is_async and not any(x < b and a < y for x, y in spans)
+
+
+# the links, fitted from the run ----------------------------------------------------------------------
+
+def busiest(flows: np.ndarray, ranks: tuple[int, ...], node_of: tuple[int, ...]) -> tuple[float, float]:
+    """The busiest link's bytes of a collective, one way: (between nodes, within a node)."""
+    nodes = np.array([node_of[r] for r in ranks])
+    cross = nodes[:, None] != nodes[None, :]
+    inter = 0.0
+    if cross.any():
+        m = flows * cross
+        out_n = np.bincount(nodes, weights=m.sum(axis=1))
+        in_n = np.bincount(nodes, weights=m.sum(axis=0))
+        inter = float(max(out_n.max(), in_n.max()))
+    local = flows * ~cross
+    intra = float(max(local.sum(axis=1).max(), local.sum(axis=0).max())) if len(ranks) else 0.0
+    return inter, intra
+
+
+def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: dict,
+         notes: list[str]) -> tuple[Links, Fit]:
+    given = topology.get("link_bytes_per_s")
+    nodes = len(set(node_of))
+    unit = Links(node_of, 1.0 if nodes > 1 else np.inf, 1.0 if nodes == 1 else np.inf, {})
+    rows = [(c.op, _unit_time(c, unit), c.time_s)
+            for s in steps for c in s.calls.values() if not c.is_async and c.alone and c.time_s > 0
+            and c.flows.sum() > 0]
+    total = sum(1 for s in steps for c in s.calls.values() if not c.is_async)
+    fixed = ctx.options.inter_bw if nodes > 1 else ctx.options.intra_bw
+    if not rows:
+        notes.append("replay: no synchronous call ran alone to fit the links on; α = 0, links from the options")
+        inter = ctx.options.inter_bw or given or np.inf
+        return (Links(node_of, inter, ctx.options.intra_bw or np.inf, {}),
+                Fit("none", 0, total, 0.0, 0.0, given))
+    ops = sorted({r[0] for r in rows})
+    x = np.array([r[1] for r in rows])
+    t = np.array([r[2] for r in rows])
+    op_index = np.array([ops.index(r[0]) for r in rows])
+    spread = x.max() >= network.MIN_SPREAD * max(x.min(), 1.0)
+    beta_fixed = 1 / fixed if fixed else (None if spread else (1 / given if given else 0.0))
+    keep = np.ones(len(t), dtype=bool)
+    for _ in range(2):
+        alpha, beta = network._lstsq(x[keep], t[keep], op_index[keep], len(ops), beta_fixed)
+        residual = t - (alpha[op_index] + beta * x)
+        scale = network._robust(residual[keep])
+        keep = np.abs(residual) <= network.RESIDUAL_CLIP * max(scale, 1e-6)
+    rate = 1 / beta if beta > 0 else np.inf
+    source = ("α fitted, the link's rate from the options" if fixed else
+              "α and the link's rate by least squares over the calls that ran alone" if spread else
+              "α fitted; the calls' sizes do not spread enough to tell the rate"
+              + (" (the cluster's link rate taken)" if given else " (taken as unbounded)"))
+    if nodes > 1:
+        links = Links(node_of, rate, ctx.options.intra_bw or np.inf, dict(zip(ops, map(float, alpha))))
+    else:
+        links = Links(node_of, ctx.options.inter_bw or np.inf, rate, dict(zip(ops, map(float, alpha))))
+    residual_s = network._robust(residual[keep])
+    return links, Fit(source, int(keep.sum()), total, residual_s, residual_s / max(float(np.median(t)), 1e-12), given)
+
+
+def _unit_time(c: Call, unit: Links) -> float:
+    """The call's last entry to last exit, replayed alone from its recorded entries on links of one byte
+    a second: its time is α + this / the link's rate."""
+    first = min(c.entries)
+    programs = {r: [("compute", e - first), ("call", 0), ("end", 0)] for r, e in zip(c.ranks, c.entries)}
+    ends = _Simulation(unit, {0: c}).run(programs, dict.fromkeys(c.ranks, 0.0))
+    return max(e[0] for e in ends.values()) - (max(c.entries) - first)
+
+
+# the replay ---------------------------------------------------------------------------------------------
+
+def run_steps(steps: list[Step], links: Links, change: Change | None = None) -> np.ndarray:
+    """Each step's replayed time (the slowest rank's start to end) with `change` applied. The ranks run
+    the steps one after another from the first step's recorded offsets, so a rank that leaves a step
+    early waits at the next one's first collective, as it did."""
+    programs: dict[int, list[tuple]] = {r: [] for r in (steps[0].programs if steps else {})}
+    calls: dict[tuple, Call] = {}
+    for i, s in enumerate(steps):
+        step_programs, step_calls = _changed(s, change) if change is not None else (s.programs, s.calls)
+        calls.update({(i, k): c for k, c in step_calls.items()})
+        for r, program in step_programs.items():
+            programs[r].extend((kind, (i, arg)) if kind in ("call", "issue") else (kind, arg) for kind, arg in program)
+            programs[r].append(("end", i))
+    if not steps:
+        return np.zeros(0)
+    ends = _Simulation(links, calls).run(programs, steps[0].start)
+    starts = {r: [steps[0].start[r], *(ends[r][:-1])] for r in ends}
+    return np.array([max(ends[r][i] - starts[r][i] for r in ends) for i in range(len(steps))])
+
+
+def _changed(step: Step, change: Change) -> tuple[dict[int, list[tuple]], dict[int, Call]]:
+    calls = dict(step.calls)
+    dropped: set[int] = set()
+    for k, c in step.calls.items():
+        if c.collective is None:
+            continue
+        if change.skip >= 1.0:
+            dropped.add(k)
+        elif c.collective in change.scale:
+            calls[k] = Call(c.op, c.tag, c.collective, c.ranks, c.flows * float(change.scale[c.collective]),
+                            c.is_async, c.time_s, c.entry_s, c.entries, c.alone)
+    ranks = tuple(sorted(step.programs))
+    added = []
+    for a in change.added:
+        key = max(calls, default=-1) + 1
+        calls[key] = Call(a.op, a.tag, None, ranks, _added_flows(a, len(ranks)), False, 0.0, 0.0, ())
+        added.append(key)
+    programs = {}
+    for r, program in step.programs.items():
+        out = [ins for ins in program if not (ins[0] == "call" and ins[1] in dropped)]
+        if added or change.work_s:
+            i = _after_backward(out)
+            inserted = [("call", k) for k in added] + ([("compute", float(change.work_s))] if change.work_s else [])
+            out = out[:i] + inserted + out[i:]
+        programs[r] = out
+    return programs, calls
+
+
+def _added_flows(a: Added, n: int) -> np.ndarray:
+    flows = np.zeros((n, n))
+    if n > 1:
+        if a.op == network.ALL_REDUCE:
+            for i in range(n):
+                flows[i, (i + 1) % n] = 2 * (n - 1) / n * a.bytes_per_rank
+        else:  # an exchange or a gather: the rank's bytes spread over the others
+            flows[:] = a.bytes_per_rank / (n - 1)
+            np.fill_diagonal(flows, 0.0)
+    return flows
+
+
+def _after_backward(program: list[tuple]) -> int:
+    """Where the trainer issues what follows the backward: after the wait point, else before the
+    step's last compute."""
+    for i, ins in enumerate(program):
+        if ins[0] == "wait":
+            return i + 1
+    return max(len(program) - 1, 0)
+
+
+class _Simulation:
+    """The discrete-event replay of the ranks' programs on the links.
+
+    An all-reduce's or a gather's flows start once every rank has entered. An all-to-all's data moves as
+    gloo's pairs move it (measured on `tracekit cluster`, bench/RESULTS.md §36): a rank entering it tells
+    each peer it may send, on the stream that carries its own data to that peer. So between a rank that entered early and one that entered later, the later one's
+    data crosses first (the early one's notice was waiting), and the early one's only once it has, behind
+    which the later one's notice came; ranks that enter together send at once. A rank leaves the call
+    when all its data has arrived and all its own has started (handed to the socket), plus the op's α.
+    Flows that share a link share it max-min fairly."""
+
+    def __init__(self, links: Links, calls: dict) -> None:
+        self.links = links
+        self.calls = calls
+        self.entries: dict = {}  # call -> {rank: time}
+        self.pending: dict = {}  # (call, rank) -> [in-flows not arrived, out-flows not started]
+        self.flows: dict = {}  # (call, i, j) -> bytes left, for the flows moving now
+        self.after: dict = {}  # (call, i, j) -> the flow that starts once it has arrived
+        self.left: dict = {}  # (call, rank) -> when the rank left the call
+        self.timers: list = []  # (time, call, rank): the rank leaves the call then
+
+    def run(self, programs: dict[int, list[tuple]], start: dict[int, float]) -> dict[int, list[float]]:
+        pc = dict.fromkeys(programs, 0)
+        ready: dict[int, float | None] = dict(start)
+        blocked: dict[int, tuple] = {}  # rank -> ("call", key) or ("wait", keys)
+        issued: dict[int, list] = {r: [] for r in programs}
+        ends: dict[int, list[float]] = {r: [] for r in programs}
+        finished: set[int] = set()
+        now = min(start.values())
+        while len(finished) < len(programs):
+            moved = True
+            while moved:  # run every rank that can run now
+                moved = False
+                for r in programs:
+                    t = ready[r]
+                    if r in finished or t is None or t > now:
+                        continue
+                    if pc[r] >= len(programs[r]):
+                        finished.add(r)
+                        continue
+                    kind, arg = programs[r][pc[r]]
+                    pc[r] += 1
+                    moved = True
+                    if kind == "compute":
+                        ready[r] = t + arg
+                    elif kind == "end":
+                        ends[r].append(t)
+                    elif kind in ("call", "issue"):
+                        self._enter(arg, r, t)
+                        if kind == "issue":
+                            issued[r].append(arg)
+                        elif (arg, r) in self.left:
+                            ready[r] = max(t, self.left[arg, r])
+                        else:
+                            ready[r], blocked[r] = None, ("call", arg)
+                    else:  # wait for the async calls issued so far
+                        keys, issued[r] = issued[r], []
+                        if all((k, r) in self.left for k in keys):
+                            ready[r] = max([t, *(self.left[k, r] for k in keys)])
+                        else:
+                            ready[r], blocked[r] = None, ("wait", keys)
+            for r, (kind, arg) in list(blocked.items()):  # ranks whose calls are done
+                keys = [arg] if kind == "call" else arg
+                if all((k, r) in self.left for k in keys):
+                    ready[r] = max([now, *(self.left[k, r] for k in keys)])
+                    del blocked[r]
+            if len(finished) == len(programs):
+                break
+            rates = self._rates()
+            candidates = [t for r, t in ready.items() if t is not None and r not in finished and t > now]
+            candidates += [t for t, *_ in self.timers[:1]]
+            candidates += [now + left / rate for f, left in self.flows.items() if (rate := rates[f]) > 0]
+            if not candidates:
+                if any(t is not None and t <= now for r, t in ready.items() if r not in finished):
+                    continue
+                raise RuntimeError("replay stalled: a collective some rank never enters")
+            t = max(min(candidates), now)
+            for f in list(self.flows):
+                self.flows[f] -= rates[f] * (t - now)
+            now = t
+            for f in [f for f, left in self.flows.items() if left <= EPS_BYTES]:
+                del self.flows[f]
+                self._arrived(f, now)
+            while self.timers and self.timers[0][0] <= now:
+                when, key, r = heapq.heappop(self.timers)
+                self.left[key, r] = when
+        return ends
+
+    def _enter(self, key: tuple, r: int, t: float) -> None:
+        c = self.calls[key]
+        me = c.ranks.index(r)
+        entered = self.entries.setdefault(key, {})
+        entered[me] = t
+        self.pending[key, me] = [int((c.flows[:, me] > EPS_BYTES).sum()), int((c.flows[me] > EPS_BYTES).sum())]
+        if not c.op.startswith("all_to_all"):  # a ring or a gather: every flow once all have entered
+            if len(entered) == len(c.ranks):
+                for i, j in zip(*np.nonzero(c.flows > EPS_BYTES)):
+                    self._start((key, int(i), int(j)), t)
+                for i in range(len(c.ranks)):
+                    self._check(key, i, t)
+            return
+        for peer, t_peer in entered.items():
+            if peer == me:
+                continue
+            mine, theirs = c.flows[me, peer] > EPS_BYTES, c.flows[peer, me] > EPS_BYTES
+            if mine:
+                self._start((key, me, peer), t)
+            if theirs:
+                if t_peer == t or not mine:
+                    self._start((key, peer, me), t)
+                else:
+                    self.after[key, me, peer] = (key, peer, me)
+        self._check(key, me, t)
+
+    def _start(self, f: tuple, t: float) -> None:
+        key, i, j = f
+        self.flows[f] = float(self.calls[key].flows[i, j])
+        self.pending[key, i][1] -= 1
+        self._check(key, i, t)
+
+    def _arrived(self, f: tuple, t: float) -> None:
+        key, i, j = f
+        self.pending[key, j][0] -= 1
+        self._check(key, j, t)
+        then = self.after.pop(f, None)
+        if then is not None:
+            self._start(then, t)
+
+    def _check(self, key: tuple, me: int, t: float) -> None:
+        if self.pending[key, me] == [0, 0]:
+            self.pending[key, me] = [-1, -1]
+            c = self.calls[key]
+            heapq.heappush(self.timers, (t + self.links.alpha_of(c.op), key, c.ranks[me]))
+
+    def _rates(self) -> dict:
+        """Max-min fair rates of the flows moving now (progressive filling): the link whose fair share is
+        least fixes its flows at that share, until every flow is fixed."""
+        paths = {}
+        capacity = {}
+        for f in self.flows:
+            key, i, j = f
+            c = self.calls[key]
+            a, b = c.ranks[i], c.ranks[j]
+            na, nb = self.links.node_of[a], self.links.node_of[b]
+            path = (("up", na), ("down", nb)) if na != nb else (("lo_up", a), ("lo_down", b))
+            paths[f] = path
+            for link in path:
+                capacity[link] = self.links.inter if link[0] in ("up", "down") else self.links.intra
+        rates = {}
+        free = set(paths)
+        while free:
+            users: dict[tuple, list] = {}
+            for f in free:
+                for link in paths[f]:
+                    users.setdefault(link, []).append(f)
+            link, share = min(((k, capacity[k] / len(v)) for k, v in users.items()), key=lambda kv: kv[1])
+            for f in users[link]:
+                rates[f] = share
+                free.discard(f)
+                for other in paths[f]:
+                    capacity[other] -= share
+        return rates
