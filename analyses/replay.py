@@ -33,6 +33,7 @@ baseline's median step times the median of the per-step ratios, its interval the
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,10 @@ from tracekit import tags
 EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
 INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
 EPS_BYTES = 1e-3
+
+
+class Stalled(RuntimeError):
+    """The replay cannot go on: a rank waits in a collective that another rank never enters."""
 
 
 @dataclass
@@ -212,7 +217,13 @@ def _build(ctx: Context) -> Replay:
     _mark_alone(steps)
     links, fit = _fit(ctx, steps, node_of, topology, notes)
     measured = network.step_time(ctx)
-    return Replay(steps, links, fit, measured.median_s, measured.spread_s, notes)
+    out = Replay(steps, links, fit, measured.median_s, measured.spread_s, notes)
+    try:
+        out.replayed()
+    except Stalled as e:
+        notes.append(f"the recorded steps do not replay ({e}): step times priced per call")
+        out.steps = []
+    return out
 
 
 def _steps(ctx: Context, notes: list[str]) -> list[Step]:
@@ -224,7 +235,7 @@ def _steps(ctx: Context, notes: list[str]) -> list[Step]:
                t_grads_ns + {offset} AS tg
         FROM steps WHERE t_end_ns >= t_start_ns ORDER BY step, rank""")
     calls = ctx.frame(f"""
-        SELECT step, rank, seq, op, "group", tag, "async", bytes_out, splits_out,
+        SELECT step, rank, seq, op, "group", group_size, tag, "async", bytes_out, splits_out,
                t_start_ns + {offset} AS c0, CASE WHEN t_end_ns >= t_start_ns THEN t_end_ns + {offset} END AS c1,
                row_number() OVER (PARTITION BY rank, step, "group" ORDER BY seq) AS nth
         FROM train_comms WHERE group_size >= 2 AND op NOT IN ('send', 'recv', 'isend', 'irecv')
@@ -261,8 +272,8 @@ def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int
             groups.setdefault((row["group"], row["nth"]), []).append(row)
         for gk, members in groups.items():
             members.sort(key=lambda r: r["rank"])
-            if len({m["op"] for m in members}) > 1:
-                return None  # a lost row: the ranks disagree on the call
+            if len({m["op"] for m in members}) > 1 or len(members) != members[0]["group_size"]:
+                return None  # a lost row: the ranks disagree on the call, or one has none
             key = keys[gk] = len(keys)
             graph_calls[key] = _call(members)
             for m in members:
@@ -560,14 +571,15 @@ class _Simulation:
             rates = self._rates()
             candidates = [t for r, t in ready.items() if t is not None and r not in finished and t > now]
             candidates += [t for t, *_ in self.timers[:1]]
-            candidates += [now + left / rate for f, left in self.flows.items() if (rate := rates[f]) > 0]
+            candidates += [now + (0.0 if math.isinf(rate) else left / rate)
+                           for f, left in self.flows.items() if (rate := rates[f]) > 0]
             if not candidates:
                 if any(t is not None and t <= now for r, t in ready.items() if r not in finished):
                     continue
-                raise RuntimeError("replay stalled: a collective some rank never enters")
+                raise Stalled("a collective some rank never enters")
             t = max(min(candidates), now)
-            for f in list(self.flows):
-                self.flows[f] -= rates[f] * (t - now)
+            for f in list(self.flows):  # a flow on links without a rate (unbounded) arrives at once
+                self.flows[f] = 0.0 if math.isinf(rates[f]) else self.flows[f] - rates[f] * (t - now)
             now = t
             for f in [f for f, left in self.flows.items() if left <= EPS_BYTES]:
                 del self.flows[f]
@@ -640,7 +652,7 @@ class _Simulation:
         rates = {}
         free = set(paths)
         while free:
-            users: dict[tuple, list] = {}
+            users: dict[tuple, list] = {}  # an unbounded link (inf) shares inf: its flows move at once
             for f in free:
                 for link in paths[f]:
                     users.setdefault(link, []).append(f)
@@ -649,5 +661,6 @@ class _Simulation:
                 rates[f] = share
                 free.discard(f)
                 for other in paths[f]:
-                    capacity[other] -= share
+                    if not math.isinf(share):
+                        capacity[other] -= share
         return rates

@@ -77,6 +77,13 @@ def test_alpha_and_a_change_of_bytes_and_added_calls() -> None:
     assert replay.run_steps([step], links, Change(skip=1.0))[0] == pytest.approx(0.2)
 
 
+def test_links_without_a_rate_cost_only_alpha() -> None:
+    links = Links((0, 0), inter=np.inf, intra=np.inf, alpha={"all_to_all_single": 0.001})
+    step = one_step({r: [("call", 0), ("compute", 0.1)] for r in (0, 1)}, {0: exchange(MB, MB), 1: exchange(MB, 0)})
+    step.programs = {r: [("call", 0), ("call", 1), ("compute", 0.1)] for r in (0, 1)}
+    assert replay.run_steps([step], links)[0] == pytest.approx(0.102)
+
+
 def test_steps_run_one_after_another() -> None:
     # rank 1 leaves each exchange 1 s before rank 0 (it entered late) and starts the next step early:
     # it waits there, and each step after the first lasts the same on both ranks
