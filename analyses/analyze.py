@@ -21,6 +21,7 @@ from pathlib import Path
 import time
 from typing import Any, Protocol
 
+from analyses import replay
 from analyses.context import Context, Options, PolicyResult, Result, open_context
 from analyses.decision import decide
 from analyses.network import network
@@ -144,7 +145,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
                 continue
             policy[name] = derived.section
             rows.update(derived.rows)
-        policy = decide(Policy.from_json(policy), net, ctx.options.quality_budget).to_json()
+        policy = decide(Policy.from_json(policy), net, ctx.options.quality_budget, replay.together(ctx)).to_json()
         for name, derived in results.items():
             if derived.section is not None:
                 summary["policies"][name] = {**policy[name], "evidence": derived.evidence}

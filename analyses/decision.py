@@ -13,8 +13,9 @@ nor the model.
 The trainer unions the rows of replication, tiers and schedule when they are applied together,
 so at most one of them is recommended: the one of least predicted step time. `combined` is the
 prediction for every recommended training section applied together: bytes from the exchange
-section and the compression parts, step time the baseline plus their changes, its error the root
-of the sum of their squared errors. The changes add, except where two sections save the same time:
+section and the compression parts; step time the replay of their changes composed where the run
+replays (analyses/replay.py), else the baseline plus their changes, its error the root of the sum of
+their squared errors. The changes add, except where two sections save the same time:
 compression.mp shrinks the output all-to-all that an exchange section (replication, tiers,
 schedule) has already shrunk, so its change counts in proportion to the all-to-all bytes the
 exchange section leaves (on pool8-z1.4-100mbit the plain sum predicted 0 ms against a measured
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Callable
 
 from analyses.network import Network
 from analyses.quality import LOSSY, Budget
@@ -34,9 +36,10 @@ from tracekit.policy import TRAINING, Combined, Policy, Prediction, Section, Tie
 EXCHANGE = ("replication", "tiers", "schedule")
 
 
-def decide(policy: Policy, net: Network, budget: Budget = Budget()) -> Policy:
+def decide(policy: Policy, net: Network, budget: Budget = Budget(), together: Callable | None = None) -> Policy:
     """`policy` with `recommended` (and the `reason` where false) set on every section, and its
-    `combined` prediction where more than one training section is recommended."""
+    `combined` prediction where more than one training section is recommended: `together(labels)`, the
+    replay of their changes composed (analyses.replay.together), where it gives one."""
     base = net.step.median_s
     decided: dict[str, Section] = {}
     for label, section in policy.sections.items():
@@ -52,8 +55,8 @@ def decide(policy: Policy, net: Network, budget: Budget = Budget()) -> Policy:
                 decided[label] = replace(decided[label], recommended=False, reason=(
                     f"{best} predicts a faster step ({_ms(decided[best])} against {_ms(decided[label])}); "
                     "the trainer would apply the union of their rows"))
-    together = {label: decided[label] for label in TRAINING if label in decided and decided[label].recommended}
-    both = combined(policy.baseline, together, base, net) if len(together) > 1 and base is not None else None
+    chosen = {label: decided[label] for label in TRAINING if label in decided and decided[label].recommended}
+    both = combined(policy.baseline, chosen, base, net, together) if len(chosen) > 1 and base is not None else None
     return replace(policy, sections=decided, combined=both)
 
 
@@ -91,18 +94,23 @@ def interval(prediction: Prediction, net: Network, step: float | None = None) ->
     return step - error, step + error
 
 
-def combined(baseline: dict, sections: dict[str, Section], base: float, net: Network) -> Combined:
+def combined(baseline: dict, sections: dict[str, Section], base: float, net: Network,
+             together: Callable | None = None) -> Combined:
     """The prediction for `sections` applied together (module docstring)."""
     exchange = next((section.prediction.figures for label, section in sections.items() if label in EXCHANGE), None)
     left = _a2a_left(baseline, exchange)
-    change, variance = 0.0, 0.0
-    for label, section in sections.items():
-        low, high = interval(section.prediction, net)
-        weight = left if label == "compression.mp" else 1.0
-        change += weight * (float(section.prediction.figures[STEP_TIME]) - base)
-        variance += (weight * (high - low) / 2) ** 2
-    step = max(base + change, 0.0)
-    error = math.sqrt(variance)
+    replayed = together(list(sections)) if together is not None else None
+    if replayed is not None:
+        step, span = replayed.step_s, (max(replayed.low_s, 0.0), replayed.high_s)
+    else:
+        change, variance = 0.0, 0.0
+        for label, section in sections.items():
+            low, high = interval(section.prediction, net)
+            weight = left if label == "compression.mp" else 1.0
+            change += weight * (float(section.prediction.figures[STEP_TIME]) - base)
+            variance += (weight * (high - low) / 2) ** 2
+        step = max(base + change, 0.0)
+        span = (max(step - math.sqrt(variance), 0.0), step + math.sqrt(variance))
     predicted = {STEP_TIME: step}
     a2a = (exchange or {}).get(A2A_BYTES, baseline.get(A2A_BYTES))
     mp = sections.get("compression.mp")
@@ -115,11 +123,13 @@ def combined(baseline: dict, sections: dict[str, Section], base: float, net: Net
     if "compression.dp" in sections:
         predicted[DP_BYTES] = float(sections["compression.dp"].prediction.figures[DP_BYTES])
     labels = list(sections)
-    why = (f"{', '.join(labels)} together: the baseline's {base * 1e3:.2f} ms plus each section's predicted "
-           "change" + (f", compression.mp's at the {left:.0%} of all-to-all bytes the exchange section leaves"
-                       if mp is not None and exchange is not None else "")
-           + ", bytes from the exchange section" + (" scaled by compression.mp's ratio" if mp is not None else ""))
-    return Combined(tuple(labels), Prediction(predicted, why, {STEP_TIME: (max(step - error, 0.0), step + error)}))
+    how = ("the recorded steps replayed with their changes together" if replayed is not None else
+           f"the baseline's {base * 1e3:.2f} ms plus each section's predicted change"
+           + (f", compression.mp's at the {left:.0%} of all-to-all bytes the exchange section leaves"
+              if mp is not None and exchange is not None else ""))
+    why = (f"{', '.join(labels)} together: {how}, bytes from the exchange section"
+           + (" scaled by compression.mp's ratio" if mp is not None else ""))
+    return Combined(tuple(labels), Prediction(predicted, why, {STEP_TIME: span}))
 
 
 def _a2a_left(baseline: dict, exchange: dict | None) -> float:

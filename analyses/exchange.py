@@ -521,33 +521,37 @@ def _replayed(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse:
     rp = replay.replay(ctx)
     if not rp.steps or rp.measured_median_s is None or s.step_time_s is None:
         return None
-    net = network.network(ctx)
-    shape = np.broadcast(*(np.asarray(remote[c]) for c in s.base), np.asarray(sparse), np.asarray(sync_bytes),
-                         np.asarray(hot_ids), np.asarray(rows), np.asarray(skipped_calls)).shape
+    values = {"sparse": sparse, "sync": sync_bytes, "hot": hot_ids, "rows": rows, "skipped": skipped_calls,
+              **{c: remote[c] for c in s.base}}
+    shape = np.broadcast(*(np.asarray(v) for v in values.values())).shape
     size = int(np.prod(shape)) if shape else 1
-    flat = {name: np.broadcast_to(np.asarray(v, dtype=np.float64), shape).reshape(-1)
-            for name, v in (("sparse", sparse), ("sync", sync_bytes), ("hot", hot_ids), ("rows", rows),
-                            ("skipped", skipped_calls), *((c, remote[c]) for c in s.base))}
-    work_sparse = net.work("replication.sparse_allreduce", ids=s.lookups_per_rank, hot=flat["hot"], rows=flat["rows"])
-    work_dense = net.work("replication.dense_allreduce", ids=s.lookups_per_rank, hot=flat["hot"], rows=flat["rows"])
-    syncing = flat["sync"] > 0
-    sparse_flag = flat["sparse"] > 0
-    work = (np.zeros(size) if work_sparse is None or work_dense is None
-            else np.where(syncing, np.where(sparse_flag, work_sparse, work_dense), 0.0))
+    flat = {name: np.broadcast_to(np.asarray(v, dtype=np.float64), shape).reshape(-1) for name, v in values.items()}
     points = log_points(size - 1) if size > 1 else [0]
-    step, low, high = (np.empty(len(points)) for _ in range(3))
+    step, low, high, work = (np.empty(len(points)) for _ in range(4))
     for n, i in enumerate(points):
-        scale = {c: flat[c][i] / s.base[c][1] if s.base[c][1] else 1.0 for c in s.base}
-        change = replay.Change(scale, float(flat["skipped"][i]) / len(COLLECTIVES),
-                               _sync_calls(bool(sparse_flag[i]), float(flat["sync"][i]), s.world), float(work[i]))
-        p = rp.predict(change)
-        step[n], low[n], high[n] = p.step_s, p.low_s, p.high_s
+        c = change(ctx, s, {col: flat[col][i] for col in s.base}, bool(flat["sparse"][i]), flat["sync"][i],
+                   flat["hot"][i], flat["rows"][i], flat["skipped"][i])
+        p = rp.predict(c)
+        step[n], low[n], high[n], work[n] = p.step_s, p.low_s, p.high_s, c.work_s
     at = np.arange(size)
-    step_s, low_s, high_s = (np.interp(at, points, v) for v in (step, low, high))
+    step_s, low_s, high_s, work_s = (np.interp(at, points, v) for v in (step, low, high, work))
     error = np.maximum(step_s - low_s, high_s - step_s)  # the per-step spread and the baseline's drift
-    comm = np.maximum(step_s - work - rp.compute_s, 0.0)
-    out = [v.reshape(shape) if shape else float(v[0]) for v in (comm, work, step_s, error)]
-    return Timing(*out)
+    comm = np.maximum(step_s - work_s - rp.compute_s, 0.0)
+    return Timing(*(v.reshape(shape) if shape else float(v[0]) for v in (comm, work_s, step_s, error)))
+
+
+def change(ctx: Context, s: ExchangeBaseline, remote: dict[str, float], sparse: bool, sync_bytes: float,
+           hot_ids: float, rows: float, skipped_calls: float = 0.0) -> replay.Change:
+    """A policy that leaves `remote[c]` remote bytes on each exchange collective c (`timing`'s arguments, one
+    point) as a change of the replayed graph: the exchange scaled, skipped on its share of steps, the sync's
+    collectives and its calibrated rank work added after the backward."""
+    net = network.network(ctx)
+    kind = "replication.sparse_allreduce" if sparse else "replication.dense_allreduce"
+    work = net.work(kind, ids=s.lookups_per_rank, hot=hot_ids, rows=rows) if sync_bytes > 0 else None
+    skip = min(float(skipped_calls) / len(COLLECTIVES), 1.0)
+    # remote[c] is a mean over every step: the steps that make the exchange carry it over their share
+    scale = {c: float(remote[c]) / s.base[c][1] / max(1.0 - skip, 1e-12) if s.base[c][1] else 1.0 for c in s.base}
+    return replay.Change(scale, skip, _sync_calls(sparse, float(sync_bytes), s.world), 0.0 if work is None else float(work))
 
 
 def _sync_calls(sparse: bool, sync_bytes: float, world: int) -> tuple:

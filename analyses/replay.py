@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import polars as pl
@@ -43,10 +43,12 @@ from analyses import network
 from analyses.clocks import clock_offsets, offset_sql
 from analyses.context import Context
 from tracekit import tags
+from tracekit.topology import tbf_params
 
 EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
 INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
 EPS_BYTES = 1e-3
+LINE_RATE = 100.0  # a token bucket's line rate, as a multiple of its rate (a veth's, in `tracekit cluster`)
 
 
 class Stalled(RuntimeError):
@@ -88,6 +90,7 @@ class Links:
     inter: float  # bytes/s of a node's link, each way
     intra: float  # bytes/s of a rank within its node, each way
     alpha: dict[str, float]
+    burst: float = 0.0  # bytes a node's link sends at line rate after it idled (a token bucket's; 0: none)
 
     def alpha_of(self, op: str) -> float:
         return self.alpha.get(op, self.alpha.get(network.A2A, 0.0))
@@ -96,13 +99,12 @@ class Links:
 @dataclass(frozen=True)
 class Fit:
     """How the links were fitted: over `calls` synchronous calls that ran alone (of `total`), with the
-    robust spread of their residuals, in seconds and relative to their median time."""
+    robust spread of their residuals (seconds)."""
 
     source: str
     calls: int
     total: int
     residual_s: float
-    residual_rel: float
     link_given: float | None  # the link's rate where the run names it (tracekit cluster), bytes/s
 
 
@@ -122,12 +124,41 @@ class Added:
 class Change:
     """A policy as a transformation of the graph: `scale[c]` the factor on exchange collective c's bytes
     between ranks; `skip` the share of steps that make no exchange (FAE's all-hot ones); `added` the
-    collectives it adds; `work_s` rank-side seconds a step it adds (after the backward)."""
+    collectives it adds; `work_s` rank-side seconds a step it adds (after the backward); `dense` the factor
+    on the dense gradients' all-reduce bytes (DDP's buckets, the trainer's hook: tracekit.tags.DP_TAGS)."""
 
     scale: dict[str, float] = field(default_factory=dict)
     skip: float = 0.0
     added: tuple[Added, ...] = ()
     work_s: float = 0.0
+    dense: float = 1.0
+
+
+def compose(changes: list[Change]) -> Change:
+    """Changes applied together: their scales multiplied, the largest skip, every added call and all work."""
+    scale: dict[str, float] = {}
+    for c in changes:
+        for name, factor in c.scale.items():
+            scale[name] = scale.get(name, 1.0) * float(factor)
+    return Change(scale, max((c.skip for c in changes), default=0.0), tuple(a for c in changes for a in c.added),
+                  sum(c.work_s for c in changes), math.prod(c.dense for c in changes))
+
+
+def changes(ctx: Context) -> dict[str, Change]:
+    """The change each policy section predicted its step with, by section label (set by the policies,
+    read by the combined prediction), once per context."""
+    return ctx.memo(changes, dict)
+
+
+def together(ctx: Context):
+    """A function from section labels to the replay's prediction of them applied together (their changes
+    composed), or None where the run does not replay or a section set no change."""
+    def predict(labels: list[str]) -> Prediction | None:
+        rp, known = replay(ctx), changes(ctx)
+        if not rp.steps or rp.measured_median_s is None or any(label not in known for label in labels):
+            return None
+        return rp.predict(compose([known[label] for label in labels]))
+    return predict
 
 
 @dataclass(frozen=True)
@@ -183,7 +214,7 @@ class Replay:
         base = self.replayed()
         ratios = self.replayed(change) / np.maximum(base, 1e-12)
         if change.skip > 0:  # the steps without an exchange, replayed as such, in their share
-            skipped = self.replayed(Change(change.scale, 1.0, change.added, change.work_s)) / np.maximum(base, 1e-12)
+            skipped = self.replayed(replace(change, skip=1.0)) / np.maximum(base, 1e-12)
             ratios = (1 - change.skip) * ratios + change.skip * skipped
         mid = float(np.median(ratios))
         lo, hi = (float(np.percentile(ratios, q)) for q in (10, 90))
@@ -194,7 +225,7 @@ class Replay:
         f = self.fit
         return {"steps": len(self.steps), "inter_bytes_per_s": self.links.inter, "intra_bytes_per_s": self.links.intra,
                 "alpha_s": self.links.alpha, "fit": {"source": f.source, "calls": f.calls, "of": f.total,
-                                                    "residual_s": f.residual_s, "residual_rel": f.residual_rel,
+                                                    "residual_s": f.residual_s,
                                                     "link_given_bytes_per_s": f.link_given},
                 "check": self.check(), "notes": self.notes}
 
@@ -385,21 +416,22 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
          notes: list[str]) -> tuple[Links, Fit]:
     given = topology.get("link_bytes_per_s")
     nodes = len(set(node_of))
-    unit = Links(node_of, 1.0 if nodes > 1 else np.inf, 1.0 if nodes == 1 else np.inf, {})
-    rows = [(c.op, _unit_time(c, unit), c.time_s)
-            for s in steps for c in s.calls.values() if not c.is_async and c.alone and c.time_s > 0
-            and c.flows.sum() > 0]
+    alone = [c for s in steps for c in s.calls.values() if not c.is_async and c.alone and c.time_s > 0
+             and c.flows.sum() > 0]
     total = sum(1 for s in steps for c in s.calls.values() if not c.is_async)
     fixed = ctx.options.inter_bw if nodes > 1 else ctx.options.intra_bw
-    if not rows:
+    intra = ctx.options.intra_bw or np.inf
+    if not alone:
         notes.append("replay: no synchronous call ran alone to fit the links on; α = 0, links from the options")
-        inter = ctx.options.inter_bw or given or np.inf
-        return (Links(node_of, inter, ctx.options.intra_bw or np.inf, {}),
-                Fit("none", 0, total, 0.0, 0.0, given))
-    ops = sorted({r[0] for r in rows})
-    x = np.array([r[1] for r in rows])
-    t = np.array([r[2] for r in rows])
-    op_index = np.array([ops.index(r[0]) for r in rows])
+        return Links(node_of, ctx.options.inter_bw or given or np.inf, intra, {}), Fit("none", 0, total, 0.0, given)
+    ops = sorted({c.op for c in alone})
+    t = np.array([c.time_s for c in alone])
+    op_index = np.array([ops.index(c.op) for c in alone])
+    burst = float(topology.get("burst_bytes") or tbf_params(given)["burst"]) if nodes > 1 and given else 0.0
+    if burst and not fixed:
+        return _fit_bucket(alone, t, ops, op_index, node_of, given, burst, intra, total)
+    unit = Links(node_of, 1.0 if nodes > 1 else np.inf, 1.0 if nodes == 1 else np.inf, {})
+    x = np.array([_alone_time(c, unit) for c in alone])
     spread = x.max() >= network.MIN_SPREAD * max(x.min(), 1.0)
     beta_fixed = 1 / fixed if fixed else (None if spread else (1 / given if given else 0.0))
     keep = np.ones(len(t), dtype=bool)
@@ -413,20 +445,41 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
               "α and the link's rate by least squares over the calls that ran alone" if spread else
               "α fitted; the calls' sizes do not spread enough to tell the rate"
               + (" (the cluster's link rate taken)" if given else " (taken as unbounded)"))
-    if nodes > 1:
-        links = Links(node_of, rate, ctx.options.intra_bw or np.inf, dict(zip(ops, map(float, alpha))))
-    else:
-        links = Links(node_of, ctx.options.inter_bw or np.inf, rate, dict(zip(ops, map(float, alpha))))
-    residual_s = network._robust(residual[keep])
-    return links, Fit(source, int(keep.sum()), total, residual_s, residual_s / max(float(np.median(t)), 1e-12), given)
+    alphas = dict(zip(ops, map(float, alpha)))
+    links = (Links(node_of, rate, intra, alphas) if nodes > 1 else
+             Links(node_of, ctx.options.inter_bw or np.inf, rate, alphas))
+    return links, Fit(source, int(keep.sum()), total, network._robust(residual[keep]), given)
 
 
-def _unit_time(c: Call, unit: Links) -> float:
-    """The call's last entry to last exit, replayed alone from its recorded entries on links of one byte
-    a second: its time is α + this / the link's rate."""
+def _fit_bucket(alone: list[Call], t: np.ndarray, ops: list[str], op_index: np.ndarray, node_of: tuple[int, ...],
+                given: float, burst: float, intra: float, total: int) -> tuple[Links, Fit]:
+    """The rate of a token-bucket link (`tracekit cluster`'s, whose burst is known): the rate, around the
+    link's payload rate, whose alone-call replays leave the least robust spread of residuals, with each
+    op's α the median of what its calls took beyond their replayed transfer."""
+    best = None
+    for factor in np.linspace(0.6, 1.4, 17):
+        rate = given * network.WIRE_EFFICIENCY * factor
+        x = np.array([_alone_time(c, Links(node_of, rate, intra, {}, burst)) for c in alone])
+        extra = t - x
+        alpha = np.array([max(float(np.median(extra[op_index == i])), 0.0) for i in range(len(ops))])
+        residual = extra - alpha[op_index]
+        score = float(np.median(np.abs(residual)))
+        if best is None or score < best[0]:
+            best = (score, rate, alpha, residual)
+    _, rate, alpha, residual = best
+    keep = np.abs(residual) <= network.RESIDUAL_CLIP * max(network._robust(residual), 1e-6)
+    links = Links(node_of, rate, intra, dict(zip(ops, map(float, alpha))), burst)
+    return links, Fit(f"the link's rate fitted over the calls that ran alone, replayed with its {burst / 1e3:.0f} kB "
+                      "token bucket; α per op their median excess", int(keep.sum()), total,
+                      network._robust(residual[keep]), given)
+
+
+def _alone_time(c: Call, links: Links) -> float:
+    """The call's last entry to last exit, replayed alone from its recorded entries on `links` with no α
+    (on links of one byte a second, its time is α + this / the link's rate)."""
     first = min(c.entries)
     programs = {r: [("compute", e - first), ("call", 0), ("end", 0)] for r, e in zip(c.ranks, c.entries)}
-    ends = _Simulation(unit, {0: c}).run(programs, dict.fromkeys(c.ranks, 0.0))
+    ends = _Simulation(links, {0: c}).run(programs, dict.fromkeys(c.ranks, 0.0))
     return max(e[0] for e in ends.values()) - (max(c.entries) - first)
 
 
@@ -456,6 +509,9 @@ def _changed(step: Step, change: Change) -> tuple[dict[int, list[tuple]], dict[i
     dropped: set[int] = set()
     for k, c in step.calls.items():
         if c.collective is None:
+            if change.dense != 1.0 and c.tag.startswith(tags.DP_TAGS):
+                calls[k] = Call(c.op, c.tag, None, c.ranks, c.flows * float(change.dense), c.is_async, c.time_s,
+                                c.entry_s, c.entries, c.alone)
             continue
         if change.skip >= 1.0:
             dropped.add(k)
@@ -520,6 +576,7 @@ class _Simulation:
         self.after: dict = {}  # (call, i, j) -> the flow that starts once it has arrived
         self.left: dict = {}  # (call, rank) -> when the rank left the call
         self.timers: list = []  # (time, call, rank): the rank leaves the call then
+        self.tokens: dict = {}  # a node link's bucket: bytes it may still send at line rate
 
     def run(self, programs: dict[int, list[tuple]], start: dict[int, float]) -> dict[int, list[float]]:
         pc = dict.fromkeys(programs, 0)
@@ -569,7 +626,10 @@ class _Simulation:
             if len(finished) == len(programs):
                 break
             rates = self._rates()
+            flowing = self._throughput(rates)
             candidates = [t for r, t in ready.items() if t is not None and r not in finished and t > now]
+            candidates += [now + self.tokens[k] / (v - self.links.inter) for k, v in flowing.items()
+                           if self.tokens.get(k, 0.0) > 0 and v > self.links.inter]
             candidates += [t for t, *_ in self.timers[:1]]
             candidates += [now + (0.0 if math.isinf(rate) else left / rate)
                            for f, left in self.flows.items() if (rate := rates[f]) > 0]
@@ -578,6 +638,10 @@ class _Simulation:
                     continue
                 raise Stalled("a collective some rank never enters")
             t = max(min(candidates), now)
+            if self.links.burst:
+                for k in self.tokens:
+                    left = self.tokens[k] + (self.links.inter - flowing.get(k, 0.0)) * (t - now)
+                    self.tokens[k] = min(left, self.links.burst) if left > 1.0 else 0.0  # under a byte: empty
             for f in list(self.flows):  # a flow on links without a rate (unbounded) arrives at once
                 self.flows[f] = 0.0 if math.isinf(rates[f]) else self.flows[f] - rates[f] * (t - now)
             now = t
@@ -635,6 +699,17 @@ class _Simulation:
             c = self.calls[key]
             heapq.heappush(self.timers, (t + self.links.alpha_of(c.op), key, c.ranks[me]))
 
+    def _throughput(self, rates: dict) -> dict:
+        """Bytes/s each node link carries now."""
+        out: dict = {}
+        for (key, i, j), rate in rates.items():
+            c = self.calls[key]
+            na, nb = self.links.node_of[c.ranks[i]], self.links.node_of[c.ranks[j]]
+            if na != nb:
+                for link in (("up", na), ("down", nb)):
+                    out[link] = out.get(link, 0.0) + rate
+        return out
+
     def _rates(self) -> dict:
         """Max-min fair rates of the flows moving now (progressive filling): the link whose fair share is
         least fixes its flows at that share, until every flow is fixed."""
@@ -648,7 +723,13 @@ class _Simulation:
             path = (("up", na), ("down", nb)) if na != nb else (("lo_up", a), ("lo_down", b))
             paths[f] = path
             for link in path:
-                capacity[link] = self.links.inter if link[0] in ("up", "down") else self.links.intra
+                if link[0] in ("up", "down"):
+                    if self.links.burst and link not in self.tokens:
+                        self.tokens[link] = self.links.burst
+                    line = self.tokens.get(link, 0.0) > 0
+                    capacity[link] = self.links.inter * (LINE_RATE if line else 1.0)
+                else:
+                    capacity[link] = self.links.intra
         rates = {}
         free = set(paths)
         while free:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from tracekit.errors import TracekitError
-from tracekit.topology import Topology
+from tracekit.topology import Topology, tbf_params
 from tracekit.units import parse_rate
 
 RDZV_PORT = 29400  # each namespace has its own ports, so clusters never collide on it
@@ -54,15 +54,8 @@ class Cluster(Topology):
         """The manifest's `topology` (torchrun makes global rank = node_rank * R + local_rank)."""
         return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "link": self.link,
                 "link_bytes_per_s": self.link_bytes_per_s, "latency_ms": self.latency_ms,
+                "burst_bytes": tbf_params(self.link_bytes_per_s)["burst"],
                 "rank_nodes": [r // self.ranks_per_node for r in range(self.world)]}
-
-
-def tbf_params(rate_bytes_per_s: float) -> dict[str, int]:
-    """Bucket and queue of a tbf at this rate, in bytes: a burst of at least one 64 kB GSO segment
-    and 4 ms of traffic (a kernel tick at HZ=250), and a queue of 50 ms of traffic (4 bursts at
-    least), so TCP is neither starved by drops nor told the link is faster than it is."""
-    burst = max(64 * 1024, int(rate_bytes_per_s / 250))
-    return {"rate": int(rate_bytes_per_s), "burst": burst, "limit": max(4 * burst, int(rate_bytes_per_s * 0.05))}
 
 
 # --- prerequisites ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ r // ranks_per_node, as torchrun numbers them.
 
     Topology.parse("2x4") == Topology(2, 4)        Topology(2, 4).world == 8, .name == "2x4"
     Topology.of_run(manifest, world_size=2)        # the cluster a run was recorded on, else one node
+    tbf_params(12.5e6)                             # the token bucket `tracekit cluster` shapes a link with
 """
 
 from __future__ import annotations
@@ -40,3 +41,11 @@ class Topology:
         if recorded.get("nodes") and recorded.get("ranks_per_node"):
             return cls(int(recorded["nodes"]), int(recorded["ranks_per_node"]))
         return cls(1, world_size)
+
+
+def tbf_params(rate_bytes_per_s: float) -> dict[str, int]:
+    """Bucket and queue of a tbf at this rate, in bytes: a burst of at least one 64 kB GSO segment
+    and 4 ms of traffic (a kernel tick at HZ=250), and a queue of 50 ms of traffic (4 bursts at
+    least), so TCP is neither starved by drops nor told the link is faster than it is."""
+    burst = max(64 * 1024, int(rate_bytes_per_s / 250))
+    return {"rate": int(rate_bytes_per_s), "burst": burst, "limit": max(4 * burst, int(rate_bytes_per_s * 0.05))}

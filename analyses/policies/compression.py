@@ -62,10 +62,11 @@ compute: an upper bound on the saving, which analyses.decision weighs against th
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import polars as pl
 
-from analyses import network, quality, traffic
+from analyses import network, quality, replay, traffic
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
 from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
@@ -143,9 +144,20 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
         kind = "dct_mp"
     step = max(0.0, net.step.median_s - removed + added + (0.0 if work is None else float(work)))
     error = net.error(calls, added - removed, kind if work is not None else None)
+    rp = replay.replay(ctx)
+    if rp.steps and rp.measured_median_s is not None:  # the replay's step (analyses/replay.py) where the run replays
+        change = (replay.Change(dense=predicted[DP_BYTES] / baseline) if name == "dp" else
+                  replay.Change(scale={"output_fwd": predicted["ratio"], "output_bwd": predicted["ratio"]}))
+        change = replace(change, work_s=0.0 if work is None else float(work))
+        replay.changes(ctx)[f"compression.{name}"] = change
+        p = rp.predict(change)
+        residual = net.work_residual(kind) if work is not None else 0.0
+        step, low, high = p.step_s, p.low_s - residual, p.high_s + residual
+    else:
+        low, high = step - error, step + error
     predicted[STEP_TIME] = step
     predicted["rank_work_s"] = None if work is None else float(work)
-    body.setdefault("intervals", {})[STEP_TIME] = [max(step - error, 0.0), step + error]
+    body.setdefault("intervals", {})[STEP_TIME] = [max(low, 0.0), high]
 
 
 def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:

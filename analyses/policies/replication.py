@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import attribution, exchange, network
+from analyses import attribution, exchange, network, replay
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.row_totals import row_totals
@@ -349,6 +349,11 @@ def _derive(ctx: Context) -> PolicyResult:
     section = Replication(kind="hybrid", rows="policy/hot_rows.parquet", sync=sync,
                           budget_bytes_per_rank=int(limit if limit is not None else c.replica_bytes[k]),
                           prediction=Prediction(predicted, why, intervals(ctx, s, c, k, "tk_order_replication")))
+    if k:
+        replay.changes(ctx)["replication"] = exchange.change(
+            ctx, s, {col: v["remote_bytes_per_step"] for col, v in c.collectives(s, k).items()},
+            sync == "sparse_allreduce", float(c.sync[k]), float(c.coverage[k]) * s.lookups_per_rank,
+            float(c.union_rows[k]) if sync == "sparse_allreduce" else float(k))
     evidence = _evidence(s, c, k, limit, h, by_count, net)
     return PolicyResult("replication", section=section.to_json(), rows={"hot_rows": rows}, evidence=evidence,
                         tables={"replication_sweep": table})

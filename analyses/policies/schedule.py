@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import attribution, exchange, network, quality
+from analyses import attribution, exchange, network, quality, replay
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
@@ -354,6 +354,10 @@ def _derive(ctx: Context) -> PolicyResult:
     t = exchange.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
                         replicated.coverage[k] * s.lookups_per_rank, rows_synced,
                         skipped_calls=fraction * len(exchange.COLLECTIVES))
+    if k:
+        replay.changes(ctx)["schedule"] = exchange.change(
+            ctx, s, remote, sync_kind == "sparse_allreduce", sync, replicated.coverage[k] * s.lookups_per_rank,
+            rows_synced, fraction * len(exchange.COLLECTIVES))
     step_time = None if t.step_s is None else float(t.step_s)
     saved_rem = s.base_remote - a2a_rem
     switch = 2 * (s.world - 1) * hot_bytes
