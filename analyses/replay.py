@@ -429,7 +429,7 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     op_index = np.array([ops.index(c.op) for c in alone])
     burst = float(topology.get("burst_bytes") or tbf_params(given)["burst"]) if nodes > 1 and given else 0.0
     if burst and not fixed:
-        return _fit_bucket(alone, t, ops, op_index, node_of, given, burst, intra, total)
+        return _fit_bucket(steps, node_of, given, burst, intra, total)
     unit = Links(node_of, 1.0 if nodes > 1 else np.inf, 1.0 if nodes == 1 else np.inf, {})
     x = np.array([_alone_time(c, unit) for c in alone])
     spread = x.max() >= network.MIN_SPREAD * max(x.min(), 1.0)
@@ -451,17 +451,24 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     return links, Fit(source, int(keep.sum()), total, network._robust(residual[keep]), given)
 
 
-def _fit_bucket(alone: list[Call], t: np.ndarray, ops: list[str], op_index: np.ndarray, node_of: tuple[int, ...],
-                given: float, burst: float, intra: float, total: int) -> tuple[Links, Fit]:
-    """The rate of a token-bucket link (`tracekit cluster`'s, whose burst is known): the rate, around the
-    link's payload rate, whose alone-call replays leave the least robust spread of residuals, with each
-    op's α the median of what its calls took beyond their replayed transfer."""
+def _fit_bucket(steps: list[Step], node_of: tuple[int, ...], given: float, burst: float, intra: float,
+                total: int) -> tuple[Links, Fit]:
+    """The rate of a token-bucket link (`tracekit cluster`'s, whose burst is known): the recorded steps
+    replayed at rates around the link's payload rate, the one whose synchronous calls' replayed times
+    (their last entry to last exit, the bucket as the steps before left it) are nearest the measured ones,
+    with each op's α the median of what its calls took beyond their replayed time."""
+    measured = {(i, k): (c.op, c.time_s) for i, s in enumerate(steps) for k, c in s.calls.items()
+                if not c.is_async and c.time_s > 0}
+    ops = sorted({op for op, _ in measured.values()})
     best = None
     for factor in np.linspace(0.6, 1.4, 17):
         rate = given * network.WIRE_EFFICIENCY * factor
-        x = np.array([_alone_time(c, Links(node_of, rate, intra, {}, burst)) for c in alone])
-        extra = t - x
-        alpha = np.array([max(float(np.median(extra[op_index == i])), 0.0) for i in range(len(ops))])
+        replayed = call_times(steps, Links(node_of, rate, intra, {}, burst))
+        keys = [k for k in measured if k in replayed]
+        op_index = np.array([ops.index(measured[k][0]) for k in keys])
+        extra = np.array([measured[k][1] - replayed[k] for k in keys])
+        alpha = np.array([max(float(np.median(extra[op_index == i])), 0.0) if (op_index == i).any() else 0.0
+                          for i in range(len(ops))])
         residual = extra - alpha[op_index]
         score = float(np.median(np.abs(residual)))
         if best is None or score < best[0]:
@@ -469,8 +476,8 @@ def _fit_bucket(alone: list[Call], t: np.ndarray, ops: list[str], op_index: np.n
     _, rate, alpha, residual = best
     keep = np.abs(residual) <= network.RESIDUAL_CLIP * max(network._robust(residual), 1e-6)
     links = Links(node_of, rate, intra, dict(zip(ops, map(float, alpha))), burst)
-    return links, Fit(f"the link's rate fitted over the calls that ran alone, replayed with its {burst / 1e3:.0f} kB "
-                      "token bucket; α per op their median excess", int(keep.sum()), total,
+    return links, Fit(f"the link's rate fitted by replaying the steps with its {burst / 1e3:.0f} kB token bucket "
+                      "against each synchronous call's time; α per op their median excess", int(keep.sum()), total,
                       network._robust(residual[keep]), given)
 
 
@@ -489,7 +496,26 @@ def run_steps(steps: list[Step], links: Links, change: Change | None = None) -> 
     """Each step's replayed time (the slowest rank's start to end) with `change` applied. The ranks run
     the steps one after another from the first step's recorded offsets, so a rank that leaves a step
     early waits at the next one's first collective, as it did."""
-    programs: dict[int, list[tuple]] = {r: [] for r in (steps[0].programs if steps else {})}
+    if not steps:
+        return np.zeros(0)
+    ends = _replay(steps, links, change).ends
+    starts = {r: [steps[0].start[r], *(ends[r][:-1])] for r in ends}
+    return np.array([max(ends[r][i] - starts[r][i] for r in ends) for i in range(len(steps))])
+
+
+def call_times(steps: list[Step], links: Links) -> dict[tuple[int, int], float]:
+    """Each synchronous call's replayed time, its last entry to its last exit, by (step position, call)."""
+    sim = _replay(steps, links, None)
+    out = {}
+    for key, c in sim.calls.items():
+        exits = [sim.left.get((key, r)) for r in c.ranks]
+        if not c.is_async and None not in exits and len(sim.entries.get(key, ())) == len(c.ranks):
+            out[key] = max(exits) - max(sim.entries[key].values())
+    return out
+
+
+def _replay(steps: list[Step], links: Links, change: Change | None) -> _Simulation:
+    programs: dict[int, list[tuple]] = {r: [] for r in steps[0].programs}
     calls: dict[tuple, Call] = {}
     for i, s in enumerate(steps):
         step_programs, step_calls = _changed(s, change) if change is not None else (s.programs, s.calls)
@@ -497,11 +523,9 @@ def run_steps(steps: list[Step], links: Links, change: Change | None = None) -> 
         for r, program in step_programs.items():
             programs[r].extend((kind, (i, arg)) if kind in ("call", "issue") else (kind, arg) for kind, arg in program)
             programs[r].append(("end", i))
-    if not steps:
-        return np.zeros(0)
-    ends = _Simulation(links, calls).run(programs, steps[0].start)
-    starts = {r: [steps[0].start[r], *(ends[r][:-1])] for r in ends}
-    return np.array([max(ends[r][i] - starts[r][i] for r in ends) for i in range(len(steps))])
+    sim = _Simulation(links, calls)
+    sim.ends = sim.run(programs, steps[0].start)
+    return sim
 
 
 def _changed(step: Step, change: Change) -> tuple[dict[int, list[tuple]], dict[int, Call]]:
