@@ -1,6 +1,6 @@
 """Prediction accuracy (issue 25, item 6): every policy section `analyze` writes, predicted against measured.
 
-    .venv/bin/python bench/prediction_accuracy.py [--workloads NAME,...] [--repeats 2] [--steps N]
+    .venv/bin/python bench/prediction_accuracy.py [--workloads NAME,...] [--modes default,every1] [--repeats 2] [--steps N]
         [--out runs/prediction_accuracy] [--resume]
 
 For each workload of WORKLOADS (chosen so that nothing is tuned to them, see there), twice: with
@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps of every run (default: each workload's own)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "prediction_accuracy",
                    help="where the runs, results.jsonl and table.md go")
+    p.add_argument("--modes", default=",".join(MODES), help="recording modes: default (lookups every 10th step), every1")
     p.add_argument("--resume", action="store_true", help="keep OUT/results.jsonl's rows; run only what is missing")
     args = p.parse_args()
     chosen = named(p, args.workloads, WORKLOADS)
@@ -138,9 +139,10 @@ def main() -> None:
                   "the emulated-link workloads are skipped")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err) as bar:
-        task = bar.add_task("", total=len(chosen) * len(MODES) * (2 + args.repeats * ROUND_GUESS))
+        modes = [m for m in MODES if m in args.modes.split(",")]
+        task = bar.add_task("", total=len(chosen) * len(modes) * (2 + args.repeats * ROUND_GUESS))
         for w in chosen:
-            for mode in MODES:
+            for mode in modes:
                 if w.link and cluster_problem:
                     store.add({"kind": "skipped", "key": f"{w.name}/{mode}/skipped", "workload": w.name,
                                "mode": mode, "reason": f"tracekit cluster cannot run here: {cluster_problem}"})
