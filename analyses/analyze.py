@@ -124,6 +124,9 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             _analysis(ctx, summary, name, module, needs, progress, clock)
         net = network(ctx)
         summary["network"] = net.summary()
+        rp = replay.replay(ctx)
+        if rp.steps:
+            summary["replay"] = rp.summary()
         baseline = {}
         if ctx.has("comms"):
             from analyses import traffic

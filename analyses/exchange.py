@@ -551,10 +551,10 @@ def change(ctx: Context, s: ExchangeBaseline, remote: dict[str, float], sparse: 
     skip = min(float(skipped_calls) / len(COLLECTIVES), 1.0)
     # remote[c] is a mean over every step: the steps that make the exchange carry it over their share
     scale = {c: float(remote[c]) / s.base[c][1] / max(1.0 - skip, 1e-12) if s.base[c][1] else 1.0 for c in s.base}
-    return replay.Change(scale, skip, _sync_calls(sparse, float(sync_bytes), s.world), 0.0 if work is None else float(work))
+    return replay.Change(scale, skip, sync_calls(sparse, float(sync_bytes), s.world), 0.0 if work is None else float(work))
 
 
-def _sync_calls(sparse: bool, sync_bytes: float, world: int) -> tuple:
+def sync_calls(sparse: bool, sync_bytes: float, world: int) -> tuple:
     """A replica sync of `sync_bytes` a step (Σ ranks' wire bytes, `sync_bytes`'s formulas) as the
     collectives the trainer issues after the backward: dense, one ring all-reduce; sparse, the count's
     all-gather, the ids' all-to-all and the rows' all-reduce (its bytes given to the all-reduce)."""

@@ -3,31 +3,32 @@ policy's step time is the same graph with its collectives changed (dPRO, Daydrea
 
 The graph, per training step (after warm-up) and rank, from `steps` and `train_comms` on the common clock:
 - compute: the measured time between the rank's communication events;
-- a synchronous collective: the rank enters it and waits there until it completes. Its transfer starts when
-  the last rank of its group has entered (plus the op's α), so a late rank holds the others as it did;
+- a synchronous collective: the rank enters it and waits there until its data has arrived;
 - an asynchronous one (DDP's bucket all-reduces): issued where it was, it runs beside compute, and the rank
   waits for the step's issued ones at its wait point: where its backward's last gradient was computed
   (`steps.t_grads_ns`), else the step's end.
 
-Each rank starts the step at its recorded offset from the first rank, and a replayed step lasts, as a
-measured one does, the slowest rank's start to end. Collectives are their flows, bytes from rank to rank:
-an all-to-all's splits, a ring all-reduce's 2(n−1)/n · S to the next rank, an all-gather's copies. A flow
-between nodes crosses its source node's link out and the destination node's link in, each `inter` bytes/s
-each way; within a node it takes its ranks' `intra`. Flows that share a link share it max-min fairly
-(progressive filling), and a collective completes when its last flow does.
+The ranks run the steps one after another from the first step's recorded offsets, and a replayed step
+lasts, as a measured one does, the slowest rank's start to end. Collectives are their flows, bytes from
+rank to rank: an all-to-all's splits, a ring all-reduce's 2(n−1)/n · S to the next rank, an all-gather's
+copies. A flow between nodes crosses its source node's link out and the destination node's link in, each
+`inter` bytes/s each way (a token bucket where the run's cluster shaped one); within a node it takes its
+ranks' `intra`. Flows that share a link share it max-min fairly (progressive filling). How an all-to-all's
+flows start, and when a rank leaves a call, is `_Simulation`'s.
 
-The links are fitted from the same run: α per op and the link's rate, by least squares over the synchronous
-calls that ran alone (no other collective's transfer overlapped theirs), as time = α_op + busiest link bytes
-/ rate (analyses.network's rule for the transfer time: last entry to last exit). `Fit` says how well.
+The links are fitted from the same run (`Fit` says how well): α per op and the link's rate, by replaying the
+synchronous calls, alone or (on a token-bucket link) in their steps, against the time each took from its
+last entry to its last exit (analyses.network's rule).
 
 A policy is a `Change` of the graph: the exchange's collectives scaled to its replayed bytes, skipped on
-the steps that no longer make them, the collectives it adds (a replica sync) where the trainer issues them,
-and the rank-side work it adds. Every step is replayed with and without it; the prediction is the measured
-baseline's median step times the median of the per-step ratios, its interval the 10th to 90th percentile of those ratios widened by the baseline's own drift.
+the steps that no longer make them, the collectives it adds (a replica sync) after the backward where the
+trainer issues them, the dense gradients' bytes scaled, and the rank-side work it adds. Every step is
+replayed with and without it; the prediction is the measured baseline's median step times the median of
+the per-step ratios, its interval their 10th to 90th percentile widened by the baseline's own drift.
 
-    g = graph(ctx)                    # the recorded steps as graphs, and the fitted links
-    g.check()                         # the unchanged replay against the measured steps: median, p50, p90
-    g.predict(Change(scale={"output_fwd": 0.5}))   # Prediction(step_s, low_s, high_s, ...)
+    rp = replay(ctx)                  # the recorded steps as graphs, and the fitted links
+    rp.check()                        # the unchanged replay against the measured steps: p50, p90
+    rp.predict(Change(scale={"output_fwd": 0.5}))   # Prediction(step_s, low_s, high_s, ratio)
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Links:
     intra: float  # bytes/s of a rank within its node, each way
     alpha: dict[str, float]
     burst: float = 0.0  # bytes a node's link sends at line rate after it idled (a token bucket's; 0: none)
+    per_call: bool = False  # a recorded call takes the time it took (one host: bytes are not what costs)
 
     def alpha_of(self, op: str) -> float:
         return self.alpha.get(op, self.alpha.get(network.A2A, 0.0))
@@ -110,13 +112,11 @@ class Fit:
 
 @dataclass(frozen=True)
 class Added:
-    """A collective a policy adds on every rank, once a step: `op` moving `flows[i, j]` (or, for an
-    all-reduce, `bytes_per_rank` on a ring), issued `where`: "after_backward" (the replica sync) or
-    before the exchange's collective named (its own exchange)."""
+    """A collective a policy adds on every rank once a step, after the backward (the replica sync): an
+    all-reduce of `bytes_per_rank` on a ring, or `op` sending `bytes_per_rank` spread over the others."""
 
     op: str
     bytes_per_rank: float
-    where: str = "after_backward"
     tag: str = "added"
 
 
@@ -223,7 +223,10 @@ class Replay:
 
     def summary(self) -> dict:
         f = self.fit
-        return {"steps": len(self.steps), "inter_bytes_per_s": self.links.inter, "intra_bytes_per_s": self.links.intra,
+        def rate(x: float) -> float | None:
+            return None if math.isinf(x) else float(x)
+        return {"steps": len(self.steps), "inter_bytes_per_s": rate(self.links.inter),
+                "intra_bytes_per_s": rate(self.links.intra), "burst_bytes": self.links.burst,
                 "alpha_s": self.links.alpha, "fit": {"source": f.source, "calls": f.calls, "of": f.total,
                                                     "residual_s": f.residual_s,
                                                     "link_given_bytes_per_s": f.link_given},
@@ -430,6 +433,13 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     burst = float(topology.get("burst_bytes") or tbf_params(given)["burst"]) if nodes > 1 and given else 0.0
     if burst and not fixed:
         return _fit_bucket(steps, node_of, given, burst, intra, total)
+    if nodes == 1 and not fixed:  # one host: what a call costs is the ranks' scheduling, not its bytes
+        times = [c for s in steps for c in s.calls.values() if not c.is_async and c.time_s > 0]
+        alpha = {op: float(np.median([c.time_s for c in times if c.op == op])) for op in {c.op for c in times}}
+        residual = network._robust(np.array([c.time_s - alpha[c.op] for c in times]))
+        return (Links(node_of, np.inf, np.inf, alpha, per_call=True),
+                Fit("one host: bytes free; each recorded call the time it took, an added one its op's median",
+                    len(times), total, residual, given))
     unit = Links(node_of, 1.0 if nodes > 1 else np.inf, 1.0 if nodes == 1 else np.inf, {})
     x = np.array([_alone_time(c, unit) for c in alone])
     spread = x.max() >= network.MIN_SPREAD * max(x.min(), 1.0)
@@ -721,7 +731,8 @@ class _Simulation:
         if self.pending[key, me] == [0, 0]:
             self.pending[key, me] = [-1, -1]
             c = self.calls[key]
-            heapq.heappush(self.timers, (t + self.links.alpha_of(c.op), key, c.ranks[me]))
+            took = c.time_s if self.links.per_call and c.time_s > 0 else self.links.alpha_of(c.op)
+            heapq.heappush(self.timers, (t + took, key, c.ranks[me]))
 
     def _throughput(self, rates: dict) -> dict:
         """Bytes/s each node link carries now."""

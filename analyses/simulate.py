@@ -78,14 +78,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from analyses import attribution, exchange, network, traffic
+from analyses import attribution, exchange, network, replay, traffic
 from analyses.context import Context, Result, open_context
 from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, STEP_TIME, SYNC_BYTES
 from analyses.policies.tiers import TIER1_BYTES, TIER2_BYTES, TIER2_EXCHANGE_BYTES, TIER2_EXCHANGE_REMOTE, TIER2_SYNC_BYTES
 from tracekit.policy import check_model, load_policy, row_path, section_part
-from tracekit.tags import SYNC_TAGS, TIER2_INPUT
+from tracekit.tags import INPUT_DIST, OUTPUT_BWD, OUTPUT_FWD, SYNC_TAGS, TIER2_INPUT
 from tracekit.topology import Topology
 
 SIMULATED = ("replication", "tiers", "schedule")
@@ -463,11 +463,18 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
         cases = [(name, scaled(t, batch, target, new_batch)) for name, t in cases]
         result.notes.append(f"world {ctx.model.world_size} → {target.world}, batch {batch:g} → {new_batch:g} per "
                             "device: bytes scaled per sample, spread evenly over the rank pairs; syncs dense")
+    replayed = _replayed(ctx, target, intra, dict(cases), base) if same and compute is not None else None
+    if replayed is not None:
+        result.notes.append("step times: the recorded steps replayed on the target's links, each section's collectives "
+                            "changed to its bytes (analyses/replay.py)")
     rows, sweep = [], []
     base_time = None
     for name, t in cases:
         comm = comm_time(t, target, intra, latency)
         step = None if compute is None else compute + comm
+        if replayed is not None and name in replayed:
+            step = replayed[name]
+            comm = max(step - compute, 0.0)
         base_time = step if name == "baseline" else base_time
         rows.append({"policy": name, "method": "replay" if same else "scaled", "topology": target.name,
                      "world": target.world, "batch_per_device": new_batch, "inter_bw": target.inter_bw,
@@ -491,6 +498,44 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
                       "source": {"world": ctx.model.world_size, "batch_per_device": batch, **run},
                       "method": "replay" if same else "scaled", "rows": rows}
     return result
+
+
+def _replayed(ctx: Context, target: Target, intra: float, cases: dict[str, Traffic], base: Traffic) -> dict | None:
+    """Each case's step on `target` (same world and batch) by the replay of the recorded steps on its links: the
+    median over the steps, each section's collectives changed to its bytes (`_change`); None where the run
+    does not replay. A case the replay cannot express (tier 2's exchange) is left out."""
+    rp = replay.replay(ctx)
+    if not rp.steps:
+        return None
+    source_one_node = len(set(rp.links.node_of)) == 1
+    links = replay.Links(tuple(r // target.ranks_per_node for r in range(target.world)),
+                         target.inter_bw * WIRE_EFFICIENCY if target.nodes > 1 else np.inf,
+                         target.intra_bw or (rp.links.intra if source_one_node else intra), rp.links.alpha)
+    out = {}
+    for name, t in cases.items():
+        change = _change(t, base)
+        if change is not None:
+            out[name] = float(np.median(replay.run_steps(rp.steps, links, change)))
+    return out
+
+
+def _change(t: Traffic, base: Traffic) -> replay.Change | None:
+    """A case's Traffic as a change of the recorded graph: each exchange collective scaled by its tag's bytes
+    between ranks, the sync added as its calls, the dense gradients' bytes (ring, or DCT-DP's gathers)
+    scaled; None for what the graph has no place for (tier 2's exchange, the node copies' sync)."""
+    if TIER2_TAG in t.exchange or t.node_wire:
+        return None
+    def remote(m: np.ndarray) -> float:
+        return float(m.sum() - np.trace(m))
+    scale = {}
+    for tag, names in ((INPUT_DIST, ("input_lengths", "input_ids")), (OUTPUT_FWD, ("output_fwd",)),
+                       (OUTPUT_BWD, ("output_bwd",))):
+        if tag in base.exchange and remote(base.exchange[tag]):
+            ratio = remote(t.exchange.get(tag, np.zeros_like(base.exchange[tag]))) / remote(base.exchange[tag])
+            scale.update(dict.fromkeys(names, ratio))
+    dense = ((t.ring + t.gather - base.gather) / base.ring) if base.ring else 1.0
+    sync = exchange.sync_calls(not t.sync_ring, t.sync_wire, t.world) if t.sync_wire else ()
+    return replay.Change(scale, 0.0, sync, 0.0, dense)
 
 
 UNMEASURED_INTRA_BW = 10e9

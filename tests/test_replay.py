@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,33 @@ def test_links_without_a_rate_cost_only_alpha() -> None:
     step = one_step({r: [("call", 0), ("compute", 0.1)] for r in (0, 1)}, {0: exchange(MB, MB), 1: exchange(MB, 0)})
     step.programs = {r: [("call", 0), ("call", 1), ("compute", 0.1)] for r in (0, 1)}
     assert replay.run_steps([step], links)[0] == pytest.approx(0.102)
+
+
+def test_a_token_bucket_sends_its_burst_at_line_rate_then_the_rate() -> None:
+    # 1 MB one way on a 1 MB/s link whose bucket holds 0.25 MB: 0.25 MB at once, the rest at the rate
+    links = Links((0, 1), inter=MB, intra=np.inf, alpha={}, burst=0.25 * MB)
+    step = one_step({r: [("call", 0)] for r in (0, 1)}, {0: exchange(MB, 0.0)})
+    assert replay.run_steps([step], links)[0] == pytest.approx(0.75, rel=0.02)
+
+
+def test_on_one_host_a_recorded_call_takes_the_time_it_took() -> None:
+    links = Links((0, 0), inter=np.inf, intra=np.inf, alpha={"all_to_all_single": 0.002}, per_call=True)
+    recorded = replace(exchange(MB, MB), time_s=0.030)
+    programs = {r: [("call", 0), ("compute", 0.01)] for r in (0, 1)}
+    assert replay.run_steps([one_step(programs, {0: recorded})], links)[0] == pytest.approx(0.040)
+    # its bytes halved change nothing there; an added call costs its op's α
+    step = one_step(programs, {0: replace(recorded, collective="output_fwd")})
+    assert replay.run_steps([step], links, Change(scale={"output_fwd": 0.5}))[0] == pytest.approx(0.040)
+    added = Change(added=(replay.Added("all_to_all_single", MB),))
+    assert replay.run_steps([step], links, added)[0] == pytest.approx(0.042)
+
+
+def test_changes_compose() -> None:
+    a = Change(scale={"output_fwd": 0.5}, skip=0.2, added=(replay.Added("all_reduce", 10.0),), work_s=0.01)
+    b = Change(scale={"output_fwd": 0.5, "output_bwd": 0.1}, work_s=0.02, dense=0.01)
+    both = replay.compose([a, b])
+    assert both.scale == {"output_fwd": 0.25, "output_bwd": 0.1}
+    assert (both.skip, len(both.added), both.work_s, both.dense) == (0.2, 1, pytest.approx(0.03), 0.01)
 
 
 def test_steps_run_one_after_another() -> None:

@@ -109,6 +109,8 @@ def print_analysis(summary: dict) -> None:
             render(analyses[name])
     if summary.get("network"):
         _network(summary["network"])
+    if summary.get("replay"):
+        _replay(summary["replay"])
     _print_policies(summary)
     for note in summary["notes"]:
         terminal.print(f"[dim]note: {note}[/]")
@@ -182,6 +184,19 @@ def _network(n: dict) -> None:
                   f"{n['calls_fitted']} of {n['calls']} calls; baseline step "
                   + (f"{step * 1e3:.2f} ms ± {n['step_spread_s'] * 1e3:.2f} ms drift" if step else "unknown")
                   + f" ({n['warmup_steps']} warm-up steps left out); rank work {n['rank_work'].split(' (')[0]}")
+
+
+def _replay(r: dict) -> None:
+    """One line on the replay the policies' step times come from (analyses/replay.py): how well it fits."""
+    check, fit = r["check"], r["fit"]
+    link = r["inter_bytes_per_s"] or r["intra_bytes_per_s"]
+    rate = f"{format_bytes(link)}/s" if link else "unbounded"
+    given = f" (given {format_bytes(fit['link_given_bytes_per_s'])}/s)" if fit.get("link_given_bytes_per_s") else ""
+    terminal.print(f"replay: {check['steps']} steps; link {rate}{given}, residual {fit['residual_s'] * 1e3:.2f} ms over "
+                   f"{fit['calls']} of {fit['of']} calls; baseline replayed p50 {check['p50']['replayed_s'] * 1e3:.1f} ms "
+                   f"against {check['p50']['measured_s'] * 1e3:.1f} ms measured ({check['p50']['error']:+.1%}), "
+                   f"p90 {check['p90']['replayed_s'] * 1e3:.1f} against {check['p90']['measured_s'] * 1e3:.1f} ms "
+                   f"({check['p90']['error']:+.1%})")
 
 
 def _torchrec_plan(summary: dict) -> None:

@@ -106,58 +106,65 @@ def derive(ctx: Context) -> PolicyResult:
 
 
 def step_time(ctx: Context, name: str, body: dict) -> None:
-    """Set body's predicted step_time_s and its interval from analyses.network: the baseline step
-    less the collectives a part takes away, plus those it adds and its calibrated rank-side work
-    (dp: B all-reduces of DDP's buckets become 2B all-gathers of counts and kept entries; mp: the
-    output all-to-all's bytes shrink, each value encoded and decoded). As if the collectives were
-    not overlapped with compute: the saving is an upper bound, and the decision rule
-    (analyses.decision) weighs it against the model's error."""
+    """Set body's predicted step_time_s and its interval: the replay of the recorded steps with the part's
+    collectives changed (dp: the dense gradients' all-reduce bytes scaled to the kept entries'; mp: the
+    output all-to-all's bytes scaled by its ratio) and its calibrated rank-side work added (each value
+    encoded and decoded; the hook's selection), analyses/replay.py; where the run does not replay,
+    `_per_call`."""
     net = network.network(ctx)
     predicted = body["predicted"]
     if net.step.median_s is None:
         return
     world = max(ctx.model.world_size, 1)
-    beta = net.fit.beta_s_per_byte
     if name == "dp":
         baseline = predicted.get("baseline_dp_bytes_per_step")
         if not baseline:
             return
         buckets = _dp_calls_per_rank(ctx, traffic.training_steps(ctx), world)
-        # DDP's bucket all-reduces are asynchronous, overlapped with backward: taking them away saves at
-        # most their bytes on the link, and no more than they held the step past its last synchronous
-        # call; the hook's all-gathers and work are added
-        removed = min(beta * 2 * (world - 1) / world * baseline / world, network.exposed_async(ctx, DP_ROWS))
-        added = 2 * buckets * net.alpha(network.ALL_GATHER) + beta * (world - 1) / world * predicted[DP_BYTES]
         elements = baseline / world / 4  # fp32 gradient entries a rank all-reduces per step
         refresh = max(int(body.get("refresh_every") or 1), 1)  # thresholds recomputed every `refresh` steps
         work = net.work("dct_dp", elem=elements, bucket=buckets, refresh_elem=elements / refresh)
-        calls = 3 * buckets
-        kind = "dct_dp"
+        kind, change = "dct_dp", replay.Change(dense=predicted[DP_BYTES] / baseline)
     else:
-        removed = network.shrunk(ctx, f"op = 'all_to_all_single' AND ({FLOAT_DTYPE_SQL})", predicted["ratio"])
-        added = 0.0
         # fp32 values a rank sends each way: the baseline's bytes hold the forward and the backward
         # all-to-all, and the calibration's point is one exchange of `values` both ways (calibrate._dct_mp)
         values = predicted["baseline_output_a2a_bytes_per_step"] / 4 / world / 2
         work = net.work("dct_mp", value=values, kept=values * body["keep_ratio"])
-        calls = 0
-        kind = "dct_mp"
-    step = max(0.0, net.step.median_s - removed + added + (0.0 if work is None else float(work)))
-    error = net.error(calls, added - removed, kind if work is not None else None)
+        kind, change = "dct_mp", replay.Change(scale={"output_fwd": predicted["ratio"], "output_bwd": predicted["ratio"]})
+    change = replace(change, work_s=0.0 if work is None else float(work))
     rp = replay.replay(ctx)
-    if rp.steps and rp.measured_median_s is not None:  # the replay's step (analyses/replay.py) where the run replays
-        change = (replay.Change(dense=predicted[DP_BYTES] / baseline) if name == "dp" else
-                  replay.Change(scale={"output_fwd": predicted["ratio"], "output_bwd": predicted["ratio"]}))
-        change = replace(change, work_s=0.0 if work is None else float(work))
+    if rp.steps and rp.measured_median_s is not None:
         replay.changes(ctx)[f"compression.{name}"] = change
         p = rp.predict(change)
         residual = net.work_residual(kind) if work is not None else 0.0
         step, low, high = p.step_s, p.low_s - residual, p.high_s + residual
     else:
+        step, error = _per_call(ctx, net, name, predicted, work, world)
         low, high = step - error, step + error
     predicted[STEP_TIME] = step
     predicted["rank_work_s"] = None if work is None else float(work)
     body.setdefault("intervals", {})[STEP_TIME] = [max(low, 0.0), high]
+
+
+def _per_call(ctx: Context, net: network.Network, name: str, predicted: dict, work, world: int) -> tuple[float, float]:
+    """(step, error) as analyses.network prices calls one by one: the baseline step less the collectives a
+    part takes away, plus those it adds and its work (dp: B all-reduces of DDP's buckets become 2B
+    all-gathers of counts and kept entries; mp: the output all-to-all's bytes shrink), as if the
+    collectives were not overlapped with compute."""
+    beta = net.fit.beta_s_per_byte
+    if name == "dp":
+        baseline = predicted["baseline_dp_bytes_per_step"]
+        buckets = _dp_calls_per_rank(ctx, traffic.training_steps(ctx), world)
+        # DDP's bucket all-reduces are asynchronous, overlapped with backward: taking them away saves at
+        # most their bytes on the link, and no more than they held the step past its last synchronous call
+        removed = min(beta * 2 * (world - 1) / world * baseline / world, network.exposed_async(ctx, DP_ROWS))
+        added = 2 * buckets * net.alpha(network.ALL_GATHER) + beta * (world - 1) / world * predicted[DP_BYTES]
+        calls, kind = 3 * buckets, "dct_dp"
+    else:
+        removed = network.shrunk(ctx, f"op = 'all_to_all_single' AND ({FLOAT_DTYPE_SQL})", predicted["ratio"])
+        added, calls, kind = 0.0, 0, "dct_mp"
+    step = max(0.0, net.step.median_s - removed + added + (0.0 if work is None else float(work)))
+    return step, net.error(calls, added - removed, kind if work is not None else None)
 
 
 def drift_table(ctx: Context) -> tuple[pl.DataFrame, pl.DataFrame]:
