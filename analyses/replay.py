@@ -422,7 +422,7 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     alone = [c for s in steps for c in s.calls.values() if not c.is_async and c.alone and c.time_s > 0
              and c.flows.sum() > 0]
     total = sum(1 for s in steps for c in s.calls.values() if not c.is_async)
-    fixed = ctx.options.inter_bw if nodes > 1 else ctx.options.intra_bw
+    fixed = (ctx.options.inter_bw or ctx.options.intra_bw) if nodes > 1 else (ctx.options.intra_bw or ctx.options.inter_bw)
     intra = ctx.options.intra_bw or np.inf
     if not alone:
         notes.append("replay: no synchronous call ran alone to fit the links on; α = 0, links from the options")
@@ -433,13 +433,12 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     burst = float(topology.get("burst_bytes") or tbf_params(given)["burst"]) if nodes > 1 and given else 0.0
     if burst and not fixed:
         return _fit_bucket(steps, node_of, given, burst, intra, total)
-    if nodes == 1 and not fixed:  # one host: what a call costs is the ranks' scheduling, not its bytes
-        times = [c for s in steps for c in s.calls.values() if not c.is_async and c.time_s > 0]
-        alpha = {op: float(np.median([c.time_s for c in times if c.op == op])) for op in {c.op for c in times}}
-        residual = network._robust(np.array([c.time_s - alpha[c.op] for c in times]))
-        return (Links(node_of, np.inf, np.inf, alpha, per_call=True),
-                Fit("one host: bytes free; each recorded call the time it took, an added one its op's median",
-                    len(times), total, residual, given))
+    if nodes == 1 and not fixed:  # one host: a call costs what it took, its bytes changed at the fitted rate
+        net = network.network(ctx).fit
+        rate = 1 / net.beta_s_per_byte if net.beta_s_per_byte > 0 else np.inf
+        return (Links(node_of, np.inf, rate, dict(net.alpha_s), per_call=True),
+                Fit(f"one host: each recorded call the time it took, its bytes changed at the rate of analyses.network's "
+                    f"fit ({net.source})", net.kept, total, net.residual_s, given))
     unit = Links(node_of, 1.0 if nodes > 1 else np.inf, 1.0 if nodes == 1 else np.inf, {})
     x = np.array([_alone_time(c, unit) for c in alone])
     spread = x.max() >= network.MIN_SPREAD * max(x.min(), 1.0)
@@ -528,7 +527,7 @@ def _replay(steps: list[Step], links: Links, change: Change | None) -> _Simulati
     programs: dict[int, list[tuple]] = {r: [] for r in steps[0].programs}
     calls: dict[tuple, Call] = {}
     for i, s in enumerate(steps):
-        step_programs, step_calls = _changed(s, change) if change is not None else (s.programs, s.calls)
+        step_programs, step_calls = _changed(s, change, links) if change is not None else (s.programs, s.calls)
         calls.update({(i, k): c for k, c in step_calls.items()})
         for r, program in step_programs.items():
             programs[r].extend((kind, (i, arg)) if kind in ("call", "issue") else (kind, arg) for kind, arg in program)
@@ -538,20 +537,18 @@ def _replay(steps: list[Step], links: Links, change: Change | None) -> _Simulati
     return sim
 
 
-def _changed(step: Step, change: Change) -> tuple[dict[int, list[tuple]], dict[int, Call]]:
+def _changed(step: Step, change: Change, links: Links) -> tuple[dict[int, list[tuple]], dict[int, Call]]:
     calls = dict(step.calls)
     dropped: set[int] = set()
     for k, c in step.calls.items():
         if c.collective is None:
             if change.dense != 1.0 and c.tag.startswith(tags.DP_TAGS):
-                calls[k] = Call(c.op, c.tag, None, c.ranks, c.flows * float(change.dense), c.is_async, c.time_s,
-                                c.entry_s, c.entries, c.alone)
+                calls[k] = _scaled(c, float(change.dense), links)
             continue
         if change.skip >= 1.0:
             dropped.add(k)
         elif c.collective in change.scale:
-            calls[k] = Call(c.op, c.tag, c.collective, c.ranks, c.flows * float(change.scale[c.collective]),
-                            c.is_async, c.time_s, c.entry_s, c.entries, c.alone)
+            calls[k] = _scaled(c, float(change.scale[c.collective]), links)
     ranks = tuple(sorted(step.programs))
     added = []
     for a in change.added:
@@ -567,6 +564,20 @@ def _changed(step: Step, change: Change) -> tuple[dict[int, list[tuple]], dict[i
             out = out[:i] + inserted + out[i:]
         programs[r] = out
     return programs, calls
+
+
+def _scaled(c: Call, factor: float, links: Links) -> Call:
+    """`c` with its bytes times `factor`; where a call takes the time it took (`Links.per_call`), that time
+    changed by the bytes it no longer moves (or more) on its busiest link at the link's rate."""
+    took = c.time_s
+    if links.per_call and not math.isinf(links.intra):
+        took = max(took - (1.0 - factor) * _one_way(c.flows) / links.intra, 0.0)
+    return replace(c, flows=c.flows * factor, time_s=took)
+
+
+def _one_way(flows: np.ndarray) -> float:
+    """The most bytes any rank of a call sends or receives."""
+    return float(max(flows.sum(axis=1).max(), flows.sum(axis=0).max())) if flows.size else 0.0
 
 
 def _added_flows(a: Added, n: int) -> np.ndarray:
@@ -731,7 +742,9 @@ class _Simulation:
         if self.pending[key, me] == [0, 0]:
             self.pending[key, me] = [-1, -1]
             c = self.calls[key]
-            took = c.time_s if self.links.per_call and c.time_s > 0 else self.links.alpha_of(c.op)
+            took = self.links.alpha_of(c.op)
+            if self.links.per_call:  # the recorded call's own time; an added one's α and bytes at the rate
+                took = c.time_s if c.entries else took + _one_way(c.flows) / self.links.intra
             heapq.heappush(self.timers, (t + took, key, c.ranks[me]))
 
     def _throughput(self, rates: dict) -> dict:
@@ -758,7 +771,9 @@ class _Simulation:
             path = (("up", na), ("down", nb)) if na != nb else (("lo_up", a), ("lo_down", b))
             paths[f] = path
             for link in path:
-                if link[0] in ("up", "down"):
+                if self.links.per_call:  # the calls' times hold their bytes: flows arrive at once
+                    capacity[link] = np.inf
+                elif link[0] in ("up", "down"):
                     if self.links.burst and link not in self.tokens:
                         self.tokens[link] = self.links.burst
                     line = self.tokens.get(link, 0.0) > 0

@@ -149,9 +149,11 @@ def test_step_time_is_compute_plus_the_link_time(run: Path) -> None:
         slow = simulate(ctx, Target(2, 1, inter_bw=1.25e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
         fast = simulate(ctx, Target(2, 1, inter_bw=125e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
         assert slow["compute_s"] == fast["compute_s"] > 0
-        # at 2 ranks on 2 nodes each rank sends its remote exchange and one ring share (S) over its own link
-        per_rank = (slow["a2a_remote_bytes_per_step"] + slow["allreduce_bytes_per_step"]) / 2
-        assert slow["comm_s"] == pytest.approx(per_rank / (1.25e6 * WIRE_EFFICIENCY), rel=0.05)
+        # at 2 ranks on 2 nodes each rank sends its remote exchange and one ring share (S) over its own link: the
+        # replay (analyses/replay.py) takes at least that long, and at most twice (gloo's all-to-all between
+        # ranks that enter apart moves one way, then the other)
+        one_way = (slow["a2a_remote_bytes_per_step"] + slow["allreduce_bytes_per_step"]) / 2 / (1.25e6 * WIRE_EFFICIENCY)
+        assert 0.95 * one_way <= slow["comm_s"] <= 2.05 * one_way
         assert slow["step_time_s"] == pytest.approx(slow["compute_s"] + slow["comm_s"])
         assert slow["comm_share"] > fast["comm_share"]
 
