@@ -23,10 +23,8 @@ last entry to its last exit (analyses.network's rule).
 A policy is a `Change` of the graph: the exchange's collectives scaled to its replayed bytes, skipped on
 the steps that no longer make them, the collectives it adds (a replica sync) after the backward where the
 trainer issues them, the dense gradients' bytes scaled, and the rank-side work it adds. Every step is
-replayed with it; the prediction is the median replayed step, its interval the 10th to 90th percentile of
-the replayed steps widened by the baseline's own drift. (Scaling the measured median by the replayed ratio
-instead scored the same on the prediction bench, 19 against 20 of 26 runs within 10%, but inherits a
-bimodal baseline's median: bench/RESULTS.md §36.)
+replayed with and without it; the prediction is the measured baseline's median step times the median of
+the per-step ratios, its interval their 10th to 90th percentile widened by the baseline's own drift.
 
     rp = replay(ctx)                  # the recorded steps as graphs, and the fitted links
     rp.check()                        # the unchanged replay against the measured steps: p50, p90
@@ -214,12 +212,14 @@ class Replay:
         if not self.steps or self.measured_median_s is None:
             return None
         base = self.replayed()
-        times = self.replayed(change)
+        ratios = self.replayed(change) / np.maximum(base, 1e-12)
         if change.skip > 0:  # the steps without an exchange, replayed as such, in their share
-            times = (1 - change.skip) * times + change.skip * self.replayed(replace(change, skip=1.0))
-        step = float(np.median(times))
-        lo, hi = (float(np.percentile(times, q)) for q in (10, 90))
-        return Prediction(step, lo - self.spread_s, hi + self.spread_s, step / float(np.median(base)))
+            skipped = self.replayed(replace(change, skip=1.0)) / np.maximum(base, 1e-12)
+            ratios = (1 - change.skip) * ratios + change.skip * skipped
+        mid = float(np.median(ratios))
+        lo, hi = (float(np.percentile(ratios, q)) for q in (10, 90))
+        step = self.measured_median_s
+        return Prediction(step * mid, step * lo - self.spread_s, step * hi + self.spread_s, mid)
 
     def summary(self) -> dict:
         f = self.fit
