@@ -24,7 +24,9 @@ A policy is a `Change` of the graph: the exchange's collectives scaled to its re
 the steps that no longer make them, the collectives it adds (a replica sync) after the backward where the
 trainer issues them, the dense gradients' bytes scaled, and the rank-side work it adds. Every step is
 replayed with and without it; the prediction is the measured baseline's median step times the median of
-the per-step ratios, its interval their 10th to 90th percentile widened by the baseline's own drift.
+the per-step ratios, its interval their 10th to 90th percentile widened by the baseline's own drift. The
+ratio keeps a prediction on the measured baseline where the replay misses it (a link rate given that the
+run contradicts); the median replayed step itself scored the same on the prediction bench (RESULTS §36).
 
     rp = replay(ctx)                  # the recorded steps as graphs, and the fitted links
     rp.check()                        # the unchanged replay against the measured steps: p50, p90
