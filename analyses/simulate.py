@@ -463,7 +463,8 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
         cases = [(name, scaled(t, batch, target, new_batch)) for name, t in cases]
         result.notes.append(f"world {ctx.model.world_size} → {target.world}, batch {batch:g} → {new_batch:g} per "
                             "device: bytes scaled per sample, spread evenly over the rank pairs; syncs dense")
-    replayed = _replayed(ctx, target, intra, dict(cases), base) if same and compute is not None else None
+    replayed = (_replayed(ctx, target, intra, dict(cases), base, new_batch / batch if batch else 1.0)
+                if compute is not None else None)
     if replayed is not None:
         result.notes.append("step times: the recorded steps replayed on the target's links, each section's collectives "
                             "changed to its bytes (analyses/replay.py)")
@@ -500,10 +501,13 @@ def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_pa
     return result
 
 
-def _replayed(ctx: Context, target: Target, intra: float, cases: dict[str, Traffic], base: Traffic) -> dict | None:
-    """Each case's step on `target` (same world and batch) by the replay of the recorded steps on its links: the
-    median over the steps, each section's collectives changed to its bytes (`_change`); None where the run
-    does not replay. A case the replay cannot express (tier 2's exchange) is left out."""
+def _replayed(ctx: Context, target: Target, intra: float, cases: dict[str, Traffic], base: Traffic,
+              compute_scale: float) -> dict | None:
+    """Each case's step on `target` by the replay of the recorded steps on its links: the median over the
+    steps. On the recorded world and batch each section's collectives are changed to its bytes (`_change`);
+    on another, every rank runs a recorded rank's program (its compute scaled with the batch) and each
+    collective carries the case's scaled bytes (`_projected`). None where the run does not replay; a case
+    the replay cannot express (tier 2's exchange, a collective of a subgroup on another world) is left out."""
     rp = replay.replay(ctx)
     if not rp.steps:
         return None
@@ -511,12 +515,58 @@ def _replayed(ctx: Context, target: Target, intra: float, cases: dict[str, Traff
     links = replay.Links(tuple(r // target.ranks_per_node for r in range(target.world)),
                          target.inter_bw * WIRE_EFFICIENCY if target.nodes > 1 else np.inf,
                          target.intra_bw or (rp.links.intra if source_one_node else intra), rp.links.alpha)
+    same = target.world == base.world and compute_scale == 1.0
     out = {}
     for name, t in cases.items():
-        change = _change(t, base)
-        if change is not None:
-            out[name] = float(np.median(replay.run_steps(rp.steps, links, change)))
+        change = _change(t, base) if same else _sync_change(t)
+        steps = rp.steps if same else _projected(rp.steps, t, base, target.world, compute_scale)
+        if change is not None and steps:
+            out[name] = float(np.median(replay.run_steps(steps, links, change)))
     return out
+
+
+def _projected(steps: list[replay.Step], t: Traffic, source: Traffic, world: int,
+               compute_scale: float) -> list[replay.Step] | None:
+    """The recorded steps on `world` ranks: rank r runs recorded rank r mod W's program and starts at its
+    offset, its compute times `compute_scale`; each collective keeps its share of its class's recorded bytes
+    (an all-to-all of its tag's, an all-reduce of the ring's, a gather of the gathers') of `t`'s bytes."""
+    w = source.world
+    out = []
+    for s in steps:
+        if any(len(c.ranks) != w for c in s.calls.values()):
+            return None
+        calls = {k: replace(c, ranks=tuple(range(world)), flows=_projected_flows(c, t, source, world), time_s=0.0,
+                            entries=()) for k, c in s.calls.items()}
+        programs = {r: [("compute", arg * compute_scale) if kind == "compute" else (kind, arg)
+                        for kind, arg in s.programs[r % w]] for r in range(world)}
+        out.append(replay.Step(s.step, {r: s.start[r % w] for r in range(world)}, programs, calls, s.measured_s))
+    return out
+
+
+def _projected_flows(c: replay.Call, t: Traffic, source: Traffic, world: int) -> np.ndarray:
+    n = len(c.ranks)
+    remote = float(c.flows.sum())
+    if c.op in A2A_OPS and c.tag in t.exchange:
+        recorded = source.exchange.get(c.tag)
+        share = remote / (recorded.sum() - np.trace(recorded)) if recorded is not None and recorded.sum() else 0.0
+        m = t.exchange[c.tag] * share
+        return m - np.diag(np.diag(m))
+    flows = np.zeros((world, world))
+    if c.op == network.ALL_REDUCE and source.ring:
+        per_rank = c.flows[0].sum() * n / (2 * (n - 1)) * t.ring / source.ring  # the call's S, scaled
+        for i in range(world):
+            flows[i, (i + 1) % world] = 2 * (world - 1) / world * per_rank
+    elif c.op in GATHER_OPS and source.gather:
+        flows[:] = c.flows[0].max() * t.gather / source.gather
+        np.fill_diagonal(flows, 0.0)
+    return flows
+
+
+def _sync_change(t: Traffic) -> replay.Change | None:
+    """The sync a case adds, as calls after the backward; None for what the graph has no place for."""
+    if TIER2_TAG in t.exchange or t.node_wire:
+        return None
+    return replay.Change(added=exchange.sync_calls(not t.sync_ring, t.sync_wire, t.world) if t.sync_wire else ())
 
 
 def _change(t: Traffic, base: Traffic) -> replay.Change | None:
