@@ -514,9 +514,12 @@ def timing(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: An
     return Timing(comm, work, step, error)
 
 
+CURVE_POINTS = 16  # points of a curve the replay prices; the step between them is interpolated
+
+
 def _replayed(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: Any, sync_bytes: Any, hot_ids: Any,
               rows: Any, skipped_calls: Any) -> Timing | None:
-    """`timing` by the replay, at up to ~30 log-spaced points of a curve and interpolated between them;
+    """`timing` by the replay, at up to CURVE_POINTS log-spaced points of a curve, interpolated between them;
     None where the run does not replay (no steps every rank completed, or no measured step)."""
     rp = replay.replay(ctx)
     if not rp.steps or rp.measured_median_s is None or s.step_time_s is None:
@@ -526,7 +529,7 @@ def _replayed(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse:
     shape = np.broadcast(*(np.asarray(v) for v in values.values())).shape
     size = int(np.prod(shape)) if shape else 1
     flat = {name: np.broadcast_to(np.asarray(v, dtype=np.float64), shape).reshape(-1) for name, v in values.items()}
-    points = log_points(size - 1) if size > 1 else [0]
+    points = log_points(size - 1, CURVE_POINTS) if size > 1 else [0]
     step, low, high, work = (np.empty(len(points)) for _ in range(4))
     for n, i in enumerate(points):
         c = change(ctx, s, {col: flat[col][i] for col in s.base}, bool(flat["sparse"][i]), flat["sync"][i],

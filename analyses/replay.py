@@ -51,6 +51,7 @@ from tracekit.topology import tbf_params
 EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
 INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
 EPS_BYTES = 1e-3
+PREDICT_STEPS = 48
 LINE_RATE = 100.0  # a token bucket's line rate, as a multiple of its rate (a veth's, in `tracekit cluster`)
 
 
@@ -180,6 +181,7 @@ class Replay:
     spread_s: float = 0.0  # the measured steps' own drift (analyses.network.StepTime)
     notes: list[str] = field(default_factory=list)
     _base: np.ndarray | None = None
+    _sample_base: np.ndarray | None = None
 
     def replayed(self, change: Change | None = None) -> np.ndarray:
         """Each step's replayed time (seconds), with `change` applied."""
@@ -188,6 +190,14 @@ class Replay:
                 self._base = run_steps(self.steps, self.links)
             return self._base
         return run_steps(self.steps, self.links, change)
+
+    @property
+    def sample(self) -> list[Step]:
+        """The steps a prediction replays: at most PREDICT_STEPS, evenly spaced over the run, one after
+        another (a curve's ~30 points each replay them twice or thrice)."""
+        if len(self.steps) <= PREDICT_STEPS:
+            return self.steps
+        return [self.steps[int(i)] for i in np.linspace(0, len(self.steps) - 1, PREDICT_STEPS)]
 
     @property
     def compute_s(self) -> float:
@@ -213,11 +223,13 @@ class Replay:
         """The step under `change` (module docstring); None without timed steps."""
         if not self.steps or self.measured_median_s is None:
             return None
-        base = self.replayed()
-        ratios = self.replayed(change) / np.maximum(base, 1e-12)
+        steps = self.sample
+        if self._sample_base is None:
+            self._sample_base = run_steps(steps, self.links)
+        base = np.maximum(self._sample_base, 1e-12)
+        ratios = run_steps(steps, self.links, change) / base
         if change.skip > 0:  # the steps without an exchange, replayed as such, in their share
-            skipped = self.replayed(replace(change, skip=1.0)) / np.maximum(base, 1e-12)
-            ratios = (1 - change.skip) * ratios + change.skip * skipped
+            ratios = (1 - change.skip) * ratios + change.skip * run_steps(steps, self.links, replace(change, skip=1.0)) / base
         mid = float(np.median(ratios))
         lo, hi = (float(np.percentile(ratios, q)) for q in (10, 90))
         step = self.measured_median_s
