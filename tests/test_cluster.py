@@ -153,7 +153,7 @@ def test_a_recorded_cluster_run_has_every_rank_and_the_topology(tmp_path: Path) 
     assert r.returncode == 0, r.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["topology"] == {"nodes": 2, "ranks_per_node": 2, "link": "200mbit", "link_bytes_per_s": 25e6,
-                                    "latency_ms": None, "rank_nodes": [0, 0, 1, 1]}
+                                    "latency_ms": None, "burst_bytes": 100_000, "rank_nodes": [0, 0, 1, 1]}
     assert (manifest["status"], manifest["exit_code"], manifest["ranks"]) == ("completed", 0, [0, 1, 2, 3])
     assert manifest["steps"] == {str(rank): 3 for rank in range(4)} and manifest["finalise_errors"] == []
     for table in ("steps", "comms"):
