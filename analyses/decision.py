@@ -82,7 +82,7 @@ def no_gain(label: str, section: Section, base: float | None, net: Network) -> s
         return None
     return (f"predicted step {step * 1e3:.2f} ms against the measured {base * 1e3:.2f} ms: a gain of "
             f"{(base - step) * 1e3:+.2f} ms, within the model's error (±{(high - step) * 1e3:.2f} ms: "
-            "the fit's residuals, the baseline's drift)")
+            "its interval: the replayed steps' spread and the baseline's drift)")
 
 
 def interval(prediction: Prediction, net: Network, step: float | None = None) -> tuple[float, float]:
