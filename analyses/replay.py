@@ -414,21 +414,6 @@ def _mark_alone(steps: list[Step]) -> None:
 
 # the links, fitted from the run ----------------------------------------------------------------------
 
-def busiest(flows: np.ndarray, ranks: tuple[int, ...], node_of: tuple[int, ...]) -> tuple[float, float]:
-    """The busiest link's bytes of a collective, one way: (between nodes, within a node)."""
-    nodes = np.array([node_of[r] for r in ranks])
-    cross = nodes[:, None] != nodes[None, :]
-    inter = 0.0
-    if cross.any():
-        m = flows * cross
-        out_n = np.bincount(nodes, weights=m.sum(axis=1))
-        in_n = np.bincount(nodes, weights=m.sum(axis=0))
-        inter = float(max(out_n.max(), in_n.max()))
-    local = flows * ~cross
-    intra = float(max(local.sum(axis=1).max(), local.sum(axis=0).max())) if len(ranks) else 0.0
-    return inter, intra
-
-
 def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: dict,
          notes: list[str]) -> tuple[Links, Fit]:
     given = topology.get("link_bytes_per_s")
