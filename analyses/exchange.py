@@ -566,5 +566,5 @@ def sync_calls(sparse: bool, sync_bytes: float, world: int) -> tuple:
     ring = replay.Added(network.ALL_REDUCE, sync_bytes / (2 * (world - 1)), tag=tags.REPLICA_SYNC)
     if not sparse:
         return (ring,)
-    return (replay.Added(network.ALL_GATHER, 8.0, tag=tags.REPLICA_SYNC),
-            replay.Added(network.A2A, 0.0, tag=tags.REPLICA_SYNC), ring)
+    bytes_per_rank = {network.ALL_GATHER: 8.0, network.A2A: 0.0, network.ALL_REDUCE: ring.bytes_per_rank}
+    return tuple(replay.Added(op, bytes_per_rank[op], tag=tags.REPLICA_SYNC) for op in network.SPARSE_SYNC_OPS)

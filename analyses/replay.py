@@ -194,7 +194,7 @@ class Replay:
     @property
     def sample(self) -> list[Step]:
         """The steps a prediction replays: at most PREDICT_STEPS, evenly spaced over the run, one after
-        another (a curve's ~30 points each replay them twice or thrice)."""
+        another (each of a curve's analyses.exchange.CURVE_POINTS points replays them once or twice)."""
         if len(self.steps) <= PREDICT_STEPS:
             return self.steps
         return [self.steps[int(i)] for i in np.linspace(0, len(self.steps) - 1, PREDICT_STEPS)]
@@ -323,39 +323,45 @@ def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int
             if len({m["op"] for m in members}) > 1 or len(members) != members[0]["group_size"]:
                 return None  # a lost row: the ranks disagree on the call, or one has none
             key = keys[gk] = len(keys)
-            graph_calls[key] = _call(members)
+            graph_calls[key] = _call(members, first)
             for m in members:
                 per_rank[m["rank"]].append((m["c0"], m["c1"], key, m["async"]))
-        _name_exchange(graph_calls, per_rank)
-    programs = {r: _program(per_rank[r], t0[r], t1[r], tg[r], graph_calls) for r in t0}
-    for c in graph_calls.values():
-        c.entry_s = (c.entry_s - first) / 1e9
-        c.entries = tuple((e - first) / 1e9 for e in c.entries)
+        _name_exchange(graph_calls)
+    programs = {r: _program(per_rank[r], t0[r], t1[r], tg[r]) for r in t0}
     return Step(step, {r: (t0[r] - first) / 1e9 for r in t0}, programs, graph_calls, measured)
 
 
-def _call(members: list[dict]) -> Call:
-    n = len(members)
-    op = members[0]["op"]
+def ring_flows(n: int, size: float) -> np.ndarray:
+    """A ring all-reduce of `size` bytes a rank on `n` ranks: 2(n−1)/n · size from each rank to the next."""
     flows = np.zeros((n, n))
-    if op == network.ALL_REDUCE:
-        size = float(members[0]["bytes_out"])
+    if n > 1:
         for i in range(n):
             flows[i, (i + 1) % n] = 2 * (n - 1) / n * size
+    return flows
+
+
+def _call(members: list[dict], first: int) -> Call:
+    """The call its members (one row a rank) make, its times in seconds from the step's `first` start."""
+    n = len(members)
+    op = members[0]["op"]
+    if op == network.ALL_REDUCE:
+        flows = ring_flows(n, float(members[0]["bytes_out"]))
     else:
+        flows = np.zeros((n, n))
         for i, m in enumerate(members):
             splits = m["splits_out"]
             if splits is not None and len(splits) == n:
                 flows[i] = splits
-    np.fill_diagonal(flows, 0.0)
+        np.fill_diagonal(flows, 0.0)
     entries = [m["c0"] for m in members]
     exits = [m["c1"] for m in members if m["c1"] is not None]
     last_exit = max(exits) if exits else max(entries)
     return Call(op, members[0]["tag"] or "", None, tuple(m["rank"] for m in members), flows, bool(members[0]["async"]),
-                max(last_exit - max(entries), 0) / 1e9, float(max(entries)), tuple(float(e) for e in entries))
+                max(last_exit - max(entries), 0) / 1e9, (max(entries) - first) / 1e9,
+                tuple((e - first) / 1e9 for e in entries))
 
 
-def _name_exchange(calls: dict[int, Call], per_rank: dict[int, list[tuple]]) -> None:
+def _name_exchange(calls: dict[int, Call]) -> None:
     """The trainer's exchange collectives by tag, the input dist's two calls by their order."""
     inputs = sorted((k for k, c in calls.items() if c.tag == tags.INPUT_DIST), key=lambda k: calls[k].entry_s)
     for name, k in zip(INPUT_ORDER, inputs):
@@ -365,7 +371,7 @@ def _name_exchange(calls: dict[int, Call], per_rank: dict[int, list[tuple]]) -> 
             c.collective = EXCHANGE_TAGS[c.tag]
 
 
-def _program(events: list[tuple], t0: int, t1: int, tg: int | None, calls: dict[int, Call]) -> list[tuple]:
+def _program(events: list[tuple], t0: int, t1: int, tg: int | None) -> list[tuple]:
     """A rank's step as compute between its events (module docstring)."""
     events = sorted(events)
     program: list[tuple] = []
@@ -426,9 +432,6 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     if not alone:
         notes.append("replay: no synchronous call ran alone to fit the links on; α = 0, links from the options")
         return Links(node_of, ctx.options.inter_bw or given or np.inf, intra, {}), Fit("none", 0, total, 0.0, given)
-    ops = sorted({c.op for c in alone})
-    t = np.array([c.time_s for c in alone])
-    op_index = np.array([ops.index(c.op) for c in alone])
     burst = float(topology.get("burst_bytes") or tbf_params(given)["burst"]) if nodes > 1 and given else 0.0
     if burst and not fixed:
         return _fit_bucket(steps, node_of, given, burst, intra, total)
@@ -438,6 +441,9 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
         return (Links(node_of, np.inf, rate, dict(net.alpha_s), per_call=True),
                 Fit(f"one host: each recorded call the time it took, its bytes changed at the rate of analyses.network's "
                     f"fit ({net.source})", net.kept, total, net.residual_s, given))
+    ops = sorted({c.op for c in alone})
+    t = np.array([c.time_s for c in alone])
+    op_index = np.array([ops.index(c.op) for c in alone])
     unit = Links(node_of, 1.0 if nodes > 1 else np.inf, 1.0 if nodes == 1 else np.inf, {})
     x = np.array([_alone_time(c, unit) for c in alone])
     spread = x.max() >= network.MIN_SPREAD * max(x.min(), 1.0)
@@ -580,14 +586,12 @@ def _one_way(flows: np.ndarray) -> float:
 
 
 def _added_flows(a: Added, n: int) -> np.ndarray:
-    flows = np.zeros((n, n))
+    if a.op == network.ALL_REDUCE:
+        return ring_flows(n, a.bytes_per_rank)
+    flows = np.zeros((n, n))  # an exchange or a gather: the rank's bytes spread over the others
     if n > 1:
-        if a.op == network.ALL_REDUCE:
-            for i in range(n):
-                flows[i, (i + 1) % n] = 2 * (n - 1) / n * a.bytes_per_rank
-        else:  # an exchange or a gather: the rank's bytes spread over the others
-            flows[:] = a.bytes_per_rank / (n - 1)
-            np.fill_diagonal(flows, 0.0)
+        flows[:] = a.bytes_per_rank / (n - 1)
+        np.fill_diagonal(flows, 0.0)
     return flows
 
 
@@ -605,7 +609,8 @@ class _Simulation:
 
     An all-reduce's or a gather's flows start once every rank has entered. An all-to-all's data moves as
     gloo's pairs move it (measured on `tracekit cluster`, bench/RESULTS.md §36): a rank entering it tells
-    each peer it may send, on the stream that carries its own data to that peer. So between a rank that entered early and one that entered later, the later one's
+    each peer it may send, on the stream that carries its own data to that peer. So between a rank that
+    entered early and one that entered later, the later one's
     data crosses first (the early one's notice was waiting), and the early one's only once it has, behind
     which the later one's notice came; ranks that enter together send at once. A rank leaves the call
     when all its data has arrived and all its own has started (handed to the socket), plus the op's α.
@@ -746,14 +751,20 @@ class _Simulation:
                 took = c.time_s if c.entries else took + _one_way(c.flows) / self.links.intra
             heapq.heappush(self.timers, (t + took, key, c.ranks[me]))
 
+    def _path(self, f: tuple) -> tuple[tuple, tuple]:
+        """The links flow `f` crosses: its nodes' links out and in, or within a node its ranks'."""
+        key, i, j = f
+        c = self.calls[key]
+        a, b = c.ranks[i], c.ranks[j]
+        na, nb = self.links.node_of[a], self.links.node_of[b]
+        return (("up", na), ("down", nb)) if na != nb else (("lo_up", a), ("lo_down", b))
+
     def _throughput(self, rates: dict) -> dict:
         """Bytes/s each node link carries now."""
         out: dict = {}
-        for (key, i, j), rate in rates.items():
-            c = self.calls[key]
-            na, nb = self.links.node_of[c.ranks[i]], self.links.node_of[c.ranks[j]]
-            if na != nb:
-                for link in (("up", na), ("down", nb)):
+        for f, rate in rates.items():
+            for link in self._path(f):
+                if link[0] in ("up", "down"):
                     out[link] = out.get(link, 0.0) + rate
         return out
 
@@ -763,13 +774,8 @@ class _Simulation:
         paths = {}
         capacity = {}
         for f in self.flows:
-            key, i, j = f
-            c = self.calls[key]
-            a, b = c.ranks[i], c.ranks[j]
-            na, nb = self.links.node_of[a], self.links.node_of[b]
-            path = (("up", na), ("down", nb)) if na != nb else (("lo_up", a), ("lo_down", b))
-            paths[f] = path
-            for link in path:
+            paths[f] = self._path(f)
+            for link in paths[f]:
                 if self.links.per_call:  # the calls' times hold their bytes: flows arrive at once
                     capacity[link] = np.inf
                 elif link[0] in ("up", "down"):

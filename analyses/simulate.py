@@ -551,12 +551,10 @@ def _projected_flows(c: replay.Call, t: Traffic, source: Traffic, world: int) ->
         share = remote / (recorded.sum() - np.trace(recorded)) if recorded is not None and recorded.sum() else 0.0
         m = t.exchange[c.tag] * share
         return m - np.diag(np.diag(m))
-    flows = np.zeros((world, world))
     if c.op == network.ALL_REDUCE and source.ring:
-        per_rank = c.flows[0].sum() * n / (2 * (n - 1)) * t.ring / source.ring  # the call's S, scaled
-        for i in range(world):
-            flows[i, (i + 1) % world] = 2 * (world - 1) / world * per_rank
-    elif c.op in GATHER_OPS and source.gather:
+        return replay.ring_flows(world, c.flows[0].sum() * n / (2 * (n - 1)) * t.ring / source.ring)  # S, scaled
+    flows = np.zeros((world, world))
+    if c.op in GATHER_OPS and source.gather:
         flows[:] = c.flows[0].max() * t.gather / source.gather
         np.fill_diagonal(flows, 0.0)
     return flows
