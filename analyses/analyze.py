@@ -22,9 +22,10 @@ import time
 from typing import Any, Protocol
 
 from analyses import replay
-from analyses.context import Context, Options, PolicyResult, Result, open_context
+from analyses.context import Background, Context, Options, PolicyResult, Result, open_context
 from analyses.decision import decide
 from analyses.network import network
+from analyses.row_totals import kept_file
 from analyses.time_left import TimeLeft, expected_seconds
 from tracekit.policy import Policy, new_policy, write_policy
 from tracekit.losses import loss_warning, lost_rows
@@ -98,9 +99,11 @@ def phases(ctx: Context) -> dict[str, float]:
 
 
 def analyze(path: str | os.PathLike, options: Options | None = None,
-            progress: Progress = lambda phase, left_s=None: None) -> dict[str, Any]:
+            progress: Progress = lambda phase, left_s=None: None, calibration: Background | None = None) -> dict[str, Any]:
     """Run every analysis and policy over the run at `path`, write their tables and policy.json, and
-    return the summary (JSON-able): run, warnings, analyses, policies, notes, written files."""
+    return the summary (JSON-able): run, warnings, analyses, policies, notes, written files. A
+    `calibration` starts once the rows' counts are kept and runs beside the analyses until the time
+    model reads its file (analyses.network)."""
     options = options or Options()
     started = time.perf_counter()
     with open_context(path, options, memory_limit=options.memory_limit) as ctx:
@@ -120,6 +123,9 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         if not ctx.window.everything:
             summary["warnings"].append(f"accesses, lookups and comms were recorded on {ctx.window.describe()} "
                                        "(record --steps/--every): every figure is over those steps")
+        if calibration is not None:
+            ctx.calibrating = calibration
+            calibration.start(kept_file(ctx))
         for name, (module, needs) in ANALYSES.items():
             _analysis(ctx, summary, name, module, needs, progress, clock)
         net = network(ctx)
@@ -162,5 +168,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
         else:
             summary["notes"].append("policy.json: not written, the manifest lists no embedding tables")
         summary["baseline"] = baseline
+        if calibration is not None and (note := calibration.wait()):
+            summary["notes"].append(note)
         ctx.write_json("summary", summary)  # the report reads what could not be derived, and why, from here
     return summary

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, Protocol, TypeVar
 
 import duckdb
 import polars as pl
@@ -138,6 +138,16 @@ class PolicyResult:
     tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # analysis tables, e.g. a budget sweep
 
 
+class Background(Protocol):
+    """Work beside the analysis (tracekit.calibration.Calibration): started with the file of the rows'
+    counts (analyses.row_totals.kept_file), waited for where its result is read; `wait` returns None
+    where it succeeded, else why not."""
+
+    def start(self, row_totals: Path | None = None) -> None: ...
+
+    def wait(self) -> str | None: ...
+
+
 class Context:
     """A run opened for analysis. Build with `open_context`; close with `with` or `close()`."""
 
@@ -154,6 +164,7 @@ class Context:
         # `record --steps/--every`: the steps recorded, the only ones analysed (per-step figures average over them)
         self.window = Window.of_settings(self.manifest.get("collector_settings"))
         self._memo: dict[Hashable, Any] = {}
+        self.calibrating: Background | None = None  # the rank-side calibration running beside the analysis
         self._closed = False
         self._spill = tempfile.mkdtemp(prefix="tracekit-duckdb-")  # DuckDB spills here past memory_limit
         try:

@@ -423,6 +423,8 @@ def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: f
 # the rank-side work -----------------------------------------------------------------------------
 
 def _calibration(ctx: Context, notes: list[str]) -> dict | None:
+    if ctx.calibrating is not None:  # running beside the analysis: its file is read once it is written
+        ctx.calibrating.wait()
     path = ctx.path / CALIBRATION_PATH
     if not path.is_file():
         notes.append("rank-side work not calibrated (no analysis/calibration.json; `tracekit calibrate RUN` on the "

@@ -1,7 +1,8 @@
 """The replay: a recorded training step rebuilt as a graph and run again on a model of the links, so that a
 policy's step time is the same graph with its collectives changed (dPRO, Daydream: papers.md, anchors.md).
 
-The graph, per training step (after warm-up) and rank, from `steps` and `train_comms` on the common clock:
+The graph, per training step (after warm-up; at most REPLAY_STEPS of them, evenly spaced over the run) and
+rank, from `steps` and `train_comms` on the common clock:
 - compute: the measured time between the rank's communication events;
 - a synchronous collective: the rank enters it and waits there until its data has arrived;
 - an asynchronous one (DDP's bucket all-reduces): issued where it was, it runs beside compute, and the rank
@@ -51,6 +52,7 @@ from tracekit.topology import tbf_params
 EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
 INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
 EPS_BYTES = 1e-3
+REPLAY_STEPS = 240  # the steps a run's graph holds, evenly spaced: its check, its fit, its samples
 PREDICT_STEPS = 48
 LINE_RATE = 100.0  # a token bucket's line rate, as a multiple of its rate (a veth's, in `tracekit cluster`)
 
@@ -182,6 +184,7 @@ class Replay:
     notes: list[str] = field(default_factory=list)
     _base: np.ndarray | None = None
     _sample_base: np.ndarray | None = None
+    _predicted: dict = field(default_factory=dict)
 
     def replayed(self, change: Change | None = None) -> np.ndarray:
         """Each step's replayed time (seconds), with `change` applied."""
@@ -220,9 +223,15 @@ class Replay:
         return out
 
     def predict(self, change: Change) -> Prediction | None:
-        """The step under `change` (module docstring); None without timed steps."""
+        """The step under `change` (module docstring), once per distinct change; None without timed steps."""
         if not self.steps or self.measured_median_s is None:
             return None
+        key = (tuple(sorted(change.scale.items())), change.skip, change.added, change.work_s, change.dense)
+        if key not in self._predicted:
+            self._predicted[key] = self._predict(change)
+        return self._predicted[key]
+
+    def _predict(self, change: Change) -> Prediction:
         steps = self.sample
         if self._sample_base is None:
             self._sample_base = run_steps(steps, self.links)
@@ -275,32 +284,39 @@ def _build(ctx: Context) -> Replay:
 
 
 def _steps(ctx: Context, notes: list[str]) -> list[Step]:
+    """The graphs of at most REPLAY_STEPS steps that every rank completed after warm-up, evenly spaced."""
     if not (ctx.has("comms") and ctx.has("steps")):
         return []
+    world = ctx.model.world_size
+    complete = ctx.frame(f"""SELECT step, count(*) = {world} AS whole FROM steps WHERE t_end_ns >= t_start_ns
+                             GROUP BY step ORDER BY step""")
+    skip = network.warmup_steps(complete.height)
+    kept = complete.filter(pl.col("whole") & (pl.col("step") >= skip))["step"].to_list()
+    if len(kept) > REPLAY_STEPS:
+        kept = [kept[int(i)] for i in np.linspace(0, len(kept) - 1, REPLAY_STEPS)]
+    if not kept:
+        notes.append("no step that every rank completed: nothing to replay")
+        return []
+    chosen = f"step IN ({', '.join(map(str, kept))})"
     offset = offset_sql(clock_offsets(ctx.manifest)[0])
     steps = ctx.frame(f"""
         SELECT step, rank, t_start_ns + {offset} AS t0, t_end_ns + {offset} AS t1,
                t_grads_ns + {offset} AS tg
-        FROM steps WHERE t_end_ns >= t_start_ns ORDER BY step, rank""")
+        FROM steps WHERE t_end_ns >= t_start_ns AND {chosen} ORDER BY step, rank""")
     calls = ctx.frame(f"""
         SELECT step, rank, seq, op, "group", group_size, tag, "async", bytes_out, splits_out,
                t_start_ns + {offset} AS c0, CASE WHEN t_end_ns >= t_start_ns THEN t_end_ns + {offset} END AS c1,
                row_number() OVER (PARTITION BY rank, step, "group" ORDER BY seq) AS nth
-        FROM train_comms WHERE group_size >= 2 AND op NOT IN ('send', 'recv', 'isend', 'irecv')
+        FROM train_comms WHERE group_size >= 2 AND op NOT IN ('send', 'recv', 'isend', 'irecv') AND {chosen}
         ORDER BY step, rank, seq""")
-    n_steps = steps["step"].n_unique()
-    skip = network.warmup_steps(n_steps)
-    world = ctx.model.world_size
     by_step = {k[0]: f for k, f in calls.partition_by("step", as_dict=True).items()}
     out = []
     for (step,), frame in steps.partition_by("step", as_dict=True).items():
-        if step < skip or frame.height < world:
-            continue
         graph = _step(step, frame, by_step.get(step), world)
         if graph is not None:
             out.append(graph)
     if not out:
-        notes.append("no step that every rank completed: nothing to replay")
+        notes.append("no step whose collectives every rank recorded: nothing to replay")
     return sorted(out, key=lambda s: s.step)
 
 
@@ -771,14 +787,14 @@ class _Simulation:
     def _rates(self) -> dict:
         """Max-min fair rates of the flows moving now (progressive filling): the link whose fair share is
         least fixes its flows at that share, until every flow is fixed."""
+        if self.links.per_call:  # the calls' times hold their bytes: flows arrive at once
+            return dict.fromkeys(self.flows, np.inf)
         paths = {}
         capacity = {}
         for f in self.flows:
             paths[f] = self._path(f)
             for link in paths[f]:
-                if self.links.per_call:  # the calls' times hold their bytes: flows arrive at once
-                    capacity[link] = np.inf
-                elif link[0] in ("up", "down"):
+                if link[0] in ("up", "down"):
                     if self.links.burst and link not in self.tokens:
                         self.tokens[link] = self.links.burst
                     line = self.tokens.get(link, 0.0) > 0

@@ -30,6 +30,16 @@ def row_totals(ctx: Context) -> str:
     return ctx.memo(row_totals, lambda: _row_totals(ctx))
 
 
+def kept_file(ctx: Context) -> Path | None:
+    """The Parquet file (table_name, row, lookups, ...) the run's totals are kept in, computed first where
+    they are not; None where the run has no accesses."""
+    if not ctx.has("accesses"):
+        return None
+    row_totals(ctx)
+    path = ctx.path / STATE_DIR / "row_totals.parquet"
+    return path if path.is_file() else None
+
+
 def shared_tables(ctx: Context) -> str:
     """SQL for the names of the tables some row of which several ranks read (data-parallel or
     column-wise): there a row's totals are not one rank's."""

@@ -16,6 +16,7 @@ all children that `getrusage(RUSAGE_CHILDREN)` reports).
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-scale --accuracy C2,C10,C24   # sampled vs exact
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-tiled --tiled runs/kaggle --runs 3   # 10M, 100M, 1B
     .venv/bin/python bench/analyze_scale.py /tmp/tracekit-tiled --tiled runs/kaggle --sizes 100M --grow 0.1
+    .venv/bin/python bench/analyze_scale.py /tmp/tracekit-tiled --tiled runs/kaggle --sizes 100M --first --runs 3
 
 --tiled takes a real recorded run (e.g. `tracekit record -o runs/kaggle -- torchrun --standalone
 --nproc-per-node 2 train.py --preset criteo-kaggle --scale 0.01 --batch-size 1024 --steps 200
@@ -341,6 +342,71 @@ def tiled(src: Path, sizes: list[str], runs: int, out: Path) -> None:
         previous = (written["accesses"], wall, run)
 
 
+def tree_rss_mib(pid: int) -> float:
+    """The summed resident memory of process `pid` and its descendants, MiB (0 where it has gone)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total / 1024
+
+
+def run_tree(command: list[str]) -> dict:
+    """Wall time of `command` and the peak of its process tree's summed RSS (sampled every 50 ms)."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0.0
+    while process.poll() is None:
+        peak = max(peak, tree_rss_mib(process.pid))
+        time.sleep(0.05)
+    wall = time.perf_counter() - started
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{process.stderr.read().decode()[-3000:]}")
+    return {"wall_s": wall, "peak_mib": peak}
+
+
+def first(src: Path, size: str, runs: int, out: Path) -> None:
+    """A user's first `tracekit analyze` of SRC tiled to `size` accesses rows: with no calibration and no kept
+    totals (the calibration runs beside the analysis), against the analysis with its calibration already
+    written and against the calibration alone, interleaved, `runs` times each: wall time and the peak of
+    the process tree's summed RSS."""
+    from tile_run import copies_for, tile
+
+    from analyses.row_totals import STATE_DIR
+    from tracekit.schema import CALIBRATION_PATH
+
+    copies = copies_for(src, size)
+    run = out / f"tiled-{size}"
+    manifest = run / "manifest.json"
+    if not manifest.is_file() or json.loads(manifest.read_text()).get("tiled", {}).get("copies") != copies:
+        tile(src, run, copies)
+    analyze = [sys.executable, "-m", "tracekit", "analyze", str(run), "--no-report", "--json"]
+    calibrate = [sys.executable, "-m", "tracekit.dlrm.calibrate", "--run", str(run),
+                 "--row-totals", str(run / STATE_DIR / "row_totals.parquet")]
+    got: dict[str, list[dict]] = {"first analyze (calibration beside it)": [], "analyze, calibration written": [],
+                                  "calibration alone": []}
+    print(f"machine: {machine()}; {src} tiled to {size} ({copies} copies); {runs} interleaved runs", flush=True)
+    for _ in range(runs):
+        (run / CALIBRATION_PATH).unlink(missing_ok=True)
+        shutil.rmtree(run / STATE_DIR, ignore_errors=True)
+        got["first analyze (calibration beside it)"].append(run_tree(analyze))
+        got["analyze, calibration written"].append(run_tree(analyze))
+        (run / CALIBRATION_PATH).unlink()
+        got["calibration alone"].append(run_tree(calibrate))
+    print("| what | wall s (median) | runs (wall s) | peak tree RSS MiB (max) |")
+    print("|---|---:|---|---:|")
+    for name, rows in got.items():
+        walls = [g["wall_s"] for g in rows]
+        print(f"| {name} | {statistics.median(walls):.1f} | {', '.join(f'{w:.1f}' for w in walls)} | "
+              f"{max(g['peak_mib'] for g in rows):.0f} |", flush=True)
+
+
 def grown(src: Path, size: str, share: float, runs: int, out: Path) -> None:
     """Incremental analysis: SRC tiled to `size` accesses rows and analysed, then grown by `share`
     more copies (new part files, as a recording that went on writes them) and analysed again,
@@ -411,10 +477,16 @@ def main() -> int:
     p.add_argument("--grow", type=float, metavar="SHARE",
                    help="with --tiled: analyse the first size, grow it by SHARE (0.1: 10%% more steps) and "
                         "time analyze reusing the first analysis against from nothing")
+    p.add_argument("--first", action="store_true",
+                   help="with --tiled: a user's first analyze of the first size (its calibration included) "
+                        "against the analysis and the calibration alone")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child, args.run_dir)
+        return 0
+    if args.tiled and args.first:
+        first(args.tiled, args.sizes.split(",")[0], args.runs, args.run_dir)
         return 0
     if args.tiled and args.grow:
         grown(args.tiled, args.sizes.split(",")[0], args.grow, args.runs, args.run_dir)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+import torch
 
 from tests.recorded import REPO, TINY, record
 from tracekit.cli import cli
@@ -102,6 +103,8 @@ def test_analyze_calibrates_first_only_on_the_host_that_recorded_the_run(run: Pa
     r = CliRunner().invoke(cli, ["analyze", str(fresh), "--no-report", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads((fresh / CALIBRATION_PATH).read_text())["schema"] == CALIBRATION_SCHEMA
+    # it ran beside the analysis, and the time model of that same analysis waited for it and read it
+    assert json.loads(r.output)["network"]["rank_work"] == "calibrated", r.output
 
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(run, elsewhere, ignore=shutil.ignore_patterns("analysis"))
@@ -116,3 +119,20 @@ def test_analyze_calibrates_first_only_on_the_host_that_recorded_the_run(run: Pa
     r = CliRunner().invoke(cli, ["analyze", str(skipped), "--no-report", "--no-calibrate", "--json"])
     assert r.exit_code == 0, r.output
     assert not (skipped / CALIBRATION_PATH).exists()
+
+
+def test_the_rows_counts_analyze_keeps_give_the_inputs_the_accesses_give(run: Path, tmp_path: Path) -> None:
+    """analyze hands the calibration its kept per-row totals (analyses.row_totals) so that it does not
+    read the accesses a second time: the ids it draws follow the same counts."""
+    from analyses.context import open_context
+    from analyses.row_totals import kept_file
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("analysis"))
+    with open_context(copy) as ctx:
+        totals = kept_file(ctx)
+    assert totals is not None and totals.is_file()
+    read, kept = calibrate.read_inputs(copy), calibrate.read_inputs(copy, totals)
+    assert kept.id_source == read.id_source == "accesses"
+    assert kept.ids_per_sample == read.ids_per_sample
+    assert all(torch.equal(a, b) for a, b in zip(read.weights, kept.weights))

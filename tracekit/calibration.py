@@ -1,9 +1,14 @@
-"""The rank-side calibration a run's analysis starts from: `python -m tracekit.dlrm.calibrate --run
-RUN` (tracekit/dlrm/calibrate.py, which imports torch) in a subprocess, where RUN has no
-analysis/calibration.json yet, torch is importable and this host recorded RUN; `tracekit analyze`
-and `tracekit optimize` call it first, analyses.network reads the file.
+"""The rank-side calibration a run's analysis needs: `python -m tracekit.dlrm.calibrate --run RUN`
+(tracekit/dlrm/calibrate.py, which imports torch) in a subprocess, where RUN has no
+analysis/calibration.json yet, torch is importable and this host recorded RUN. `tracekit analyze`
+and `tracekit optimize` start it once the analysis holds the rows' counts (analyses.row_totals, so
+that the calibration reads them rather than the accesses again) and wait for it where the time model
+first reads its file (analyses.network); it measures CPU time, so running beside the analysis
+changes its figures no more than their own spread (bench/RESULTS.md §37).
 
-    note = calibrate_if_missing(Path("runs/base"))   # None: done (or there already); else why not
+    job = pending(Path("runs/base"))   # a Calibration to run; a note saying why none can; None: done
+    job.start(row_totals)              # in the background
+    note = job.wait()                  # None: written; else why not
 """
 
 from __future__ import annotations
@@ -13,37 +18,93 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from tracekit.errors import TracekitError
 from tracekit.schema import CALIBRATION_PATH
 from tracekit.store import read_manifest
 
-CALIBRATE_TIMEOUT_S = 120  # analyze's calibration subprocess; it takes ~5-20 s on a 2-core machine
+CALIBRATE_TIMEOUT_S = 120  # the subprocess; it takes ~10-25 s on a 2-core machine
 
 
-def calibrate_if_missing(run_dir: Path) -> str | None:
-    """analyze's first step: `python -m tracekit.dlrm.calibrate --run RUN` where RUN has no calibration,
-    torch is importable and this host recorded RUN. Returns a note saying why it did not run or failed
-    (None when it ran, or RUN had one already); analyze goes on either way."""
+class Calibration:
+    """The calibration subprocess of one run: started once, waited for once (its note kept), stopped
+    if the analysis ends first."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._process: subprocess.Popen | None = None
+        self._stderr = None
+        self._started = 0.0
+        self._note: str | None = None
+        self._done = False
+
+    def start(self, row_totals: Path | None = None) -> None:
+        """Start the subprocess; with `row_totals`, it reads the rows' counts from there."""
+        if self._process is not None or self._done:
+            return
+        command = [sys.executable, "-m", "tracekit.dlrm.calibrate", "--run", str(self.run_dir)]
+        if row_totals is not None:
+            command += ["--row-totals", str(row_totals)]
+        self._stderr = tempfile.TemporaryFile()
+        self._started = time.monotonic()
+        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr)
+
+    def wait(self) -> str | None:
+        """Wait for the subprocess (started here if it was not) and return None where it wrote the file,
+        else why not; again: the same answer."""
+        if self._done:
+            return self._note
+        self.start()
+        left = CALIBRATE_TIMEOUT_S - (time.monotonic() - self._started)
+        try:
+            code = self._process.wait(timeout=max(left, 0.0))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            self._note = f"rank-side calibration stopped after {CALIBRATE_TIMEOUT_S} s; {_rerun(self.run_dir)}"
+            return self._finish()
+        if code != 0:
+            self._stderr.seek(0)
+            last = (self._stderr.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+            self._note = f"rank-side calibration failed (exit code {code}: {last}); {_rerun(self.run_dir)}"
+        return self._finish()
+
+    def stop(self) -> None:
+        """Kill the subprocess if it still runs (the analysis ended before it was waited for)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        if not self._done:
+            self._note = self._note or "rank-side calibration stopped: the analysis ended first"
+            self._finish()
+
+    def _finish(self) -> str | None:
+        self._done = True
+        if self._stderr is not None:
+            self._stderr.close()
+        return self._note
+
+
+def pending(run_dir: Path) -> Calibration | str | None:
+    """A Calibration to run where RUN has none, torch is importable and this host recorded RUN; a note
+    saying why none can run; None where RUN has its calibration (or analyze will say what is wrong
+    with the run)."""
     if (run_dir / CALIBRATION_PATH).is_file():
         return None
     try:
         hosts = read_manifest(run_dir).get("hosts") or []
     except TracekitError:
-        return None  # analyze says what is wrong with the run
+        return None
     host = socket.gethostname()
-    rerun = f"`tracekit calibrate {shlex.quote(str(run_dir))}` on the host that recorded it writes it"
     if importlib.util.find_spec("torch") is None:
-        return f"rank-side costs not calibrated: torch is not importable here; {rerun}"
+        return f"rank-side costs not calibrated: torch is not importable here; {_rerun(run_dir)}"
     if host not in hosts:
-        return f"rank-side costs not calibrated: {host} did not record this run ({', '.join(hosts) or 'no host'}); {rerun}"
-    try:
-        done = subprocess.run([sys.executable, "-m", "tracekit.dlrm.calibrate", "--run", str(run_dir)],
-                              capture_output=True, text=True, timeout=CALIBRATE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"rank-side calibration stopped after {CALIBRATE_TIMEOUT_S} s; {rerun}"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"rank-side calibration failed (exit code {done.returncode}: {last}); {rerun}"
-    return None
+        return (f"rank-side costs not calibrated: {host} did not record this run ({', '.join(hosts) or 'no host'}); "
+                f"{_rerun(run_dir)}")
+    return Calibration(run_dir)
+
+
+def _rerun(run_dir: Path) -> str:
+    return f"`tracekit calibrate {shlex.quote(str(run_dir))}` on the host that recorded it writes it"

@@ -77,7 +77,7 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
               help="Write the HTML report, RUN/report.html.")
 @click.option("--calibrate/--no-calibrate", "calibrate_first", default=True, show_default=True,
               help="Where RUN/analysis/calibration.json is missing, torch is importable and this host recorded "
-                   "RUN, run `tracekit calibrate RUN` first (~5-20 s).")
+                   "RUN, run `tracekit calibrate RUN` first (~5-15 s).")
 @JSON
 def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
             policies: str | None, objective: str, replay_steps: int, quality_budget: str, memory_limit: str,
@@ -103,13 +103,13 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
 
 @cli.command()
 @RUN_DIR
-@click.option("--repeats", type=click.IntRange(min=3), default=15, show_default=True,
+@click.option("--repeats", type=click.IntRange(min=3), default=7, show_default=True,
               help="Timings per measured point; every figure is their median.")
 @JSON
 def calibrate(run_dir: Path, repeats: int, as_json: bool) -> None:
     """Measure what each policy's code path adds on a rank per training step, on this machine.
 
-    Times the trainer's own code at RUN's sizes in one process (~5-20 s) and writes
+    Times the trainer's own code at RUN's sizes in one process (~5-15 s) and writes
     RUN/analysis/calibration.json, which analyze reads (docs/analysis.md).
 
     \b

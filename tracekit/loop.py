@@ -60,16 +60,18 @@ def analyze_run(run_dir: str | os.PathLike, options: Options, *, calibrate: bool
     every analysis and policy, write RUN/report.html (`report`); the analysis summary, with the
     report's path under "report"."""
     from analyses.analyze import analyze
-    from tracekit.calibration import calibrate_if_missing
+    from tracekit.calibration import Calibration, pending
 
     run_dir = Path(run_dir)
-    calibration_note = None
-    if calibrate:
-        progress("calibration (rank-side costs, in a subprocess)")
-        calibration_note = calibrate_if_missing(run_dir)
-    summary = analyze(run_dir, options, progress=progress)
-    if calibration_note is not None:
-        summary["notes"].append(calibration_note)
+    job = pending(run_dir) if calibrate else None
+    background = job if isinstance(job, Calibration) else None
+    try:
+        summary = analyze(run_dir, options, progress=progress, calibration=background)
+    finally:
+        if background is not None:
+            background.stop()
+    if isinstance(job, str):
+        summary["notes"].append(job)
     if report:
         progress("report")
         summary["report"] = str(write_report([run_dir], run_dir / "report.html"))

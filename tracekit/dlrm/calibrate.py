@@ -11,7 +11,7 @@ encodes and decodes every output row. This module times those code paths (Sharde
 Replicas, dct_dp_hook under DDP, OutputCodec.exchange) in ONE process with a world-1 gloo group,
 so a collective costs only its call on the rank; the wire is the network model's (fitted from the
 run's recorded calls). The sizes come from the run: its tables, its ids per sample per table, its
-rows' access counts (the ids drawn here follow them) and its per-rank batch. It takes 5-20 s.
+rows' access counts (the ids drawn here follow them) and its per-rank batch. It takes 5-15 s.
 
 Every timing is a median over repeats, taken on `clock`: the calibrating process's CPU time
 (all its threads, gloo's included), which is the wall time of the same work on a core of its own
@@ -102,6 +102,7 @@ from tracekit.phases import TRAIN
 from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA
 from tracekit.store import read_manifest
 
+REPEATS = 7  # timings per point: their noise stays under the fits' residuals (bench/RESULTS.md §37)
 MAX_TABLE_BYTES = 64 << 20  # tables above this in all are scaled down (rows); more than any CPU cache holds
 FALLBACK_ZIPF = 1.05  # ids' skew where the run has no accesses table
 DCT_DP_KEEP_RATIO = 0.01
@@ -135,8 +136,10 @@ class Inputs:
 
 # inputs from a run -------------------------------------------------------------------------------
 
-def read_inputs(run_dir: str | os.PathLike) -> Inputs:
-    """The calibration's inputs from the run at `run_dir`: its manifest, steps and accesses."""
+def read_inputs(run_dir: str | os.PathLike, row_totals: str | os.PathLike | None = None) -> Inputs:
+    """The calibration's inputs from the run at `run_dir`: its manifest, steps and accesses; the rows'
+    counts from `row_totals` where given (the Parquet file of (table_name, row, lookups) that analyze
+    keeps, analyses.row_totals), else summed from the accesses."""
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
     entries = manifest.get("tables") or []
@@ -151,14 +154,13 @@ def read_inputs(run_dir: str | os.PathLike) -> Inputs:
     run_rows = [int(e["num_rows"]) for e in entries]
     specs = [TableSpec(e["name"], rows, dim, e.get("kind", "pooled") == "pooled")
              for e, rows in zip(entries, _scaled_rows(run_rows, dim))]
-    accesses = _read_train(run_dir, "accesses", ["table_name", "row", "count"])
-    if accesses is not None and accesses.num_rows:
-        per_row = accesses.group_by(["table_name", "row"]).aggregate([("count", "sum")])
+    per_row = _row_counts(run_dir, row_totals)
+    if per_row is not None and per_row.num_rows:
         weights, source = [], "accesses"
         for spec in specs:
             mine = per_row.filter(pc.equal(per_row.column("table_name"), spec.name))
             rows = torch.from_numpy(mine.column("row").to_numpy().astype(np.int64))
-            counts = torch.from_numpy(mine.column("count_sum").to_numpy().astype(np.float32))
+            counts = torch.from_numpy(mine.column("count").to_numpy().astype(np.float32))
             weights.append(torch.zeros(spec.rows).index_add_(0, rows % spec.rows, counts))  # folded if scaled
         per_sample = [float(w.sum()) / sum(samples) for w in weights]
     else:
@@ -169,6 +171,20 @@ def read_inputs(run_dir: str | os.PathLike) -> Inputs:
         1 if int(manifest.get("world_size") or 1) > 1 else torch.get_num_threads())
     return Inputs(specs, run_rows, per_sample, int(statistics.median(samples)), int(manifest.get("world_size") or 1),
                   _optimizer(manifest.get("command") or []), threads, weights, source, str(run_dir))
+
+
+def _row_counts(run_dir: Path, row_totals: str | os.PathLike | None) -> pa.Table | None:
+    """(table_name, row, count): each row's training lookups, from `row_totals` or the accesses."""
+    if row_totals is not None:
+        totals = pq.read_table(row_totals, columns=["table_name", "row", "lookups"])
+        return pa.table({"table_name": totals.column("table_name").cast(pa.string()), "row": totals.column("row"),
+                         "count": totals.column("lookups")})
+    accesses = _read_train(run_dir, "accesses", ["table_name", "row", "count"])
+    if accesses is None:
+        return None
+    summed = accesses.group_by(["table_name", "row"]).aggregate([("count", "sum")])
+    return pa.table({"table_name": summed.column("table_name"), "row": summed.column("row"),
+                     "count": summed.column("count_sum")})
 
 
 def _read_train(run_dir: Path, table: str, columns: list[str]) -> pa.Table | None:
@@ -345,7 +361,7 @@ def replication_grid(inputs: Inputs) -> list[tuple[int, int]]:
     return [(k, b) for k in ks for b in (max(1, inputs.batch // 2), inputs.batch, 2 * inputs.batch)]
 
 
-def measure_replication_point(inputs: Inputs, sync: str, k: int, b: int, *, repeats: int = 15,
+def measure_replication_point(inputs: Inputs, sync: str, k: int, b: int, *, repeats: int = REPEATS,
                               tables: Tables | None = None, seed: int = 0) -> dict:
     """One point: the embedding part's step with replicas of the K hottest rows against without, on
     a few batches of b samples."""
@@ -498,7 +514,7 @@ def _schedule(inputs: Inputs, repeats: int) -> dict:
 
 # the whole calibration ---------------------------------------------------------------------------
 
-def calibrate(inputs: Inputs, *, repeats: int = 15, progress: Callable[[str], None] | None = None) -> dict:
+def calibrate(inputs: Inputs, *, repeats: int = REPEATS, progress: Callable[[str], None] | None = None) -> dict:
     """Every measurement of the module docstring, in this process, with a world-1 gloo group of its
     own (TracekitError if this process already has a process group)."""
     progress = progress or (lambda what: None)
@@ -569,10 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tracekit.dlrm.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--run", required=True, help="the recorded run whose sizes are calibrated")
     parser.add_argument("--json", action="store_true", help="print the JSON on stdout")
-    parser.add_argument("--repeats", type=int, default=15, help="timings per point (medians)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timings per point (medians)")
+    parser.add_argument("--row-totals", help="the rows' counts analyze keeps (RUN/analysis/increments/"
+                                             "row_totals.parquet), read instead of the accesses")
     args = parser.parse_args(argv)
     try:
-        result = calibrate(read_inputs(args.run), repeats=args.repeats,
+        result = calibrate(read_inputs(args.run, args.row_totals), repeats=args.repeats,
                            progress=lambda what: print(f"calibrating: {what}", file=sys.stderr, flush=True))
     except TracekitError as err:
         print(f"calibrate: error: {err}", file=sys.stderr)
