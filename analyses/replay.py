@@ -51,6 +51,7 @@ from tracekit.topology import tbf_params
 
 EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
 INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
+KEYED = ("call", "issue", "waitfor")  # a program's instructions that name a call
 EPS_BYTES = 1e-3
 REPLAY_STEPS = 240  # the steps a run's graph holds, evenly spaced: its check, its fit, its samples
 PREDICT_STEPS = 48
@@ -81,7 +82,7 @@ class Call:
 @dataclass
 class Step:
     """A step's graph: per rank its start (seconds after the first rank's) and its program, a list of
-    ("compute", seconds) | ("call", key) | ("issue", key) | ("wait", None)."""
+    ("compute", seconds) | ("call", key) | ("issue", key) | ("waitfor", key) | ("wait", None)."""
 
     step: int
     start: dict[int, float]
@@ -105,8 +106,8 @@ class Links:
 
 @dataclass(frozen=True)
 class Fit:
-    """How the links were fitted: over `calls` synchronous calls that ran alone (of `total`), with the
-    robust spread of their residuals (seconds)."""
+    """How the links were fitted: on `calls` calls (of the `total` it considered: the synchronous ones, or a
+    run's async ones where it has none), with the robust spread of their residuals (seconds)."""
 
     source: str
     calls: int
@@ -306,6 +307,7 @@ def _steps(ctx: Context, notes: list[str]) -> list[Step]:
     calls = ctx.frame(f"""
         SELECT step, rank, seq, op, "group", group_size, tag, "async", bytes_out, splits_out,
                t_start_ns + {offset} AS c0, CASE WHEN t_end_ns >= t_start_ns THEN t_end_ns + {offset} END AS c1,
+               t_wait_ns + {offset} AS cw,
                row_number() OVER (PARTITION BY rank, step, "group" ORDER BY seq) AS nth
         FROM train_comms WHERE group_size >= 2 AND op NOT IN ('send', 'recv', 'isend', 'irecv') AND {chosen}
         ORDER BY step, rank, seq""")
@@ -341,7 +343,7 @@ def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int
             key = keys[gk] = len(keys)
             graph_calls[key] = _call(members, first)
             for m in members:
-                per_rank[m["rank"]].append((m["c0"], m["c1"], key, m["async"]))
+                per_rank[m["rank"]].append((m["c0"], m["c1"], key, m["async"], m["cw"] if m["async"] else None))
         _name_exchange(graph_calls)
     programs = {r: _program(per_rank[r], t0[r], t1[r], tg[r]) for r in t0}
     return Step(step, {r: (t0[r] - first) / 1e9 for r in t0}, programs, graph_calls, measured)
@@ -388,24 +390,31 @@ def _name_exchange(calls: dict[int, Call]) -> None:
 
 
 def _program(events: list[tuple], t0: int, t1: int, tg: int | None) -> list[tuple]:
-    """A rank's step as compute between its events (module docstring)."""
-    events = sorted(events)
+    """A rank's step as compute between its events (module docstring). An async call the rank waited on
+    itself (`comms.t_wait_ns`: a TorchRec awaitable) is waited for there; the others at the wait point."""
+    timeline = []  # (time, kind, key, completion)
+    for c0, c1, key, is_async, cw in events:
+        timeline.append((c0, "issue" if is_async else "call", key, c1))
+        if cw is not None:
+            timeline.append((max(cw, c0), "waitfor", key, c1))
+    timeline.sort(key=lambda e: (e[0], e[1] == "waitfor"))
+    own_wait = {key for _, kind, key, _ in timeline if kind == "waitfor"}
     program: list[tuple] = []
     cursor = t0
     pending: list[int] = []  # async calls issued and not waited for
-    waited = tg is None or not any(is_async for *_, is_async in events)
-    for c0, c1, key, is_async in events:
-        if not waited and c0 >= tg:
+    waited = tg is None or not any(is_async and cw is None for _, _, _, is_async, cw in events)
+    for t, kind, key, c1 in timeline:
+        if not waited and t >= tg:
             cursor = _wait(program, cursor, tg, pending, events)
             waited = True
-        program.append(("compute", max(c0 - cursor, 0) / 1e9))
-        if is_async:
-            program.append(("issue", key))
-            pending.append(key)
-            cursor = max(cursor, c0)
-        else:
-            program.append(("call", key))
-            cursor = max(cursor, c1 if c1 is not None else c0)
+        program.append(("compute", max(t - cursor, 0) / 1e9))
+        program.append((kind, key))
+        if kind == "issue":
+            if key not in own_wait:
+                pending.append(key)
+            cursor = max(cursor, t)
+        else:  # a call, or the wait on an issued one: the rank goes on once it completed
+            cursor = max(cursor, t, c1 if c1 is not None else t)
     if not waited:
         cursor = _wait(program, cursor, tg, pending, events)
     program.append(("compute", max(t1 - cursor, 0) / 1e9))
@@ -419,7 +428,7 @@ def _wait(program: list[tuple], cursor: int, tg: int, pending: list[int], events
     tg = max(tg, cursor)
     program.append(("compute", (tg - cursor) / 1e9))
     program.append(("wait", None))
-    done = [c1 for c0, c1, key, _ in events if key in pending and c1 is not None]
+    done = [c1 for c0, c1, key, *_ in events if key in pending and c1 is not None]
     pending.clear()
     return max([tg, *done])
 
@@ -445,18 +454,18 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     total = sum(1 for s in steps for c in s.calls.values() if not c.is_async)
     fixed = (ctx.options.inter_bw or ctx.options.intra_bw) if nodes > 1 else (ctx.options.intra_bw or ctx.options.inter_bw)
     intra = ctx.options.intra_bw or np.inf
-    if not alone:
-        notes.append("replay: no synchronous call ran alone to fit the links on; α = 0, links from the options")
-        return Links(node_of, ctx.options.inter_bw or given or np.inf, intra, {}), Fit("none", 0, total, 0.0, given)
-    burst = float(topology.get("burst_bytes") or tbf_params(given)["burst"]) if nodes > 1 and given else 0.0
-    if burst and not fixed:
-        return _fit_bucket(steps, node_of, given, burst, intra, total)
     if nodes == 1 and not fixed:  # one host: a call costs what it took, its bytes changed at the fitted rate
         net = network.network(ctx).fit
         rate = 1 / net.beta_s_per_byte if net.beta_s_per_byte > 0 else np.inf
         return (Links(node_of, np.inf, rate, dict(net.alpha_s), per_call=True),
                 Fit(f"one host: each recorded call the time it took, its bytes changed at the rate of analyses.network's "
                     f"fit ({net.source})", net.kept, total, net.residual_s, given))
+    burst = float(topology.get("burst_bytes") or tbf_params(given)["burst"]) if nodes > 1 and given else 0.0
+    if burst and not fixed and any(c.time_s > 0 and c.flows.sum() > 0 for s in steps for c in s.calls.values()):
+        return _fit_bucket(steps, node_of, given, burst, intra)
+    if not alone:
+        notes.append("replay: no synchronous call ran alone to fit the links on; α = 0, links from the options")
+        return Links(node_of, ctx.options.inter_bw or given or np.inf, intra, {}), Fit("none", 0, total, 0.0, given)
     ops = sorted({c.op for c in alone})
     t = np.array([c.time_s for c in alone])
     op_index = np.array([ops.index(c.op) for c in alone])
@@ -481,14 +490,16 @@ def _fit(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: di
     return links, Fit(source, int(keep.sum()), total, network._robust(residual[keep]), given)
 
 
-def _fit_bucket(steps: list[Step], node_of: tuple[int, ...], given: float, burst: float, intra: float,
-                total: int) -> tuple[Links, Fit]:
+def _fit_bucket(steps: list[Step], node_of: tuple[int, ...], given: float, burst: float,
+                intra: float) -> tuple[Links, Fit]:
     """The rate of a token-bucket link (`tracekit cluster`'s, whose burst is known): the recorded steps
-    replayed at rates around the link's payload rate, the one whose synchronous calls' replayed times
+    replayed at rates around the link's payload rate, the one whose synchronous calls' (a run without any:
+    its async calls') replayed times
     (their last entry to last exit, the bucket as the steps before left it) are nearest the measured ones,
     with each op's α the median of what its calls took beyond their replayed time."""
-    measured = {(i, k): (c.op, c.time_s) for i, s in enumerate(steps) for k, c in s.calls.items()
-                if not c.is_async and c.time_s > 0}
+    timed = [(i, k, c) for i, s in enumerate(steps) for k, c in s.calls.items() if c.time_s > 0 and c.flows.sum() > 0]
+    synchronous = any(not c.is_async for *_, c in timed)  # else (a TorchRec job) its async calls, issue to completion
+    measured = {(i, k): (c.op, c.time_s) for i, k, c in timed if c.is_async != synchronous}
     ops = sorted({op for op, _ in measured.values()})
     best = None
     for factor in np.linspace(0.6, 1.4, 17):
@@ -506,8 +517,9 @@ def _fit_bucket(steps: list[Step], node_of: tuple[int, ...], given: float, burst
     _, rate, alpha, residual = best
     keep = np.abs(residual) <= network.RESIDUAL_CLIP * max(network._robust(residual), 1e-6)
     links = Links(node_of, rate, intra, dict(zip(ops, map(float, alpha))), burst)
+    against = "synchronous call's time" if synchronous else "async call's issue to completion (no synchronous one)"
     return links, Fit(f"the link's rate fitted by replaying the steps with its {burst / 1e3:.0f} kB token bucket "
-                      "against each synchronous call's time; α per op their median excess", int(keep.sum()), total,
+                      f"against each {against}; α per op their median excess", int(keep.sum()), len(measured),
                       network._robust(residual[keep]), given)
 
 
@@ -534,12 +546,13 @@ def run_steps(steps: list[Step], links: Links, change: Change | None = None) -> 
 
 
 def call_times(steps: list[Step], links: Links) -> dict[tuple[int, int], float]:
-    """Each synchronous call's replayed time, its last entry to its last exit, by (step position, call)."""
+    """Each call's replayed time, its last entry to its last exit (an async call's: to its completion), by
+    (step position, call)."""
     sim = _replay(steps, links, None)
     out = {}
     for key, c in sim.calls.items():
         exits = [sim.left.get((key, r)) for r in c.ranks]
-        if not c.is_async and None not in exits and len(sim.entries.get(key, ())) == len(c.ranks):
+        if None not in exits and len(sim.entries.get(key, ())) == len(c.ranks):
             out[key] = max(exits) - max(sim.entries[key].values())
     return out
 
@@ -551,7 +564,7 @@ def _replay(steps: list[Step], links: Links, change: Change | None) -> _Simulati
         step_programs, step_calls = _changed(s, change, links) if change is not None else (s.programs, s.calls)
         calls.update({(i, k): c for k, c in step_calls.items()})
         for r, program in step_programs.items():
-            programs[r].extend((kind, (i, arg)) if kind in ("call", "issue") else (kind, arg) for kind, arg in program)
+            programs[r].extend((kind, (i, arg)) if kind in KEYED else (kind, arg) for kind, arg in program)
             programs[r].append(("end", i))
     sim = _Simulation(links, calls)
     sim.ends = sim.run(programs, steps[0].start)
@@ -578,7 +591,7 @@ def _changed(step: Step, change: Change, links: Links) -> tuple[dict[int, list[t
         added.append(key)
     programs = {}
     for r, program in step.programs.items():
-        out = [ins for ins in program if not (ins[0] == "call" and ins[1] in dropped)]
+        out = [ins for ins in program if not (ins[0] in KEYED and ins[1] in dropped)]
         if added or change.work_s:
             i = _after_backward(out)
             inserted = [("call", k) for k in added] + ([("compute", float(change.work_s))] if change.work_s else [])
@@ -646,7 +659,7 @@ class _Simulation:
     def run(self, programs: dict[int, list[tuple]], start: dict[int, float]) -> dict[int, list[float]]:
         pc = dict.fromkeys(programs, 0)
         ready: dict[int, float | None] = dict(start)
-        blocked: dict[int, tuple] = {}  # rank -> ("call", key) or ("wait", keys)
+        blocked: dict[int, tuple] = {}  # rank -> ("call", key) or ("wait", keys): what it waits for
         issued: dict[int, list] = {r: [] for r in programs}
         ends: dict[int, list[float]] = {r: [] for r in programs}
         finished: set[int] = set()
@@ -677,8 +690,12 @@ class _Simulation:
                             ready[r] = max(t, self.left[arg, r])
                         else:
                             ready[r], blocked[r] = None, ("call", arg)
-                    else:  # wait for the async calls issued so far
-                        keys, issued[r] = issued[r], []
+                    else:  # wait for one async call, or for those issued so far
+                        if kind == "waitfor":
+                            keys = [arg]
+                            issued[r] = [k for k in issued[r] if k != arg]
+                        else:
+                            keys, issued[r] = issued[r], []
                         if all((k, r) in self.left for k in keys):
                             ready[r] = max([t, *(self.left[k, r] for k in keys)])
                         else:

@@ -152,6 +152,9 @@ class CommHandle:
                     setattr(module, op, self._wrap(op, fn))
         self.ddp_forward = DistributedDataParallel.forward
         DistributedDataParallel.forward = _hooking_forward(self.ddp_forward)
+        self.work_wait = dist.Work.wait
+        self._waits: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()  # a recorded Work's call
+        dist.Work.wait = self._waiting(self.work_wait)
         self._in_flight = 0  # calls the last drain took: lost if the writer fails to take them
         writer.add_source(self.drain, in_flight=lambda: {"comms": self._in_flight})
 
@@ -181,6 +184,20 @@ class CommHandle:
         traced.__wrapped_by_tracekit__ = True
         return traced
 
+    def _waiting(self, wait: Callable) -> Callable:
+        """Work.wait, noting when the program first waited on a recorded call's Work (a TorchRec awaitable's
+        wait, a user's `work.wait()`; DDP waits for its buckets inside the reducer, not here)."""
+        waits = self._waits
+
+        @functools.wraps(wait)
+        def traced_wait(work, *args, **kwargs):
+            call = waits.pop(work, None)
+            if call is not None:
+                call[T_WAIT] = time.monotonic_ns()
+            return wait(work, *args, **kwargs)
+
+        return traced_wait
+
     def _count(self, group) -> None:
         try:
             pg = group if group is not None else c10d._get_default_group()
@@ -198,8 +215,9 @@ class CommHandle:
         self.group_calls[group_name] += 1
         is_work = result is not None and hasattr(result, "get_future")
         call = [self.clock.step, op, group_name, size, *describe(op, arguments, size), t_start, 0,
-                current_label.get() or caller.f_code.co_qualname, is_work, phase.of_call()]
+                current_label.get() or caller.f_code.co_qualname, is_work, phase.of_call(), None]
         if is_work:
+            self._waits[result] = call
             try:
                 future = result.get_future()
             except RuntimeError:  # "Work::getFuture not implemented" (gloo's isend/irecv): completion unknown
@@ -257,12 +275,14 @@ class CommHandle:
         for (module, op), fn in self.originals.items():
             setattr(module, op, fn)
         DistributedDataParallel.forward = self.ddp_forward
+        dist.Work.wait = self.work_wait
         _installed = None
 
 
 FIELDS = ("step", "op", "group", "group_size", "dtype", "bytes_out", "bytes_in", "splits_out", "splits_in",
-          "t_start_ns", "t_end_ns", "tag", "async", "phase")  # a kept call's items, in order
+          "t_start_ns", "t_end_ns", "tag", "async", "phase", "t_wait_ns")  # a kept call's items, in order
 T_END = FIELDS.index("t_end_ns")
+T_WAIT = FIELDS.index("t_wait_ns")
 PHASE = FIELDS.index("phase")
 MAX_HELD_CALLS = 100_000  # calls held behind an async one never waited for, before they are written anyway
 

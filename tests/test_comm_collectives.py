@@ -356,6 +356,10 @@ def test_an_async_call_ends_at_its_completion_not_at_its_return(tmp_path: Path) 
     assert held["t_start_ns"] <= returned
     assert held["t_end_ns"] >= returned + int(HOLD_S * 1e9) - SLEW_NS
     assert held["t_end_ns"] - held["t_start_ns"] >= int(HOLD_S * 1e9) - SLEW_NS
+    # rank 0 waited on the Work after its call returned and before the all-reduce could complete; rank 1's
+    # synchronous call has no wait of its own
+    assert returned <= held["t_wait_ns"] <= held["t_end_ns"]
+    assert late["t_wait_ns"] is None
 
 
 def _in_a_subgroup(rank: int, world: int, run_dir: str) -> str | None:

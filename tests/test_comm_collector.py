@@ -20,6 +20,7 @@ def test_importing_changes_nothing() -> None:
 
 def test_uninstall_restores_the_very_functions(tmp_path) -> None:
     before = {op: (getattr(dist, op, None), getattr(c10d, op, None)) for op in comm.OPS}
+    before_wait = dist.Work.wait
 
     class Writer:
         def add_source(self, drain, in_flight=None):
@@ -30,6 +31,7 @@ def test_uninstall_restores_the_very_functions(tmp_path) -> None:
     assert dist.all_to_all_single is not before["all_to_all_single"][0]
     handle.uninstall()
     assert {op: (getattr(dist, op, None), getattr(c10d, op, None)) for op in comm.OPS} == before
+    assert dist.Work.wait is before_wait
 
 
 def test_calls_behind_an_async_call_that_never_completes_are_written_anyway(monkeypatch) -> None:
@@ -41,8 +43,8 @@ def test_calls_behind_an_async_call_that_never_completes_are_written_anyway(monk
     handle = comm.install(writer, StepClock())
     try:
         monkeypatch.setattr(comm, "MAX_HELD_CALLS", 3)
-        running = [0, "all_reduce", "default", 2, "float32", 4, 4, [], [], 10, 0, "t", True, "train"]
-        done = [0, "barrier", "default", 2, "", 0, 0, [], [], 11, 12, "t", False, "train"]
+        running = [0, "all_reduce", "default", 2, "float32", 4, 4, [], [], 10, 0, "t", True, "train", None]
+        done = [0, "barrier", "default", 2, "", 0, 0, [], [], 11, 12, "t", False, "train", None]
         handle.calls.extend([list(running), list(done), list(done)])
         assert writer.drain(False) == []  # held behind the running call
         handle.calls.append(list(done))

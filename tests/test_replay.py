@@ -65,6 +65,24 @@ def test_an_async_call_runs_beside_compute_until_its_wait() -> None:
     assert replay.run_steps([one_step(exposed, calls)], TWO_NODES)[0] == pytest.approx(1.0)
 
 
+def test_an_async_call_the_rank_waits_on_itself_holds_it_there_not_at_the_wait_point() -> None:
+    """A TorchRec awaitable: issued, waited on (`comms.t_wait_ns`) before the rest of the forward."""
+    calls = {0: exchange(MB, MB, is_async=True)}
+    awaited = {r: [("issue", 0), ("compute", 0.25), ("waitfor", 0), ("compute", 1.0), ("wait", None)] for r in (0, 1)}
+    assert replay.run_steps([one_step(awaited, calls)], TWO_NODES)[0] == pytest.approx(2.0)  # 1 s transfer, then 1 s
+
+
+def test_a_recorded_rank_becomes_its_program() -> None:
+    """`comms` rows as `_program` reads them, (entry, completion, call, async, wait), in ns: a synchronous
+    call, an async call waited on where it was recorded, and one left to the backward's wait point."""
+    ms = 1_000_000
+    events = [(2 * ms, 5 * ms, 0, False, None), (6 * ms, 9 * ms, 1, True, 7 * ms), (8 * ms, 12 * ms, 2, True, None)]
+    program = replay._program(events, 0, 20 * ms, 10 * ms)
+    assert program == [("compute", 0.002), ("call", 0), ("compute", 0.001), ("issue", 1), ("compute", 0.001),
+                       ("waitfor", 1), ("compute", 0.0), ("issue", 2), ("compute", 0.001), ("wait", None),
+                       ("compute", 0.008)]
+
+
 def test_alpha_and_a_change_of_bytes_and_added_calls() -> None:
     links = Links((0, 1), inter=MB, intra=np.inf, alpha={"all_to_all_single": 0.01, "all_reduce": 0.02})
     programs = {r: [("call", 0), ("compute", 0.1), ("wait", None), ("compute", 0.1)] for r in (0, 1)}

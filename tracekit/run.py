@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
 LATER_COLUMNS: dict[str, tuple[str | int | None, str]] = {
     "phase": (TRAIN, "VARCHAR"), "schedule": (None, "VARCHAR"), "feature": (0, "SMALLINT"),
-    "t_backward_ns": (None, "BIGINT"), "t_grads_ns": (None, "BIGINT"), "t_backward_end_ns": (None, "BIGINT")}
+    "t_backward_ns": (None, "BIGINT"), "t_grads_ns": (None, "BIGINT"), "t_backward_end_ns": (None, "BIGINT"),
+    "t_wait_ns": (None, "BIGINT")}
 """Columns added after schema 1.0 (phase in 1.1, schedule in 1.2, feature in 1.4, the backward's times in
-1.5), and what the readers show for them in a table whose part files predate them, with its SQL type."""
+1.5, comms' wait in 1.6), and what the readers show for them in a table whose part files predate them, with its SQL type."""
 _POLARS_TYPES = {"VARCHAR": "String", "SMALLINT": "Int16", "BIGINT": "Int64"}
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.5"
+SCHEMA_VERSION = "1.6"
 """major.minor; readers accept any minor of a major they know. 1.1 added `phase` to accesses, lookups
 and comms (readers show `train` for a 1.0 run); 1.2 added `schedule` to steps (readers show null for
 an older run); 1.3 added the dct_replay table (absent from an older run); 1.4 added `feature` to
-lookups (readers show 0 for an older run); 1.5 added the backward's times to steps (null for an older run)."""
+lookups (readers show 0 for an older run); 1.5 added the backward's times to steps (null for an older run); 1.6 added `t_wait_ns` to comms (null for
+an older run)."""
 
 VERSION_KEY = b"tracekit.schema_version"
 """Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
@@ -76,6 +77,9 @@ COMMS = pa.schema(
         _required("tag", pa.string()),
         _required("async", pa.bool_()),
         _PHASE,
+        # an async call: when the rank first waited on its Work (`Work.wait()`: a TorchRec awaitable's wait);
+        # null for a synchronous call and for a Work waited elsewhere (DDP's buckets, in its reducer)
+        pa.field("t_wait_ns", pa.int64(), nullable=True),
     ]
 )
 

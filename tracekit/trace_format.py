@@ -136,6 +136,8 @@ COLUMN_NOTES: dict[str, dict[str, str]] = {
         "t_start_ns": "the call",
         "tag": "a `tracekit.label`, `ddp_bucket_<i>` or the caller's qualified name",
         "async": "called with `async_op=True`",
+        "t_wait_ns": "an async call: when the rank first waited on its Work (`Work.wait()`, e.g. a TorchRec "
+                     "awaitable's wait); null for a synchronous call and a Work waited elsewhere (DDP's buckets)",
     },
     "steps": {"t_start_ns": "the end of the previous step", "t_end_ns": "the end of the step",
               "samples": "the rank's samples, 0 where unknown", "loss": "the loss `backward()` ran from"},

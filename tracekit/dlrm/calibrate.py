@@ -532,6 +532,7 @@ def calibrate(inputs: Inputs, *, repeats: int = REPEATS, progress: Callable[[str
         for sync in SYNCS:
             progress(f"replication ({sync})")
             out["replication"][sync] = _replication(inputs, sync, tables, repeats)
+        del tables  # its memory serves what follows: the calibration's peak stays the replication's
         progress("collectives")
         out["collective_call_s"] = _collectives()
         progress("DCT-DP hook")
