@@ -48,9 +48,11 @@ from analyses.clocks import clock_offsets, offset_sql
 from analyses.context import Context
 from tracekit import tags
 from tracekit.topology import tbf_params
+from tracekit.torchrec_plan import PlanError, from_manifest
 
 EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
 INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
+TORCHREC_ORDER = (*INPUT_ORDER, "output_fwd", "output_bwd")  # a TorchRec sharding group's all-to-alls, in order
 KEYED = ("call", "issue", "waitfor")  # a program's instructions that name a call
 EPS_BYTES = 1e-3
 REPLAY_STEPS = 240  # the steps a run's graph holds, evenly spaced: its check, its fit, its samples
@@ -129,7 +131,7 @@ class Added:
 @dataclass(frozen=True)
 class Change:
     """A policy as a transformation of the graph: `scale[c]` the factor on exchange collective c's bytes
-    between ranks; `skip` the share of steps that make no exchange (FAE's all-hot ones); `added` the
+    between ranks (a number, or an array of factors per (sender, receiver) in the call's group); `skip` the share of steps that make no exchange (FAE's all-hot ones); `added` the
     collectives it adds; `work_s` rank-side seconds a step it adds (after the backward); `dense` the factor
     on the dense gradients' all-reduce bytes (DDP's buckets, the trainer's hook: tracekit.tags.DP_TAGS)."""
 
@@ -145,7 +147,7 @@ def compose(changes: list[Change]) -> Change:
     scale: dict[str, float] = {}
     for c in changes:
         for name, factor in c.scale.items():
-            scale[name] = scale.get(name, 1.0) * float(factor)
+            scale[name] = scale.get(name, 1.0) * factor
     return Change(scale, max((c.skip for c in changes), default=0.0), tuple(a for c in changes for a in c.added),
                   sum(c.work_s for c in changes), math.prod(c.dense for c in changes))
 
@@ -227,7 +229,8 @@ class Replay:
         """The step under `change` (module docstring), once per distinct change; None without timed steps."""
         if not self.steps or self.measured_median_s is None:
             return None
-        key = (tuple(sorted(change.scale.items())), change.skip, change.added, change.work_s, change.dense)
+        scale = tuple(sorted((c, np.asarray(f, dtype=np.float64).tobytes()) for c, f in change.scale.items()))
+        key = (scale, change.skip, change.added, change.work_s, change.dense)
         if key not in self._predicted:
             self._predicted[key] = self._predict(change)
         return self._predicted[key]
@@ -312,9 +315,13 @@ def _steps(ctx: Context, notes: list[str]) -> list[Step]:
         FROM train_comms WHERE group_size >= 2 AND op NOT IN ('send', 'recv', 'isend', 'irecv') AND {chosen}
         ORDER BY step, rank, seq""")
     by_step = {k[0]: f for k, f in calls.partition_by("step", as_dict=True).items()}
+    try:
+        torchrec = bool(from_manifest(ctx.manifest))
+    except PlanError:
+        torchrec = False
     out = []
     for (step,), frame in steps.partition_by("step", as_dict=True).items():
-        graph = _step(step, frame, by_step.get(step), world)
+        graph = _step(step, frame, by_step.get(step), world, torchrec)
         if graph is not None:
             out.append(graph)
     if not out:
@@ -322,7 +329,7 @@ def _steps(ctx: Context, notes: list[str]) -> list[Step]:
     return sorted(out, key=lambda s: s.step)
 
 
-def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int) -> Step | None:
+def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int, torchrec: bool) -> Step | None:
     t0 = dict(zip(ranks["rank"], ranks["t0"]))
     t1 = dict(zip(ranks["rank"], ranks["t1"]))
     tg = dict(zip(ranks["rank"], ranks["tg"]))
@@ -344,7 +351,7 @@ def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int
             graph_calls[key] = _call(members, first)
             for m in members:
                 per_rank[m["rank"]].append((m["c0"], m["c1"], key, m["async"], m["cw"] if m["async"] else None))
-        _name_exchange(graph_calls)
+        _name_exchange(graph_calls, torchrec)
     programs = {r: _program(per_rank[r], t0[r], t1[r], tg[r]) for r in t0}
     return Step(step, {r: (t0[r] - first) / 1e9 for r in t0}, programs, graph_calls, measured)
 
@@ -379,8 +386,18 @@ def _call(members: list[dict], first: int) -> Call:
                 tuple((e - first) / 1e9 for e in entries))
 
 
-def _name_exchange(calls: dict[int, Call]) -> None:
-    """The trainer's exchange collectives by tag, the input dist's two calls by their order."""
+def _name_exchange(calls: dict[int, Call], torchrec: bool) -> None:
+    """The trainer's exchange collectives by tag, the input dist's two calls by their order. A TorchRec job's
+    of one sharding group by their order: its four all-to-alls (the splits' aside) are the input dist's
+    lengths and ids, the output dist forward and backward (analyses.torchrec_plans' COLLECTIVES); a step
+    with more (several sharding groups) is left unnamed."""
+    if torchrec:
+        a2a = sorted((k for k, c in calls.items() if c.op == network.A2A and not c.tag.startswith(tags.TORCHREC_SPLITS)),
+                     key=lambda k: calls[k].entry_s)
+        if len(a2a) == len(TORCHREC_ORDER):
+            for name, k in zip(TORCHREC_ORDER, a2a):
+                calls[k].collective = name
+        return
     inputs = sorted((k for k, c in calls.items() if c.tag == tags.INPUT_DIST), key=lambda k: calls[k].entry_s)
     for name, k in zip(INPUT_ORDER, inputs):
         calls[k].collective = name
@@ -582,7 +599,7 @@ def _changed(step: Step, change: Change, links: Links) -> tuple[dict[int, list[t
         if change.skip >= 1.0:
             dropped.add(k)
         elif c.collective in change.scale:
-            calls[k] = _scaled(c, float(change.scale[c.collective]), links)
+            calls[k] = _scaled(c, change.scale[c.collective], links)
     ranks = tuple(sorted(step.programs))
     added = []
     for a in change.added:
@@ -600,13 +617,15 @@ def _changed(step: Step, change: Change, links: Links) -> tuple[dict[int, list[t
     return programs, calls
 
 
-def _scaled(c: Call, factor: float, links: Links) -> Call:
-    """`c` with its bytes times `factor`; where a call takes the time it took (`Links.per_call`), that time
-    changed by the bytes it no longer moves (or more) on its busiest link at the link's rate."""
+def _scaled(c: Call, factor, links: Links) -> Call:
+    """`c` with its bytes times `factor` (a number, or one per pair); where a call takes the time it took
+    (`Links.per_call`), that time changed by the bytes it no longer moves (or more) on its busiest link at
+    the link's rate."""
+    flows = c.flows * factor
     took = c.time_s
     if links.per_call and not math.isinf(links.intra):
-        took = max(took - (1.0 - factor) * _one_way(c.flows) / links.intra, 0.0)
-    return replace(c, flows=c.flows * factor, time_s=took)
+        took = max(took - (_one_way(c.flows) - _one_way(flows)) / links.intra, 0.0)
+    return replace(c, flows=flows, time_s=took)
 
 
 def _one_way(flows: np.ndarray) -> float:

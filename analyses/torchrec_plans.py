@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analyses import attribution, exchange, network, traffic
+from analyses import attribution, exchange, network, replay, traffic
 from analyses.context import Context, Result
 from tracekit.figures import ALLREDUCE_BYTES, STEP_TIME
 from tracekit.topology import Topology
@@ -186,9 +186,8 @@ def link_seconds(L: Loads, tables: dict[str, dict], prices: Prices, qcomms: dict
     for each all-to-all of each sharding group (TorchRec runs table-wise and column-wise tables as
     two groups, each its own input and output dist)."""
     f = figures(L, tables, qcomms)
-    groups = {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
     return (sum(prices.per_byte[c] * f[f"busiest_{c}"] for c in COLLECTIVES) + ring_seconds(L, tables, prices)
-            + prices.alpha * len(COLLECTIVES) * len(groups))
+            + prices.alpha * len(COLLECTIVES) * len(_groups(tables)))
 
 
 def ring_seconds(L: Loads, tables: dict[str, dict], prices: Prices) -> float:
@@ -237,18 +236,27 @@ def compute(ctx: Context) -> Result:
     for name, qcomms in ((PLAN_FILE, None), (QCOMMS_PLAN_FILE, QCOMMS)):
         step = s.step_time_s if prices.timed else None
         after = link_seconds(L, derived, prices, qcomms)
-        error = (net.error(_calls(base["tables"], derived), abs(after - before))
-                 + abs(ring_seconds(L, derived, prices) - ring_seconds(L, base["tables"], prices)) / 2)
-        predicted = {**figures(L, derived, qcomms), "exchange_s": after if prices.timed else None,
-                     STEP_TIME: None if step is None else max(step - before + after, 0.0)}
+        predicted = {**figures(L, derived, qcomms), "exchange_s": after if prices.timed else None}
         predicted[ALLREDUCE_BYTES] = allreduce - recorded["dp_allreduce_bytes_per_step"] + predicted[
             "dp_allreduce_bytes_per_step"]  # the rest of the model's DDP all-reduce stays
-        recommended = step is not None and before - after > error and qcomms is None
+        replayed, unreplayed = plan_replay(ctx, L, base["tables"], derived, qcomms, allreduce)
+        if replayed is not None:
+            measured = replay.replay(ctx).measured_median_s
+            predicted[STEP_TIME], interval = replayed.step_s, [replayed.low_s, replayed.high_s]
+            recommended = qcomms is None and replayed.high_s < measured
+            why = _why_replayed(replayed, measured, base["tables"] == derived, qcomms)
+        else:
+            error = (net.error(_calls(base["tables"], derived), abs(after - before))
+                     + abs(ring_seconds(L, derived, prices) - ring_seconds(L, base["tables"], prices)) / 2)
+            predicted[STEP_TIME] = None if step is None else max(step - before + after, 0.0)
+            interval = None if step is None else [predicted[STEP_TIME] - error, predicted[STEP_TIME] + error]
+            recommended = step is not None and before - after > error and qcomms is None
+            why = _why(prices, priced, base["tables"] == derived, before, after, error, qcomms)
+            if unreplayed:
+                why += f" (priced per call: {unreplayed})"
         plans[name] = {**base, "tables": derived, **({"qcomms": qcomms} if qcomms else {}), "predicted": predicted,
-                       "intervals": {} if step is None else {STEP_TIME: [predicted[STEP_TIME] - error,
-                                                                          predicted[STEP_TIME] + error]},
-                       "why": _why(prices, priced, base["tables"] == derived, before, after, error, qcomms),
-                       "recommended": recommended, "baseline": baseline,
+                       "intervals": {} if interval is None else {STEP_TIME: interval},
+                       "why": why, "recommended": recommended, "baseline": baseline,
                        **({} if "error" in estimates else {"torchrec_estimate": estimates})}
         write_plan(ctx.path / name, plans[name])
     plan = plans[PLAN_FILE]
@@ -260,6 +268,60 @@ def compute(ctx: Context) -> Result:
                       "replay_matches": abs(recorded["a2a_bytes_per_step"] - s.base_out) < 1e-6 * max(s.base_out, 1.0),
                       "written": [str(ctx.path / name) for name in plans]}
     return result
+
+
+def plan_change(L: Loads, recorded: dict[str, dict], plan: dict[str, dict], qcomms: dict | None,
+                allreduce: float) -> replay.Change | None:
+    """`plan` against the `recorded` one as a change of the replayed graph: each exchange collective's bytes
+    per (sender, receiver) scaled by the plan's over the recorded plan's (`pairs_of`), DDP's all-reduce by
+    its data-parallel tables' bytes; None where the plan sends between two ranks that the recorded exchange
+    left unpaired (nothing there to scale), or runs another set of sharding groups (their calls differ)."""
+    if _groups(recorded) != _groups(plan):
+        return None
+    before, after = pairs_of(L, recorded), pairs_of(L, plan, qcomms)
+    off = ~np.eye(L.world, dtype=bool)
+    scale = {}
+    for c in COLLECTIVES:
+        if ((after[c] > 0) & (before[c] <= 0) & off).any():
+            return None
+        scale[c] = np.divide(after[c], before[c], out=np.ones_like(after[c]), where=before[c] > 0)
+    dense = ((allreduce - before["dp_allreduce"].sum() + after["dp_allreduce"].sum()) / allreduce) if allreduce else 1.0
+    return replay.Change(scale, dense=float(dense))
+
+
+def plan_replay(ctx: Context, L: Loads, recorded: dict[str, dict], plan: dict[str, dict], qcomms: dict | None,
+                allreduce: float) -> tuple[replay.Prediction | None, str | None]:
+    """The plan's step by the replay of the recorded steps (analyses.replay) with `plan_change`, or None and
+    why not (None and None where the run does not replay at all)."""
+    rp = replay.replay(ctx)
+    if not rp.steps or rp.measured_median_s is None:
+        return None, None
+    named = {c.collective for s in rp.steps for c in s.calls.values()}
+    if not set(COLLECTIVES) <= named:
+        return None, "the recorded steps' all-to-alls are not one sharding group's four"
+    change = plan_change(L, recorded, plan, qcomms, allreduce)
+    if change is None:
+        return None, "the plan changes the sharding groups or pairs ranks the recorded exchange did not"
+    return rp.predict(change), None
+
+
+def _groups(tables: dict[str, dict]) -> set[str]:
+    """The plan's sharding groups: each kind of all-to-all sharding its tables use."""
+    return {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
+
+
+def _why_replayed(p: replay.Prediction, measured: float, same: bool, qcomms: dict | None) -> str:
+    """One line: why the plan is recommended or not, by the replay."""
+    how = (f"the recorded steps replayed with the plan's bytes: {measured * 1e3:.1f} → {p.step_s * 1e3:.1f} ms a step "
+           f"[{p.low_s * 1e3:.1f}, {p.high_s * 1e3:.1f}]; the lookups' own work moving between ranks is not modelled")
+    if qcomms:
+        return (f"quantized comms ({qcomms['forward']} forward, {qcomms['backward']} backward) change the numbers: "
+                f"never recommended without measuring the loss (optimize --check-all re-runs it); {how}")
+    if same:
+        return "the run's own plan is the lightest found; " + how
+    if p.high_s < measured:
+        return how
+    return f"a gain within the replay's interval; {how}"
 
 
 def torchrec_estimates(ctx: Context, L: Loads, recorded: dict[str, dict], derived: dict[str, dict]) -> dict:
@@ -362,9 +424,7 @@ def durations(ctx: Context) -> dict[str, float]:
 
 def _calls(before: dict[str, dict], after: dict[str, dict]) -> int:
     """All-to-all calls a step gains or loses: 4 per sharding group added or removed."""
-    def groups(tables: dict[str, dict]) -> set[str]:
-        return {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
-    return len(COLLECTIVES) * len(groups(before) ^ groups(after))
+    return len(COLLECTIVES) * len(_groups(before) ^ _groups(after))
 
 
 def derive(L: Loads, base: dict[str, dict], prices: Prices) -> dict[str, dict]:

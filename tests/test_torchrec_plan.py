@@ -213,6 +213,28 @@ def test_a_table_heavier_than_a_ranks_share_is_split_by_columns() -> None:
     assert torchrec_plans.link_seconds(L, derived, prices) < torchrec_plans.link_seconds(L, base, prices)
 
 
+def test_a_plan_is_a_change_of_the_replayed_graph_pair_by_pair() -> None:
+    """The replay prices a plan as its bytes per (sender, receiver) over the recorded plan's, per collective,
+    and DDP's all-reduce by the data-parallel tables it adds; a plan it cannot express is None."""
+    L = synthetic_loads()
+    def plan(**kinds):
+        return {name: {"sharding_type": kinds.get(name, ("table_wise", [t % 2]))[0],
+                       "ranks": kinds.get(name, ("table_wise", [t % 2]))[1], "compute_kernel": "fused",
+                       "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t])} for t, name in enumerate(L.names)}
+    recorded = plan()  # big, b, hot on rank 0; a, c on rank 1
+    moved = plan(big=("table_wise", [1]), hot=("data_parallel", [0, 1]))
+    change = torchrec_plans.plan_change(L, recorded, moved, None, allreduce=1000.0)
+    before, after = torchrec_plans.pairs_of(L, recorded), torchrec_plans.pairs_of(L, moved)
+    for c in torchrec_plans.COLLECTIVES:
+        assert np.allclose(before[c] * change.scale[c], after[c]), c
+    # rank 1 now owns big: its output to rank 0 grows by big's pooled rows, rank 0's to rank 1 shrinks
+    assert change.scale["output_fwd"][1, 0] > 1 > change.scale["output_fwd"][0, 1]
+    assert change.dense == pytest.approx((1000.0 + 2 * 10 * 16 * 4) / 1000.0)
+    assert torchrec_plans.plan_change(L, recorded, plan(big=("column_wise", [0, 1])), None, 1000.0) is None
+    alone = plan(**{name: ("table_wise", [0]) for name in L.names})
+    assert torchrec_plans.plan_change(L, alone, recorded, None, 1000.0) is None  # rank 1 sent no output before
+
+
 @pytest.mark.slow
 def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: Path, tmp_path: Path) -> None:
     """The job as it is (t0, two features, and t2 on rank 0; t1 on rank 1) and, re-run unchanged, the
