@@ -533,6 +533,8 @@ def _fit_bucket(steps: list[Step], node_of: tuple[int, ...], given: float, burst
             best = (score, rate, alpha, residual)
     _, rate, alpha, residual = best
     keep = np.abs(residual) <= network.RESIDUAL_CLIP * max(network._robust(residual), 1e-6)
+    if not synchronous:  # async calls overlap others: what one op's calls take beyond the replay is their wait
+        alpha = np.full_like(alpha, alpha.min())  # behind the others, not a fixed cost; the least is the op's α
     links = Links(node_of, rate, intra, dict(zip(ops, map(float, alpha))), burst)
     against = "synchronous call's time" if synchronous else "async call's issue to completion (no synchronous one)"
     return links, Fit(f"the link's rate fitted by replaying the steps with its {burst / 1e3:.0f} kB token bucket "
@@ -619,12 +621,17 @@ def _changed(step: Step, change: Change, links: Links) -> tuple[dict[int, list[t
 
 def _scaled(c: Call, factor, links: Links) -> Call:
     """`c` with its bytes times `factor` (a number, or one per pair); where a call takes the time it took
-    (`Links.per_call`), that time changed by the bytes it no longer moves (or more) on its busiest link at
-    the link's rate."""
+    (`Links.per_call`), that time changed by the bytes it gains or loses on its busiest link at the lesser
+    of two costs per byte: the link's fitted one, and the call's own (its time beyond the op's α over its
+    bytes). On one host a fit over calls whose times follow the cores' scheduling can price a byte far
+    above what any recorded call took."""
     flows = c.flows * factor
     took = c.time_s
-    if links.per_call and not math.isinf(links.intra):
-        took = max(took - (_one_way(c.flows) - _one_way(flows)) / links.intra, 0.0)
+    before = _one_way(c.flows)
+    if links.per_call and before > 0:
+        own = max(took - links.alpha_of(c.op), 0.0) / before
+        per_byte = min(own, 1.0 / links.intra)
+        took = max(took + (_one_way(flows) - before) * per_byte, 0.0)
     return replace(c, flows=flows, time_s=took)
 
 
