@@ -17,26 +17,35 @@ sys.path.insert(0, str(ROOT))
 from analyses import network, torchrec_plans  # noqa: E402
 from analyses.context import open_context  # noqa: E402
 
-root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.gettempdir()) / "tracekit-torchrec-plans"
-errors = []
-for d in sorted(root.iterdir()):
-    if not d.is_dir(): continue
-    out = []
-    with open_context(d / "base") as ctx:
-        r = torchrec_plans.compute(ctx)
-        sm = r.summary
-        if not sm: print(d.name, r.notes); continue
-        base = sm["baseline"]["step_time_s"]
-    for name, key in (("torchrec_plan", sm["predicted"]), ("torchrec_plan_qcomms", sm["qcomms"]["predicted"])):
-        run = d / name
-        if not run.is_dir(): continue
-        with open_context(run) as c2:
-            m = network.step_time(c2).median_s
-        p = key["step_time_s"]
-        errors.append(p / m - 1)
-        out.append(f"{name}: {p * 1e3:.1f} / {m * 1e3:.1f} ms ({(p / m - 1) * 100:+.1f}%)")
-    print(f"{d.name}: base {base * 1e3:.1f} ms, recommended {sm['recommended']}; " + "; ".join(out))
-if errors:
-    within = sum(abs(e) <= 0.1 for e in errors)
-    print(f"step within 10%: {within} of {len(errors)}; median abs. error "
-          f"{sorted(abs(e) for e in errors)[len(errors) // 2] * 100:.1f}%")
+
+
+def main() -> int:
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.gettempdir()) / "tracekit-torchrec-plans"
+    errors = []
+    for case in sorted(d for d in root.iterdir() if d.is_dir()):
+        with open_context(case / "base") as ctx:
+            result = torchrec_plans.compute(ctx)
+        summary = result.summary
+        if not summary:
+            print(f"{case.name}: no plan ({'; '.join(result.notes)})")
+            continue
+        rows = []
+        for run, predicted in (("torchrec_plan", summary["predicted"]),
+                               ("torchrec_plan_qcomms", summary["qcomms"]["predicted"])):
+            if not (case / run).is_dir():
+                continue
+            with open_context(case / run) as ctx:
+                measured = network.step_time(ctx).median_s
+            step = predicted["step_time_s"]
+            errors.append(step / measured - 1)
+            rows.append(f"{run}: {step * 1e3:.1f} / {measured * 1e3:.1f} ms ({(step / measured - 1) * 100:+.1f}%)")
+        print(f"{case.name}: base {summary['baseline']['step_time_s'] * 1e3:.1f} ms, recommended "
+              f"{summary['recommended']}; " + "; ".join(rows))
+    if errors:
+        print(f"step within 10%: {sum(abs(e) <= 0.1 for e in errors)} of {len(errors)}; median abs. error "
+              f"{sorted(abs(e) for e in errors)[len(errors) // 2] * 100:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
