@@ -4,7 +4,7 @@ analysis/calibration.json yet, torch is importable and this host recorded RUN. `
 and `tracekit optimize` start it once the analysis holds the rows' counts (analyses.row_totals, so
 that the calibration reads them rather than the accesses again) and wait for it where the time model
 first reads its file (analyses.network); it measures CPU time, so running beside the analysis
-changes its figures no more than their own spread (bench/RESULTS.md §37).
+moves its figures no more than they move between runs alone (bench/RESULTS.md §37).
 
     job = pending(Path("runs/base"))   # a Calibration to run; a note saying why none can; None: done
     job.start(row_totals)              # in the background
