@@ -84,10 +84,11 @@ ANALYSIS = _options_of(  # what analyze and optimize derive
     click.option("--replay-steps", type=click.IntRange(min=0), default=256, show_default=True,
                  help="Recorded lookup steps the exchange replays use, evenly spaced (0: all); a replay of fewer "
                       "steps than the run's states its error."),
-    click.option("--quality-budget", default="0.002", show_default=True,
+    click.option("--quality-budget", default="0.002,1%", show_default=True,
                  help="The most a lossy section (DCT compression, the FAE schedule) may cost the model: an eval AUC "
-                      "loss (0.002), or a relative rise of eval log loss (0.5%). One whose measured cost is over "
-                      "it, or not measured, is not recommended; `optimize` measures it with calibration runs."),
+                      "loss (0.002) and a relative rise of eval log loss (1%), comma-separated; a bound not given "
+                      "keeps its default. One whose measured cost is over either, or not measured, is not "
+                      "recommended; `optimize` measures it with calibration runs."),
     click.option("--memory-limit", default="1GB", show_default=True,
                  help="Memory the analysis's DuckDB may hold (it spills to a temporary folder past it), e.g. 4GiB; "
                       "the process holds about 0.5 GiB more."))
@@ -120,7 +121,7 @@ def job_settings(hang_after: float | None, max_size: str | None, window_steps: s
 
 def analysis_options(budget: str | None, topology: str | None, intra_bw: str | None, inter_bw: str | None,
                       policies: str | None, objective: str, replay_steps: int = 256, memory_limit: str = "1GB",
-                      quality_budget: str = "0.002"):
+                      quality_budget: str = "0.002,1%"):
     """The ANALYSIS options as analyses.context.Options."""
     from analyses.analyze import POLICIES
     from analyses.context import Options
