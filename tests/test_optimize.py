@@ -38,15 +38,18 @@ def optimized(tmp_path_factory) -> tuple[Path, dict]:
 @pytest.mark.slow
 def test_every_section_runs_and_its_bytes_are_as_predicted(optimized) -> None:
     out, summary = optimized
-    assert {p.name for p in out.iterdir() if p.is_dir()} == {"base", "replication", "schedule", "combined"}
-    for name in ("replication", "schedule", "combined"):
+    policy = load_policy(out / "base" / "policy.json")
+    recommended = {label for label in ("replication", "schedule") if policy[label].get("recommended", True)}
+    combined = ["combined"] if len(recommended) > 1 else []  # what policy.json applies, only where several
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"base", "replication", "schedule", *combined}
+    for name in ("replication", "schedule", *combined):
         assert (out / f"{name}.log").stat().st_size > 0
         manifest = json.loads((out / name / "manifest.json").read_text())
         assert manifest["policy"]["path"] == str((out / "base" / f"policy.{name}.json").resolve())
     sections = {name: set(load_policy(out / "base" / f"policy.{name}.json")) & {"replication", "schedule"}
-                for name in ("replication", "schedule", "combined")}
+                for name in ("replication", "schedule", *combined)}
     assert sections == {"replication": {"replication"}, "schedule": {"schedule"},
-                        "combined": {"replication", "schedule"}}
+                        **({"combined": recommended} if combined else {})}
     rows = [r for r in summary["rows"] if r["run"].endswith("replication") and r["section"] == "replication"]
     exact = {r["figure"]: r for r in rows if r["figure"].endswith("bytes_per_step")}
     assert exact["a2a_bytes_per_step"]["measured"] == pytest.approx(exact["a2a_bytes_per_step"]["predicted"], rel=1e-9)
@@ -120,6 +123,28 @@ def test_tiers_across_nodes_are_re_run_beside_replication_alone(tmp_path: Path) 
                      "faster step)"]
     written = json.loads(plans[1].policy.read_text())
     assert written["replication"]["recommended"] is True and "tiers" not in written
+
+
+def test_the_combined_run_applies_exactly_the_recommended_sections(tmp_path: Path) -> None:
+    """--check-all re-runs an unrecommended section alone, to check the decision; the combined run is what
+    `train.py --policy policy.json` applies, the recommended sections only."""
+    policy = new_policy(source_run="x", model={"tables": [{"name": "t0", "num_rows": 10, "dim": 4}], "world_size": 2})
+    policy["compression"] = {"dp": {"keep_ratio": 0.01, "refresh_every": 100, "error_feedback": True,
+                                    "predicted": {}, "why": "dp"},
+                             "mp": {"keep_ratio": 0.25, "predicted": {}, "why": "mp"}}
+    policy["schedule"] = {"hot_rows": "policy/fae_hot_rows.parquet", "hot_sample_fraction": 0.3,
+                          "predicted": {"hot_rows": 1}, "why": "fae", "recommended": False,
+                          "reason": "its model-quality cost is not measured"}
+    path = write_policy(tmp_path / "policy.json", policy,
+                        rows={"fae_hot_rows": pl.DataFrame({"table_name": ["t0"], "row": [1]})})
+    plans, notes = reruns(path, checked=True)
+    assert [p.name for p in plans] == ["schedule", "compression.dp", "compression.mp", "combined"]
+    assert sorted(load_policy(plans[-1].policy)["compression"]) == ["dp", "mp"]
+    assert "schedule" not in load_policy(plans[-1].policy)
+    assert notes == ["schedule re-run although not recommended, to check the decision (its model-quality cost is "
+                     "not measured)"]
+    plans, _ = reruns(path)  # without the check, the recommended ones only
+    assert [p.name for p in plans] == ["compression.dp", "compression.mp", "combined"]
 
 
 def test_a_failing_baseline_stops_with_its_log(tmp_path: Path) -> None:

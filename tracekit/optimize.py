@@ -7,8 +7,9 @@
                         analysed again with what they measured (BASE/analysis/quality.json)
     DIR/base/policy.json and one file per recommended training section: policy.<section>.json
     DIR/<section>       the command re-run with `--policy DIR/base/policy.<section>.json`
-    DIR/combined        ... with every one re-run together, where there are several (policy.combined.json,
-                        which keeps policy.json's `combined` prediction for `compare` to check)
+    DIR/combined        ... with the recommended sections together, where there are several: what the policy
+                        file applies (policy.combined.json, which keeps policy.json's `combined` prediction for
+                        `compare` to check); the sections --check-all re-runs unrecommended run alone only
     DIR/replication     where tiers across nodes are re-run, replication alone beside them (what
                         FlexShard's tiers are measured against), recommended or not
 
@@ -146,11 +147,13 @@ def torchrec_reruns(base: Path, own: dict, *, checked: bool = False) -> tuple[li
 
 def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], list[str]]:
     """One policy file per recommended training section worth a run (beside policy.json, so row paths
-    hold), and one for their combination; with notes on the sections left out and why. `checked`:
-    re-run the sections analyze did not recommend as well (each alone, marked recommended in its own
-    file, and all of them together), so that the measurement checks the decision."""
+    hold), and one for their combination: exactly the recommended sections, what `train.py --policy
+    policy.json` applies; with notes on the sections left out and why. `checked`: re-run the sections
+    analyze did not recommend as well, each alone (marked recommended in its own file), so that the
+    measurement checks the decision."""
     policy = read_policy(policy_path)
     chosen, notes, rerun = [], [], dict(policy.sections)
+    recommended = [label for label in TRAINING if label in policy.sections and not _why_not(policy.sections[label])]
     for label in TRAINING:
         section = policy.sections.get(label)
         if section is None:
@@ -176,8 +179,8 @@ def reruns(policy_path: Path, *, checked: bool = False) -> tuple[list[Rerun], li
     policy = replace(policy, sections=rerun)
     plans = [Rerun(label, _write_sections(policy_path, policy, [label]))
              for label in chosen + (["replication"] if beside is not None else [])]
-    if len(chosen) > 1:  # with `checked`, the decision's check of the combination as well
-        plans.append(Rerun("combined", _write_sections(policy_path, policy, chosen, "combined")))
+    if len(recommended) > 1:
+        plans.append(Rerun("combined", _write_sections(policy_path, policy, recommended, "combined")))
     return plans, notes
 
 
