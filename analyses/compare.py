@@ -104,6 +104,7 @@ from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.errors import PolicyMismatch, RunMismatch, TracekitError
 from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, AUC_CHANGE, DP_BYTES, HOT_STEP_FRACTION,
                               INTER_BYTES, INTRA_BYTES, LOGLOSS_CHANGE, STEP_TIME, SYNC_BYTES)
+from analyses.verdict import verdict
 from tracekit.policy import PolicyError, check_model, load_policy, sections
 from tracekit.schema import STATUS_COMPLETED
 from tracekit.tags import DDP_BUCKET, DP_TAGS, SYNC_TAGS
@@ -199,7 +200,16 @@ def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_
     result.tables = tables(measured, rows)
     result.summary = {"base": first.name, "skip_steps": max(m.figures["skip_steps"] for m in measured), "runs": [m.figures for m in measured],
                       "rows": rows, "warnings": warnings, "notes": result.notes}
+    result.summary["verdict"] = [row.to_json() for row in verdict(_base_policy(Path(first.name)), result.summary)]
     return result
+
+
+def _base_policy(run_dir: Path) -> dict | None:
+    """BASE's policy.json, where analyze wrote a readable one: the verdict's sections."""
+    try:
+        return load_policy(run_dir / "policy.json") if (run_dir / "policy.json").is_file() else None
+    except PolicyError:
+        return None
 
 
 # one run ----------------------------------------------------------------------------------------

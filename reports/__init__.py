@@ -39,7 +39,7 @@ def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, p
     if summary is not None:
         parts.append(sections.compare(summary))
     title = f"tracekit report: {base.name}" + (f" and {len(inputs) - 1} more" if len(inputs) > 1 else "")
-    page = render(title, sections.verdict(inputs, summary), parts, plotly_js)
+    page = render(title, sections.verdict(inputs, summary), parts, plotly_js, sections.verdict_table(base, summary))
     output = Path(output)
     if plotly_js == "beside":
         from plotly.offline import get_plotlyjs

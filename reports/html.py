@@ -90,9 +90,11 @@ PLOTLY_FILE = "plotly.min.js"
 """plotly.js's file name beside a report written with `plotly_js="beside"`."""
 
 
-def render(title: str, verdict: list[str], sections: list[Section], plotly_js: str = "inline") -> str:
+def render(title: str, verdict: list[str], sections: list[Section], plotly_js: str = "inline",
+           verdict_table: str = "") -> str:
     """The whole page: plotly.js once in <head> ("inline"), or a <script src> of PLOTLY_FILE beside
-    the page ("beside": the caller writes it there), then the verdict (escaped here) and each section."""
+    the page ("beside": the caller writes it there), then the verdict (its table, markup built with
+    `table`, then its sentences, escaped here) and each section."""
     import plotly.io as pio
     from plotly.offline import get_plotlyjs
 
@@ -102,7 +104,7 @@ def render(title: str, verdict: list[str], sections: list[Section], plotly_js: s
     parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{esc(title)}</title>",
              f"<style>{CSS}</style>{script}</head><body>",
              f"<h1>{esc(title)}</h1>", "<nav>" + "".join(f'<a href="#{s.id}">{esc(s.title)}</a>' for s in sections)
-             + "</nav>", '<div class="verdict"><strong>Verdict</strong><ul>'
+             + "</nav>", f'<div class="verdict"><strong>Verdict</strong>{verdict_table}<ul>'
              + "".join(f"<li>{esc(v)}</li>" for v in verdict) + "</ul></div>"]
     for s in sections:
         parts.append(f'<section id="{esc(s.id)}"><h2>{esc(s.title)}</h2>')

@@ -24,10 +24,6 @@ SKEW_ROWS = 8
 """Tables listed in the skew section's table."""
 
 
-def _signed(share: float) -> str:
-    return f"{share:+.0%}".replace("-", "\u2212")
-
-
 def _cells(record: dict[str, Any], columns: tuple[str, ...]) -> list[str]:
     """The table row of `record`'s `columns`, each shown in the unit its name says (reports.numbers)."""
     return [show(c, record[c]) for c in columns]
@@ -52,8 +48,8 @@ def _train_timeline(run: RunInputs) -> pl.DataFrame | None:
 # verdict ----------------------------------------------------------------------------------------
 
 def verdict(runs: list[RunInputs], compare: dict | None) -> list[str]:
-    """The few sentences at the top: where the step goes, how skewed the lookups are, what the
-    policies predict and, with their runs, what they measured."""
+    """The few sentences under the verdict's table (`verdict_table`): where the step goes, how skewed the
+    lookups are, and whether the run completed."""
     base = runs[0]
     lines = []
     timeline = _train_timeline(base)
@@ -66,25 +62,24 @@ def verdict(runs: list[RunInputs], compare: dict | None) -> list[str]:
         if top["num_rows"]:
             lines.append(f"in table {top['table_name']} (most lookups), {top['rows_for_90pct'] / top['num_rows']:.1%} "
                          f"of rows take 90% of lookups (Zipf α {show('zipf_alpha', top['zipf_alpha'])})")
-    measured = {}
-    for r in (compare or {}).get("rows", []):
-        if r["figure"] == "saving" and r["measured"] is not None:
-            measured.setdefault(r["section"], r["measured"])
-    for name, body in (base.policy or {}).items():
-        if not isinstance(body, dict) or "predicted" not in body:
-            continue
-        saving = _predicted_saving(base, body)
-        if saving is None:
-            continue
-        text = f"{name} predicts {_signed(-saving)} embedding bytes per step"
-        text += f", measured {_signed(-measured[name])}" if name in measured else " (not measured: no run applied it here)"
-        if "recommended" in body:
-            text += "; recommended" if body["recommended"] else "; not recommended (the Policies section says why)"
-        lines.append(text)
     if base.manifest.get("status") != "completed":
         lines.append(f"the run is {base.manifest.get('status')} (exit code {base.manifest.get('exit_code')}): "
                      "figures cover what was recorded")
     return lines or ["no analysis figure to summarise (see the sections for what is missing)"]
+
+
+def verdict_table(run: RunInputs, compare: dict | None) -> str:
+    """The verdict's table (analyses.verdict): a row per training section of the run's policy, the
+    recommended combination first, predicted against measured; "" where the run has no policy."""
+    from analyses.verdict import COLUMNS, cells, verdict as rows
+
+    found = [row.to_json() for row in rows(run.policy, compare)]
+    if not found:
+        return ""
+    return ('<p class="muted">Each section: whether analyze recommends it and why, its step time predicted and, '
+            'where a run applied it, measured, with speedups over the measured baseline (★: the fastest measured), '
+            'its bytes per step and its change of eval AUC and log loss.</p>'
+            + table(COLUMNS, [cells(r) for r in found], left={0, 1, 9}))
 
 
 def _predicted_saving(run: RunInputs, section: dict) -> float | None:

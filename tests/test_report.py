@@ -157,7 +157,15 @@ def test_chromium_draws_every_section_of_a_two_rank_report(runs, tmp_path: Path)
     assert drawn == declared, (drawn, declared)
     assert per_section(dom, r'class="[^"]*js-plotly-plot') == declared
     no_network(dom)
-    assert "Verdict" in dom and "communication is" in dom and "replication predicts" in dom
+    assert "Verdict" in dom and "communication is" in dom
+    # the verdict's table, as drawn: replication's row with its step predicted and, from the run that applied it,
+    # measured, with the measured speedup over the baseline
+    verdict = re.search(r'<div class="verdict">(.*?)</div>', dom, re.S).group(1)
+    row = re.search(r"<tr><td[^>]*>replication[^<]*</td>(.*?)</tr>", verdict, re.S)
+    assert row is not None, verdict
+    shown = re.findall(r"<td[^>]*>([^<]*)</td>", row.group(1))
+    assert shown[0] in ("yes", "no") and shown[1].endswith(" ms") and "×" in shown[2], shown  # predicted
+    assert shown[3].endswith(" ms") and re.fullmatch(r"\d+\.\d\d×", shown[4]), shown  # measured, its speedup
     shot = tmp_path / "shot.png"
     browse(page, tmp_path, f"--screenshot={shot}", "--window-size=1280,2000", "--virtual-time-budget=10000")
     assert shot.stat().st_size > 50_000

@@ -301,6 +301,27 @@ def print_compare(summary: dict) -> None:
     _compare_policies(summary["rows"], summary["base"])
     for note in summary["notes"]:
         terminal.print(f"[dim]note: {note}[/]")
+    print_verdict(summary.get("verdict") or [])
+
+
+def print_verdict(rows: list[dict]) -> None:
+    """The verdict table (analyses.verdict): each section's decision, its step predicted and measured with
+    their speedups over the measured baseline, its bytes and its model-quality change; why, below it."""
+    if not rows:
+        return
+    from rich import box
+
+    from analyses.verdict import TERMINAL_COLUMNS, cells
+
+    table = Table(title="verdict: speedups over the measured baseline, ★ the fastest measured", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in TERMINAL_COLUMNS:
+        table.add_column(column, no_wrap=True)
+    for row in rows:
+        table.add_row(*cells(row, compact=True)[:len(TERMINAL_COLUMNS)], style="bold" if row["best"] else None)
+    terminal.print(table)
+    for row in rows:
+        terminal.print(f"  {row['label']}: {'recommended' if row['recommended'] else 'not recommended'}, {row['why']}")
 
 
 COMPARE_FIGURES = (  # label, figure, how it is shown and compared
