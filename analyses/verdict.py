@@ -152,10 +152,11 @@ def _applied(summary: dict | None) -> dict[str, dict]:
 
 def _metric_changes(metrics: dict, base: dict) -> tuple[float | None, float | None]:
     """(eval AUC change, eval log loss's relative change) of a run's metrics against the baseline's."""
-    auc = metrics.get("eval_auc") - base["eval_auc"] if None not in (metrics.get("eval_auc"), base.get("eval_auc")) \
-        else None
-    loss = metrics.get("eval_logloss") / base["eval_logloss"] - 1 if metrics.get("eval_logloss") is not None \
-        and base.get("eval_logloss") else None
+    auc = loss = None
+    if metrics.get("eval_auc") is not None and base.get("eval_auc") is not None:
+        auc = metrics["eval_auc"] - base["eval_auc"]
+    if metrics.get("eval_logloss") is not None and base.get("eval_logloss"):
+        loss = metrics["eval_logloss"] / base["eval_logloss"] - 1
     return auc, loss
 
 
