@@ -1,5 +1,6 @@
 """The shape of analyses/: its modules import each other without a cycle, and none keeps state at
-module level (what an analysis derives lives on the Context: `ctx.memo`).
+module level (what an analysis derives lives on the Context: `ctx.memo`); the trainer's package
+(tracekit/dlrm) has no import cycle either.
 
 Both read the source with `ast`, so they cover imports inside functions and under `if
 TYPE_CHECKING:` too (a guard that hides a cycle is still a cycle)."""
@@ -19,10 +20,10 @@ MUTATING_METHODS = {"append", "extend", "insert", "add", "update", "setdefault",
                     "remove", "discard", "sort", "reverse", "appendleft", "extendleft"}
 
 
-def modules() -> dict[str, ast.Module]:
-    """{dotted module name: its parsed source} for every file under analyses/."""
+def modules(package: str = PACKAGE) -> dict[str, ast.Module]:
+    """{dotted module name: its parsed source} for every file under `package` (a folder of the repo)."""
     out = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = ast.parse(path.read_text(), filename=str(path))
@@ -79,6 +80,16 @@ def test_the_analyses_import_each_other_without_a_cycle() -> None:
     trees = modules()
     graph = {name: imported(name, tree, set(trees)) for name, tree in trees.items()}
     assert graph["analyses.exchange"] >= {"analyses.attribution", "analyses.network"}  # the parse sees imports
+    found = cycle(graph)
+    assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def test_the_trainers_modules_import_each_other_without_a_cycle() -> None:
+    """tracekit/dlrm: the sharded embeddings name tier 2 by the protocol they call (sharding.Tier), not
+    by its class, which builds on them."""
+    trees = modules("tracekit/dlrm")
+    graph = {name: imported(name, tree, set(trees)) for name, tree in trees.items()}
+    assert "tracekit.dlrm.sharding" in graph["tracekit.dlrm.node_tier"]  # the parse sees imports
     found = cycle(graph)
     assert found is None, "import cycle: " + " -> ".join(found)
 

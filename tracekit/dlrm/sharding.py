@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,17 @@ from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import Replicas
 
-if TYPE_CHECKING:
-    from tracekit.dlrm.node_tier import NodeTier
+
+class Tier(Protocol):
+    """What the exchange asks of FlexShard's tier 2 across nodes (tracekit/dlrm/node_tier.py's NodeTier,
+    which builds on this module): take its ids out of a batch and serve them inside the node, and
+    synchronise its node copies after the backward."""
+
+    def serve(self, anchor: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor,
+              batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def synchronise(self) -> None: ...
+
 
 _INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
 
@@ -205,7 +214,7 @@ class ShardedEmbeddings(nn.Module):
 
     def __init__(self, plan: ShardingPlan, rank: int, optimizer: SparseSGD | RowWiseAdagrad,
                  *, seed: int, device: torch.device, group: dist.ProcessGroup | None = None,
-                 replicas: Replicas | None = None, node_tier: NodeTier | None = None,
+                 replicas: Replicas | None = None, node_tier: Tier | None = None,
                  codec: OutputCodec | None = None) -> None:
         super().__init__()
         self.plan, self.rank, self.optimizer, self.group = plan, rank, optimizer, group
