@@ -23,7 +23,7 @@ torchrec-venv:
 		echo "make: no TorchRec venv (see above); the TorchRec tests will skip" >&2; }
 
 demo: venv
-	$(BIN)/python -m tracekit.demo
+	$(BIN)/python -m tracekit.app.demo
 
 test: venv torchrec-venv
 	$(BIN)/python -m pytest -q

@@ -139,7 +139,7 @@ class PolicyResult:
 
 
 class Background(Protocol):
-    """Work beside the analysis (tracekit.calibration.Calibration): started with the file of the rows'
+    """Work beside the analysis (tracekit.app.calibration.Calibration): started with the file of the rows'
     counts (analyses.row_totals.kept_file), waited for where its result is read; `wait` returns None
     where it succeeded, else why not."""
 

@@ -3,7 +3,7 @@ schedule), and the budget a recommended one must keep.
 
 A trace holds bytes and times, not what sparsifying gradients or embedding outputs, or batching hot
 samples apart, does to the model, so the cost is measured: `tracekit optimize`
-(tracekit/quality_runs.py) re-runs the recorded command with each lossy section alone (DCT's at keep
+(tracekit/app/quality_runs.py) re-runs the recorded command with each lossy section alone (DCT's at keep
 ratios from the most compressive up) and writes what the runs' eval AUC and log loss did against the
 baseline's to RUN/analysis/quality.json. A point's `setting` is the value of the section's SETTING
 field it ran with (DCT's keep ratio; the schedule's share of all-hot samples, which names its hot set):

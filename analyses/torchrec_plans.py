@@ -56,7 +56,7 @@ from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, PlanError, from_
 COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
 DP_MAX_BYTES = 64 * 2**20  # a data-parallel table is a full copy on every rank: at most this large
 QCOMM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of an element on the wire (TorchRec's QCommsConfig)
-ESTIMATE_TIMEOUT_S = 120  # TorchRec's planner, run in the job's Python (tracekit/torchrec_estimates.py)
+ESTIMATE_TIMEOUT_S = 120  # TorchRec's planner, run in the job's Python (tracekit/app/torchrec_estimates.py)
 
 
 @dataclass
@@ -326,7 +326,7 @@ def _why_replayed(p: replay.Prediction, measured: float, same: bool, qcomms: dic
 
 def torchrec_estimates(ctx: Context, L: Loads, recorded: dict[str, dict], derived: dict[str, dict]) -> dict:
     """What TorchRec's own planner estimates for the recorded and the derived plan (per rank: its
-    estimator's forward and backward compute and comms, ms), from tracekit/torchrec_estimates.py run
+    estimator's forward and backward compute and comms, ms), from tracekit/app/torchrec_estimates.py run
     in the job's own Python; {"error": why} where that cannot be done."""
     python = _job_python(ctx.manifest.get("command") or [])
     if python is None:
@@ -343,11 +343,11 @@ def torchrec_estimates(ctx: Context, L: Loads, recorded: dict[str, dict], derive
                           for t, name in enumerate(L.names)],
                "plans": {"recorded": recorded, "derived": derived}}
     try:
-        done = subprocess.run([python, "-m", "tracekit.torchrec_estimates"], input=json.dumps(request),
+        done = subprocess.run([python, "-m", "tracekit.app.torchrec_estimates"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=ESTIMATE_TIMEOUT_S)
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as err:
-        return {"error": f"{python} -m tracekit.torchrec_estimates: {type(err).__name__}: {err}"}
+        return {"error": f"{python} -m tracekit.app.torchrec_estimates: {type(err).__name__}: {err}"}
 
 
 def _job_python(command: list[str]) -> str | None:

@@ -39,7 +39,7 @@ from tracekit.dlrm import config as config_mod  # noqa: E402
 from tracekit.dlrm.compression import LABEL  # noqa: E402
 from tracekit.dlrm.data import open_dataset  # noqa: E402
 from tracekit.dlrm.train import build_tables  # noqa: E402
-from tracekit.optimize import reruns  # noqa: E402
+from tracekit.app.optimize import reruns  # noqa: E402
 from tracekit.policy import SECTIONS, load_policy, new_policy, section_part, write_policy  # noqa: E402
 from tracekit.run import open_run  # noqa: E402
 

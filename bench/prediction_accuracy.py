@@ -8,12 +8,12 @@ For each workload of WORKLOADS (chosen so that nothing is tuned to them, see the
 1. the baseline is recorded (`tracekit record`, or `tracekit cluster --record` for an emulated link)
    and analysed with analyze's defaults (`tracekit analyze RUN --no-report`);
 2. each training section of its policy.json (replication, tiers, schedule, compression.dp,
-   compression.mp) is written alone beside policy.json (tracekit.optimize._write_sections, so row
+   compression.mp) is written alone beside policy.json (tracekit.app.optimize._write_sections, so row
    paths hold); a section marked `recommended: false` is written with `recommended: true`, so it
    runs and the bench shows whether the decision was right; `combined` holds the sections of the
    file's `combined` prediction (else every recommended one), where there are several. Sections
    optimize would not re-run either (no hot row, one-node tiers, tier 2, no all-hot sample:
-   tracekit.optimize._why_not) get a row saying why, and no run; `lag` is inference-only, not re-run;
+   tracekit.app.optimize._why_not) get a row saying why, and no run; `lag` is inference-only, not re-run;
 3. `--repeats` rounds, each a baseline re-run then every section's re-run (their order rotated from
    round to round), all recorded with the baseline's settings, so times compare: B P1 P2 .. B P2 P3 ..
    (one baseline re-run per round for all sections: a B before every P would double the runs);
@@ -62,9 +62,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from analyses.compare import compare  # noqa: E402
-from tracekit.cli import cli  # noqa: E402
-from tracekit.cluster import Cluster, check_prerequisites  # noqa: E402
-from tracekit.optimize import _why_not, _write_sections, record  # noqa: E402
+from tracekit.app.cli import cli  # noqa: E402
+from tracekit.app.cluster import Cluster, check_prerequisites  # noqa: E402
+from tracekit.app.optimize import _why_not, _write_sections, record  # noqa: E402
 from tracekit.policy import TRAINING, load_policy, read_policy, recommended, sections  # noqa: E402
 from prediction_table import markdown_table, rich_table, summary_lines  # noqa: E402
 

@@ -9,7 +9,7 @@ Kaggle layout x 0.01 at 400 steps), with `tracekit record`'s default recording s
    0.002);
 2. every lossy section analyze derived (compression.dp, compression.mp, schedule: analyses.quality.LOSSY),
    not only those it would recommend on time, but one optimize would not re-run (a schedule under 1%
-   all-hot samples: tracekit.optimize._why_not), is calibrated as `tracekit optimize` does it
+   all-hot samples: tracekit.app.optimize._why_not), is calibrated as `tracekit optimize` does it
    (tracekit/quality_runs.calibrate: seeds 0, 1, 2, each against its own baseline; DCT's keep ratios
    from the most compressive up until one keeps the budget), and the baseline is analysed again;
 3. the held-out check: the baseline and each lossy section at the setting analyze then chose are run at
@@ -45,12 +45,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from analyses import quality  # noqa: E402
-from tracekit import recording  # noqa: E402
-from tracekit.cluster import Cluster  # noqa: E402
+from tracekit.app import recording  # noqa: E402
+from tracekit.app.cluster import Cluster  # noqa: E402
 from tracekit.figures import AUC_CHANGE  # noqa: E402
-from tracekit.optimize import _why_not, _write_sections, record  # noqa: E402
+from tracekit.app.optimize import _why_not, _write_sections, record  # noqa: E402
 from tracekit.policy import read_policy  # noqa: E402
-from tracekit.quality_runs import SEEDS, calibrate  # noqa: E402
+from tracekit.app.quality_runs import SEEDS, calibrate  # noqa: E402
 from prediction_accuracy import (WORKLOADS, Workload, cluster_unavailable, default_lookup_every, machine,  # noqa: E402
                                  named)
 

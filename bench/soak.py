@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracekit.dlrm.data import open_dataset  # noqa: E402
-from tracekit.hang import read_heartbeats  # noqa: E402
+from tracekit.app.hang import read_heartbeats  # noqa: E402
 
 TRAINER = ["--tables", "8", "--rows", "100000", "--dim", "16", "--bottom-mlp", "32,16", "--top-mlp", "32,1",
            "--batch-size", "64", "--pooling", "4", "--eval-fraction", "0", "--log-every", "100000", "--json"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.dlrm.data import open_dataset
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.policy import load_policy
 
 EVAL_TINY = [*TINY[:TINY.index("--eval-fraction")], "--eval-fraction", "0.0625", "--steps", "6"]

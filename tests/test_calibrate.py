@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import torch
 
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.dlrm import calibrate
 from tracekit.dlrm.replicas import SYNCS
 from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA

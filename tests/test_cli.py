@@ -8,11 +8,11 @@ import sys
 from click.testing import CliRunner
 
 from tracekit import __version__
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 
 
 def test_importing_the_cli_loads_no_heavy_module() -> None:
-    code = ("import sys, tracekit.cli; "
+    code = ("import sys, tracekit.app.cli; "
             "print(sorted(m for m in ('torch', 'duckdb', 'polars', 'plotly') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -18,8 +18,8 @@ import pytest
 
 from tests.prerequisites import needs
 from tests.recorded import REPO
-from tracekit import cli as cli_module
-from tracekit import cluster
+from tracekit.app import cli as cli_module
+from tracekit.app import cluster
 
 TINY_TRAINER = ["--tables", "4", "--rows", "1000", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
                 "--batch-size", "64", "--samples", "8192"]
@@ -259,7 +259,7 @@ def test_the_subnet_avoids_the_hosts_networks() -> None:
 def test_optimize_cluster_needs_link_and_a_shape() -> None:
     from click.testing import CliRunner
 
-    from tracekit.cli import cli
+    from tracekit.app.cli import cli
 
     r = CliRunner().invoke(cli, ["optimize", "--cluster", "2x2", "--", "python", "train.py"])
     assert r.exit_code == 2 and "--cluster NODESxRANKS and --link RATE go together" in r.output, r.output
@@ -268,7 +268,7 @@ def test_optimize_cluster_needs_link_and_a_shape() -> None:
 
 
 def test_optimize_records_each_run_through_cluster(tmp_path: Path, monkeypatch) -> None:
-    from tracekit import optimize
+    from tracekit.app import optimize
 
     seen = []
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from analyses.compare import compare
 from analyses.network import warmup_steps
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.policy import new_policy, write_policy
 
 STEPS = 8

@@ -16,7 +16,7 @@ from analyses.analyze import analyze
 from analyses.compare import compare
 from analyses.context import Options
 from tests.recorded import REPO, TINY, record
-from tracekit.optimize import reruns
+from tracekit.app.optimize import reruns
 from tracekit.policy import SECTIONS, load_policy, section_part, write_policy
 
 STEPS = 20

@@ -1,6 +1,6 @@
 """The documentation stays true to the repository: the README is short and names every command, every
 relative link in README.md and docs/ leads to a file (and heading) inside the repository, and
-docs/trace-format.md is exactly what tracekit/trace_format.py renders from tracekit/schema.py."""
+docs/trace-format.md is exactly what tracekit/app/trace_format.py renders from tracekit/schema.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tracekit import trace_format
-from tracekit.cli import cli
+from tracekit.app import trace_format
+from tracekit.app.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from analyses.export import chrome_trace
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 
 
 @pytest.fixture(scope="module")

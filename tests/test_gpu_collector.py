@@ -20,8 +20,8 @@ import pytest
 from click.testing import CliRunner
 
 from collectors import gpu
-from tracekit.cli import cli
-from tracekit.recording import gpu_outcome, gpu_status
+from tracekit.app.cli import cli
+from tracekit.app.recording import gpu_outcome, gpu_status
 from tracekit.schema import GPU
 from tracekit.store import RunWriter
 

@@ -1,4 +1,4 @@
-"""Hang diagnosis (tracekit/hang.py, collectors/heartbeat.py): a rank stopped with SIGSTOP (1 of 2,
+"""Hang diagnosis (tracekit/app/hang.py, collectors/heartbeat.py): a rank stopped with SIGSTOP (1 of 2,
 1 of 4, and 1 of 2 on an emulated cluster of 2 nodes) is named as silent within `--hang-after` + 5 s, with the collective (op, tag, call number)
 the others wait in; after SIGCONT the run completes and its trace is whole. A rank that skips a
 collective is named with the call on which the two disagree. And the diagnosis itself, from made-up
@@ -20,7 +20,7 @@ import pytest
 
 from tests.recorded import REPO
 from tests.test_cluster import needs_cluster
-from tracekit.hang import HANG_FLOOR_S, describe, diagnose, threshold
+from tracekit.app.hang import HANG_FLOOR_S, describe, diagnose, threshold
 
 STEPS = 500
 LOOP = textwrap.dedent(f"""

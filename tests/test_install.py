@@ -56,7 +56,7 @@ def test_pip_builds_a_pure_python_wheel_without_torch(tmp_path: Path) -> None:
     sources = {p.relative_to(src).as_posix() for package in PACKAGES for p in (src / package).rglob("*.py")}
     assert sources - names == set()  # every module, collectors/site/sitecustomize.py included
     assert not [n for n in names if n.endswith((".so", ".pyd", ".cpp"))]
-    assert "tracekit = tracekit.cli:main" in zipfile.ZipFile(wheel).read("tracekit-0.1.0.dist-info/entry_points.txt").decode()
+    assert "tracekit = tracekit.app.cli:main" in zipfile.ZipFile(wheel).read("tracekit-0.1.0.dist-info/entry_points.txt").decode()
 
 
 def test_install_keeps_torch_and_the_installed_copy_runs_outside_the_repo(torchrec_python: Path,  # noqa: F811

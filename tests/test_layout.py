@@ -1,8 +1,14 @@
-"""The shape of analyses/: its modules import each other without a cycle, and none keeps state at
-module level (what an analysis derives lives on the Context: `ctx.memo`); the trainer's package
-(tracekit/dlrm) has no import cycle either.
+"""The layers of the tree (DESIGN.md §2), as its imports show them, and the shape of analyses/.
 
-Both read the source with `ast`, so they cover imports inside functions and under `if
+- The layers: the contracts (the modules at the top of tracekit/: schema, store, policy, manifest, ...)
+  import only each other; the trainer (tracekit/dlrm), the collectors and the analyses import the
+  contracts and themselves; the reports add the analyses; only the commands (tracekit/app) import
+  everything. No module of the tree is part of an import cycle.
+- The traced process stays lean (collectors import no duckdb, polars or plotly) and analysis runs
+  without torch (analyses and reports import no torch).
+- No analysis keeps state at module level: what an analysis derives lives on the Context (`ctx.memo`).
+
+Every check reads the source with `ast`, so it covers imports inside functions and under `if
 TYPE_CHECKING:` too (a guard that hides a cycle is still a cycle)."""
 
 from __future__ import annotations
@@ -12,6 +18,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "analyses"
+TREE = ("tracekit", "collectors", "analyses", "reports")
+MAY_IMPORT = {
+    "contracts": {"contracts"},
+    "tracekit.dlrm": {"contracts", "tracekit.dlrm"},
+    "collectors": {"contracts", "collectors"},
+    "analyses": {"contracts", "analyses"},
+    "reports": {"contracts", "analyses", "reports"},
+    "tracekit.app": {"contracts", "tracekit.dlrm", "collectors", "analyses", "reports", "tracekit.app"},
+}
+"""Each layer of the tree and the layers its modules may import."""
+NOT_IMPORTED = {"collectors": {"duckdb", "polars", "plotly"}, "analyses": {"torch"}, "reports": {"torch"}}
+"""Third-party packages a layer never imports, not even inside a function."""
 MUTABLE_CALLS = {"dict", "list", "set", "bytearray", "defaultdict", "OrderedDict", "Counter", "deque", "ChainMap"}
 """Constructors of mutable containers: at module level only as an UPPER_CASE constant never mutated."""
 CACHE_CALLS = {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "lru_cache", "cache"}
@@ -53,6 +71,32 @@ def imported(name: str, tree: ast.Module, known: set[str]) -> set[str]:
     return found
 
 
+def layer(module: str) -> str:
+    """The layer of a module of the tree: its package, or "contracts" for the top of tracekit/ (but for
+    tracekit/__main__.py, `python -m tracekit`: a command)."""
+    if module == "tracekit.__main__":
+        return "tracekit.app"
+    parts = module.split(".")
+    if parts[0] != "tracekit":
+        return parts[0]
+    return f"tracekit.{parts[1]}" if len(parts) > 1 and f"tracekit.{parts[1]}" in MAY_IMPORT else "contracts"
+
+
+def whole_tree() -> dict[str, ast.Module]:
+    return {name: tree for package in TREE for name, tree in modules(package).items()}
+
+
+def top_level_imports(tree: ast.Module) -> set[str]:
+    """The top-level package of every absolute import in `tree`, wherever it stands."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.partition(".")[0])
+    return found
+
+
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle of `graph` as the modules along it (first = last), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -74,6 +118,37 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    trees = whole_tree()
+    known = set(trees)
+    assert layer("tracekit.policy") == "contracts" and layer("tracekit.app.cli") == "tracekit.app"
+    wrong = [f"{name} ({layer(name)}) imports {target} ({layer(target)})"
+             for name, tree in trees.items() for target in sorted(imported(name, tree, known))
+             if layer(target) not in MAY_IMPORT[layer(name)]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layers_keep_their_heavy_imports_apart() -> None:
+    wrong = [f"{name} imports {package}" for name, tree in whole_tree().items()
+             for package in sorted(top_level_imports(tree) & NOT_IMPORTED.get(layer(name), set()))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_whole_tree_has_no_import_cycle() -> None:
+    trees = whole_tree()
+    graph = {name: imported(name, tree, set(trees)) for name, tree in trees.items()}
+    assert "tracekit.policy" in graph["tracekit.dlrm.policies"]  # the parse sees imports across packages
+    found = cycle(graph)
+    assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def test_the_layer_check_sees_a_contract_that_imports_an_analysis() -> None:
+    trees = {"tracekit": ast.parse(""), "tracekit.store": ast.parse("def f():\n    from analyses import x"),
+             "analyses": ast.parse(""), "analyses.x": ast.parse("")}
+    targets = imported("tracekit.store", trees["tracekit.store"], set(trees))
+    assert {layer(t) for t in targets} == {"analyses"} and "analyses" not in MAY_IMPORT["contracts"]
 
 
 def test_the_analyses_import_each_other_without_a_cycle() -> None:

@@ -14,8 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from tests.recorded import REPO
-from tracekit.cli import cli
-from tracekit.optimize import reruns
+from tracekit.app.cli import cli
+from tracekit.app.optimize import reruns
 from tracekit.policy import load_policy, new_policy, write_policy
 
 TRAIN = ["--tables", "4", "--rows", "2000", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",

@@ -1,4 +1,4 @@
-"""Model quality as part of a lossy section's prediction (analyses.quality, tracekit/quality_runs.py):
+"""Model quality as part of a lossy section's prediction (analyses.quality, tracekit/app/quality_runs.py):
 the budget and its parsing, the choice of the most compressive measured keep ratio within it, the
 decision that refuses a lossy section whose cost is unmeasured or over the budget, and, on real
 2-rank runs of the reference trainer, calibration runs whose measured AUC change `analyze` predicts
@@ -22,11 +22,11 @@ from analyses.context import Options
 from analyses.decision import decide
 from analyses.quality import Budget, Calibration, Point
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.figures import AUC_CHANGE, HOT_ROWS, LOGLOSS_CHANGE, STEP_TIME
-from tracekit.optimize import record as record_run
+from tracekit.app.optimize import record as record_run
 from tracekit.policy import DctDp, DctMp, Policy, Prediction, Schedule, load_policy
-from tracekit.quality_runs import calibrate, ladder
+from tracekit.app.quality_runs import calibrate, ladder
 
 
 def test_the_budget_bounds_the_auc_loss_and_the_relative_log_loss_rise() -> None:

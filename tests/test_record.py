@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from tracekit import thread_priority
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tests.recorded import REPO, TINY, expected_accesses, record, record_script
 from tracekit.run import open_run
 

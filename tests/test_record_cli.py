@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from collectors.bootstrap import write_rank_report
 from tests.recorded import REPO
-from tracekit import recording
-from tracekit.cli import cli
+from tracekit.app import recording
+from tracekit.app.cli import cli
 
 
 def record(run_dir: Path, *command: str, options: tuple[str, ...] = ()):

@@ -28,9 +28,9 @@ from reports.inputs import load
 from reports.numbers import show
 from tests.prerequisites import missing
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.errors import TracekitError
-from tracekit.optimize import reruns
+from tracekit.app.optimize import reruns
 from tracekit.store import RunWriter
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -18,7 +18,7 @@ from analyses.context import Options, open_context
 from analyses.simulate import (TIER2_TAG, WIRE_EFFICIENCY, Target, Traffic, comm_time, exchange_time, ring_time,
                                scaled, simulate, with_compression, with_policy)
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.policy import load_policy
 
 STEPS = 8

@@ -234,7 +234,7 @@ def test_the_snippet_loads_the_constraints_into_torchrecs_planner(analysed, torc
 def test_planner_command_prints_the_snippet(analysed) -> None:
     from click.testing import CliRunner
 
-    from tracekit.cli import cli
+    from tracekit.app.cli import cli
 
     run_dir, _, _ = analysed
     r = CliRunner().invoke(cli, ["planner", str(run_dir), "--json"])

@@ -18,7 +18,7 @@ from analyses import exchange, torchrec_plans
 from analyses.context import open_context
 from tests.recorded import REPO, record
 from tests.torchrec_env import torchrec_python  # noqa: F401
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.torchrec_plan import SCHEMA, PlanError, check_model, from_manifest, read_plan, validate, write_plan
 
 JOB = REPO / "tests" / "torchrec_job.py"

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from tests.recorded import REPO, TINY, record
-from tracekit.cli import cli
+from tracekit.app.cli import cli
 from tracekit.store import RunWriter, read_manifest, write_manifest
-from tracekit.watch import RunReader, watch
+from tracekit.app.watch import RunReader, watch
 
 MS = 1_000_000
 

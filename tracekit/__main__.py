@@ -1,5 +1,5 @@
 """`python -m tracekit` runs the command line."""
 
-from tracekit.cli import main
+from tracekit.app.cli import main
 
 main()

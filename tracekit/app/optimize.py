@@ -3,7 +3,7 @@
     DIR/base            the command recorded as given (lookups on every step, so predictions are exact)
     DIR/quality-*       a lossy section (DCT compression, the FAE schedule) alone at a setting and a seed,
                         where analyze would recommend it on time but its model-quality cost is not measured: the
-                        calibration runs of tracekit/quality_runs.py, after which the baseline is
+                        calibration runs of tracekit/app/quality_runs.py, after which the baseline is
                         analysed again with what they measured (BASE/analysis/quality.json)
     DIR/base/policy.json and one file per recommended training section: policy.<section>.json
     DIR/<section>       the command re-run with `--policy DIR/base/policy.<section>.json`
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from tracekit import cluster as emulated
-from tracekit import quality_runs, recording
-from tracekit.console import describe_record
+from tracekit.app import cluster as emulated
+from tracekit.app import quality_runs, recording
+from tracekit.app.console import describe_record
 from tracekit.errors import TracekitError
-from tracekit.loop import analyze_run, compare_runs, write_report
+from tracekit.app.loop import analyze_run, compare_runs, write_report
 from tracekit.policy import TRAINING, Policy, Section, Tiers, nothing_to_apply, read_policy, write_policy
 from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, from_manifest, read_plan
 

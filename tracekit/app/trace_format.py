@@ -5,8 +5,8 @@ comments written beside their columns and above them, and the docstrings of the 
 and renders one Markdown page; the prose around them lives here. The page is never edited by hand:
 tests/test_docs.py checks that docs/trace-format.md equals `markdown()`.
 
-    python -m tracekit.trace_format            # print the page
-    python -m tracekit.trace_format --write    # rewrite docs/trace-format.md
+    python -m tracekit.app.trace_format            # print the page
+    python -m tracekit.app.trace_format --write    # rewrite docs/trace-format.md
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import pyarrow as pa
 from tracekit import schema
 from tracekit.files import write_text
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "trace-format.md"
-COMMAND = "python -m tracekit.trace_format --write"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "trace-format.md"
+COMMAND = "python -m tracekit.app.trace_format --write"
 
 INTRO = """\
 A recorded run is a directory of Parquet part files, one folder per trace table, plus a manifest.
@@ -178,13 +178,13 @@ def _check_notes() -> None:
     """ValueError where the prose here and tracekit/schema.py disagree on which tables and columns exist."""
     missing = [table for table in schema.TABLES if table not in TABLE_PROSE]
     if missing:
-        raise ValueError(f"tracekit/trace_format.py has no TABLE_PROSE for {', '.join(missing)}: add one, then "
+        raise ValueError(f"tracekit/app/trace_format.py has no TABLE_PROSE for {', '.join(missing)}: add one, then "
                          f"run `{COMMAND}`")
     stale = [f"{table}.{column}" for table, notes in COLUMN_NOTES.items() for column in notes
              if table not in schema.TABLES or column not in schema.TABLES[table].names]
     stale += [column for column in SHARED_NOTES if not any(column in t.names for t in schema.TABLES.values())]
     if stale:
-        raise ValueError(f"tracekit/trace_format.py's COLUMN_NOTES name columns tracekit/schema.py does not have: "
+        raise ValueError(f"tracekit/app/trace_format.py's COLUMN_NOTES name columns tracekit/schema.py does not have: "
                          f"{', '.join(stale)}")
 
 
@@ -342,7 +342,7 @@ class _Source:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tracekit.trace_format", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tracekit.app.trace_format", description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"Write {PAGE.relative_to(PAGE.parents[1])} instead of "
                                                              "printing the page.")
     args = parser.parse_args(argv)

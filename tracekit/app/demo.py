@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUN_DIR = Path("runs") / "demo"  # under REPO, where the job runs
 DEMO_ARGS = ["--preset", "criteo-kaggle", "--scale", "0.01", "--dim", "16", "--samples", "1000000",
              "--log-every", "100"]
@@ -32,7 +32,7 @@ STEPS = {"cluster": 200, "loopback": 400}  # a step on the link takes ~4× one o
 
 def cluster_unavailable() -> str | None:
     """Why the demo cannot run on an emulated cluster here (no root, no iproute2, no tbf), or None."""
-    from tracekit.cluster import Cluster, ClusterError, check_prerequisites
+    from tracekit.app.cluster import Cluster, ClusterError, check_prerequisites
 
     try:
         check_prerequisites(Cluster(NODES, 1, LINK))

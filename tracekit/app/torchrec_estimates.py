@@ -1,5 +1,5 @@
 """What TorchRec's own planner estimates for a plan: run in the TorchRec job's Python (it imports
-torchrec), `python -m tracekit.torchrec_estimates < request.json`, by analyses/torchrec_plans.py.
+torchrec), `python -m tracekit.app.torchrec_estimates < request.json`, by analyses/torchrec_plans.py.
 
 The request: {"world_size", "ranks_per_node", "batch_size" (a rank's), "link_bytes_per_s" (null: one
 host), "tables": [{"name", "num_embeddings", "embedding_dim", "features", "pooling_factor"}],

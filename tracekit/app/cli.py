@@ -1,5 +1,5 @@
 """The `tracekit` command line: each command parses its options, calls one library function and
-prints what it returns through tracekit.console (docs/design.md). A TracekitError out of any
+prints what it returns through tracekit.app.console (docs/design.md). A TracekitError out of any
 command is printed as its one line, without a traceback.
 
 Heavy modules (torch, duckdb, polars, plotly) are imported inside commands, so
@@ -17,10 +17,10 @@ from typing import Any
 import click
 
 from tracekit import __version__
-from tracekit.cli_options import (ANALYSIS, DCT_REPLAY, JOB, JSON, RUN_DIR, TRACING, Commands, InputError,
+from tracekit.app.cli_options import (ANALYSIS, DCT_REPLAY, JOB, JSON, RUN_DIR, TRACING, Commands, InputError,
                                   RecordCommand, analysis_options, cluster_topology, job_settings, parsed)
-from tracekit.cluster import MAX_NODES as CLUSTER_MAX_NODES
-from tracekit.console import show
+from tracekit.app.cluster import MAX_NODES as CLUSTER_MAX_NODES
+from tracekit.app.console import show
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,9 +53,9 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
     Example:
       tracekit record -o runs/base -- torchrun --standalone --nproc-per-node 2 train.py --steps 300
     """
-    from tracekit import recording
-    from tracekit.console import describe_record
-    from tracekit.watch import watching
+    from tracekit.app import recording
+    from tracekit.app.console import describe_record
+    from tracekit.app.watch import watching
 
     command, settings = list(command), job_settings(**job)
     run_dir = run_dir or recording.default_run_dir(command)
@@ -91,8 +91,8 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
     Example:
       tracekit analyze runs/base --budget 5% --topology 2x1
     """
-    from tracekit.console import analysis_progress, print_analysis
-    from tracekit.loop import analyze_run
+    from tracekit.app.console import analysis_progress, print_analysis
+    from tracekit.app.loop import analyze_run
 
     options = analysis_options(budget, topology, intra_bw, inter_bw, policies, objective, replay_steps, memory_limit,
                                quality_budget)
@@ -116,7 +116,7 @@ def calibrate(run_dir: Path, repeats: int, as_json: bool) -> None:
     Example:
       tracekit calibrate runs/base --json
     """
-    from tracekit.console import print_calibration, run_progress
+    from tracekit.app.console import print_calibration, run_progress
     from tracekit.dlrm import calibrate as calibration
 
     inputs = calibration.read_inputs(run_dir)
@@ -142,7 +142,7 @@ def planner(run_dir: Path, as_json: bool) -> None:
       tracekit planner runs/torchrec --json
     """
     from analyses.analyze import planner as planner_inputs
-    from tracekit.console import print_planner
+    from tracekit.app.console import print_planner
 
     summary = planner_inputs(run_dir)
     if not as_json and not summary["rows"]:
@@ -164,8 +164,8 @@ def sql(run_dir: Path, query: str, fmt: str, output: Path | None) -> None:
     Example:
       tracekit sql runs/base "SELECT op, sum(bytes_out) FROM train_comms GROUP BY op"
     """
-    from tracekit.console import write_frame
-    from tracekit.loop import query as run_query
+    from tracekit.app.console import write_frame
+    from tracekit.app.loop import query as run_query
 
     if fmt == "parquet" and output is None:
         raise click.BadParameter("parquet output needs -o FILE", param_hint="--format")
@@ -192,8 +192,8 @@ def compare(base: Path, runs: tuple[Path, ...], skip_steps: int | None, report_p
     Example:
       tracekit compare runs/base runs/hybrid --json
     """
-    from tracekit.console import print_compare
-    from tracekit.loop import compare_runs
+    from tracekit.app.console import print_compare
+    from tracekit.app.loop import compare_runs
 
     summary = compare_runs(base, runs, skip_steps=skip_steps,
                            report=None if no_report else report_path or base / "compare.html")
@@ -237,7 +237,7 @@ def report(runs: tuple[Path, ...], output: Path | None, plotly_js: str) -> None:
     Example:
       tracekit report runs/base runs/hybrid -o report.html
     """
-    from tracekit.loop import write_report
+    from tracekit.app.loop import write_report
 
     path = write_report(runs, output or runs[0] / "report.html", plotly_js)
     click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
@@ -272,8 +272,8 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
       tracekit optimize -o runs/opt -- torchrun --standalone --nproc-per-node 2 train.py --steps 300
       tracekit optimize --cluster 2x2 --link 200mbit -o runs/opt -- python train.py --steps 300
     """
-    from tracekit.console import print_compare, run_progress
-    from tracekit.optimize import optimize as run_loop
+    from tracekit.app.console import print_compare, run_progress
+    from tracekit.app.optimize import optimize as run_loop
 
     command = list(command)[1:] if command[:1] == ("--",) else list(command)
     options = analysis_options(budget, topology, intra_bw, inter_bw, policies, objective, replay_steps, memory_limit,
@@ -315,9 +315,9 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
     Example:
       tracekit cluster --nodes 2 --ranks-per-node 2 --link 200mbit --record runs/c -- python train.py --steps 300
     """
-    from tracekit import cluster as emulated
-    from tracekit import recording
-    from tracekit.console import describe_record
+    from tracekit.app import cluster as emulated
+    from tracekit.app import recording
+    from tracekit.app.console import describe_record
     from tracekit.units import parse_rate
 
     parsed(parse_rate, link, "--link")
@@ -355,7 +355,7 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
     Example:
       tracekit watch runs/base
     """
-    from tracekit.watch import watch as watch_run
+    from tracekit.app.watch import watch as watch_run
 
     watch_run(run_dir, interval=interval, window=window, once=once)
 
@@ -387,8 +387,8 @@ def simulate(run_dir: Path, topology: str, inter_bw: str, intra_bw: str | None, 
       tracekit simulate runs/base --topology 2x1 --inter-bw 200mbit
     """
     from analyses.simulate import Target
-    from tracekit.console import print_simulate
-    from tracekit.loop import simulate_run
+    from tracekit.app.console import print_simulate
+    from tracekit.app.loop import simulate_run
     from tracekit.topology import Topology
     from tracekit.units import parse_duration, parse_rate
 

@@ -1,4 +1,4 @@
-"""The command line's plumbing (tracekit/cli.py holds the commands): the group that prints a
+"""The command line's plumbing (tracekit/app/cli.py holds the commands): the group that prints a
 TracekitError as one line, the options several commands share, options turned into the library's
 types (click.BadParameter naming the option at fault), and record's hint for options written after
 the command without a `--`.
@@ -151,7 +151,7 @@ class RecordCommand(click.Command):
     """`record`, whose "No such option" says so when the option follows the command without a `--`."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        from tracekit.recording import command_start
+        from tracekit.app.recording import command_start
 
         takes_value = {opt: not (p.is_flag or p.count) for p in self.get_params(ctx)
                        if isinstance(p, click.Option) for opt in (*p.opts, *p.secondary_opts)}
@@ -173,8 +173,8 @@ class RecordCommand(click.Command):
 
 
 def cluster_topology(shape: str | None, link: str | None):
-    """optimize's --cluster NODESxRANKS --link RATE as a tracekit.cluster.Cluster (None without them)."""
-    from tracekit.cluster import Cluster
+    """optimize's --cluster NODESxRANKS --link RATE as a tracekit.app.cluster.Cluster (None without them)."""
+    from tracekit.app.cluster import Cluster
     from tracekit.topology import Topology
     from tracekit.units import parse_rate
 

@@ -389,7 +389,7 @@ def record(command: list[str], cluster: Cluster, run_dir: Path, *, say: Callable
            output: IO | None = None, **settings: Any) -> int:
     """`command` run on the cluster and recorded into `run_dir` (`tracekit cluster --record`); what
     `tracekit record` would exit with. `settings`: recording.record's (lookup_every, ...)."""
-    from tracekit import recording
+    from tracekit.app import recording
 
     return recording.record(command, run_dir, manifest_extra={"topology": cluster.manifest()}, output=output,
                             run=lambda env: run_or_report(command, cluster, say=say, env=env, output=output),

@@ -24,7 +24,7 @@ The figures (`RunReader.figures`), over training rows (`phase` = train):
 - the manifest's status and the time since the run started (or its length, once ended);
 - while ranks run, what each is doing now from its heartbeat (collectors/heartbeat.py): its step, how
   old the heartbeat is, the collective it is in (op, tag, call number in its group) and for how
-  long; and the hang `record` diagnosed (hang.json, tracekit/hang.py) until it clears.
+  long; and the hang `record` diagnosed (hang.json, tracekit/app/hang.py) until it clears.
 
     reader = RunReader("runs/base")
     reader.poll()                      # reads the part files that landed since the last poll
@@ -59,8 +59,8 @@ from rich.table import Table
 from rich.text import Text
 
 from tracekit.errors import SchemaVersionError
-from tracekit.hang import describe as describe_hang
-from tracekit.hang import read_heartbeats
+from tracekit.app.hang import describe as describe_hang
+from tracekit.app.hang import read_heartbeats
 from tracekit.phases import TRAIN
 from tracekit.schema import MANIFEST, SCHEMA_VERSION, STATUS_RUNNING, VERSION_KEY, major
 from tracekit.store import read_manifest

@@ -36,7 +36,7 @@ import collectors
 from tracekit import __version__
 from tracekit.errors import TracekitError
 from tracekit.files import Reserve
-from tracekit.hang import HangWatch
+from tracekit.app.hang import HangWatch
 from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 from tracekit.losses import lost_rows
 from tracekit.store import read_manifest, write_manifest
@@ -135,7 +135,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     the command itself in the tracing environment it is passed and returns (exit code, interrupted):
     `tracekit cluster` runs it on every node. `output`: a file the command's stdout and stderr go to
     (default: this process's). While the command runs, a hang is diagnosed from the ranks' heartbeats
-    (tracekit/hang.py; `hang_after` seconds, None: from the run's step times). `max_size`: bytes of
+    (tracekit/app/hang.py; `hang_after` seconds, None: from the run's step times). `max_size`: bytes of
     Parquet the ranks write at most, each its 1/WORLD_SIZE share (the manifest's `truncated_at` then
     says where each stopped). `window`: the steps whose accesses, lookups and comms are recorded
     (tracekit/window.py). `plan`: a TorchRec plan file (tracekit/torchrec_plan.py, read and checked

@@ -1,5 +1,5 @@
 """The steps of the loop a user runs, one library function each: the CLI parses its options, calls
-one of these and prints what it returns; `tracekit.optimize` chains them.
+one of these and prints what it returns; `tracekit.app.optimize` chains them.
 
     summary = analyze_run("runs/base", Options(budget_fraction=0.05))   # calibrates first, writes the report
     summary = compare_runs("runs/base", ["runs/hybrid"])                  # with BASE/compare.html
@@ -60,7 +60,7 @@ def analyze_run(run_dir: str | os.PathLike, options: Options, *, calibrate: bool
     every analysis and policy, write RUN/report.html (`report`); the analysis summary, with the
     report's path under "report"."""
     from analyses.analyze import analyze
-    from tracekit.calibration import Calibration, pending
+    from tracekit.app.calibration import Calibration, pending
 
     run_dir = Path(run_dir)
     job = pending(run_dir) if calibrate else None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from analyses import quality
-from tracekit import recording
+from tracekit.app import recording
 from tracekit.policy import DctDp, DctMp, Policy, Prediction, read_policy, write_policy
 from tracekit.schema import KEEP_RATIOS
 
