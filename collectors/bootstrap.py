@@ -182,7 +182,7 @@ def activate(settings: Settings) -> None:
     sampler = gpu.install(writer, interval_s=settings.gpu_interval_s, ordinal=settings.local_rank,
                           visible_devices=settings.cuda_visible_devices)
     comms = comm.install(writer, clock, window=window)
-    beat = heartbeat.Heartbeat(settings.run_dir, settings.rank, clock, comms)  # for tracekit/hang.py
+    beat = heartbeat.Heartbeat(settings.run_dir, settings.rank, clock, comms)  # for tracekit/app/hang.py
     handles = [phase.install(), steps.install(writer, clock), tables, torchrec_tables.install(tables), comms,
                grads.install(writer, clock, grad_every=settings.grad_every,
                              refresh_ladder=REFRESH_LADDER if settings.dct_replay else ()), sampler]

@@ -15,7 +15,7 @@ The training thread only notes the call it enters (collectors/comm.py keeps a re
 thread reads it, so a rank blocked in a collective still beats. A stopped process (SIGSTOP) or one
 whose native code holds the GIL stops beating: its file goes stale. SIGUSR2 makes the process write
 every thread's Python stack to `RUN/ranks/stacks-rank=R.txt` (faulthandler), which `tracekit record`
-asks for when it diagnoses a hang (tracekit/hang.py).
+asks for when it diagnoses a hang (tracekit/app/hang.py).
 """
 
 from __future__ import annotations
