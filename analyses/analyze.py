@@ -27,7 +27,7 @@ from analyses.decision import decide
 from analyses.network import network
 from analyses.row_totals import kept_file
 from analyses.time_left import TimeLeft, expected_seconds
-from tracekit.policy import Policy, new_policy, write_policy
+from tracekit.policy import Policy, Section, write_policy
 from tracekit.losses import loss_warning, lost_rows
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -138,7 +138,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             from analyses import traffic
 
             baseline = {k: v for k, v in traffic.baseline(ctx).items() if v is not None}
-        policy = new_policy(source_run=str(ctx.path), model=ctx.model.policy_model(), baseline=baseline)
+        sections: dict[str, Section] = {}
         rows: dict[str, Any] = {}
         results: dict[str, PolicyResult] = {}
         for name, module in POLICIES.items():
@@ -149,17 +149,19 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             results[name] = derived
             for table, frame in derived.tables.items():
                 summary["written"].append(str(ctx.write(table, frame)))
-            if derived.section is None:
+            if not derived.sections():
                 summary["not_derived"][name] = derived.reason
                 continue
-            policy[name] = derived.section
+            sections.update(derived.sections())
             rows.update(derived.rows)
-        policy = decide(Policy.from_json(policy), net, ctx.options.quality_budget, replay.together(ctx)).to_json()
+        policy = decide(Policy(str(ctx.path), ctx.model.policy_model(), baseline, sections), net,
+                        ctx.options.quality_budget, replay.together(ctx))
+        as_json = policy.to_json()
         for name, derived in results.items():
-            if derived.section is not None:
-                summary["policies"][name] = {**policy[name], "evidence": derived.evidence}
-        if "combined" in policy:
-            summary["combined"] = policy["combined"]
+            if derived.sections():
+                summary["policies"][name] = {**as_json[name], "evidence": derived.evidence}
+        if policy.combined is not None:
+            summary["combined"] = as_json["combined"]
         _analysis(ctx, summary, "costmodel", *COSTMODEL, progress, clock, policies=results)
         if ctx.model.tables:
             target = write_policy(Path(ctx.path) / "policy.json", policy, rows)

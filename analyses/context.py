@@ -37,6 +37,7 @@ import polars as pl
 from analyses.quality import Budget
 from tracekit.errors import TracekitError
 from tracekit.files import replacing, write_text
+from tracekit.policy import Section
 from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
 from tracekit.topology import Topology
@@ -126,16 +127,29 @@ class Result:
 
 @dataclass
 class PolicyResult:
-    """One policy: its policy.json section (with `predicted` and `why`), the row lists it refers to
+    """One policy: its policy.json section (typed, with its prediction), the row lists it refers to
     (written as `policy/<name>.parquet`), and the evidence (which trace rows, which formula); or,
-    when it cannot be derived from this run, `section` None and the reason."""
+    when it cannot be derived from this run, no section and the reason. Compression derives two
+    sections, its parts, by label (compression.dp, compression.mp); the other policies one."""
 
     name: str
-    section: dict | None = None
+    section: Section | None = None
+    parts: dict[str, Section] = field(default_factory=dict)
     rows: dict[str, pl.DataFrame] = field(default_factory=dict)
     evidence: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
     tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # analysis tables, e.g. a budget sweep
+
+    def sections(self) -> dict[str, Section]:
+        """Every section derived, by its label (tracekit.policy.LABELS); {} where none was."""
+        return {self.name: self.section} if self.section is not None else dict(self.parts)
+
+    def as_json(self) -> dict | None:
+        """What was derived as policy.json holds it (compression's parts under "dp" and "mp"), before
+        analyses.decision decides; None where nothing was."""
+        if self.section is not None:
+            return self.section.to_json()
+        return {label.partition(".")[2]: part.to_json() for label, part in self.parts.items()} or None
 
 
 class Background(Protocol):

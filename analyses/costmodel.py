@@ -139,7 +139,7 @@ def _policy_rows(ctx: Context, s: ExchangeBaseline, policies: dict[str, Any]) ->
         derived = policies.get(name)
         if derived is None or derived.section is None:
             continue
-        p = derived.section["predicted"]
+        p = derived.section.prediction.figures
         a2a = p[A2A_BYTES]
         remote = p.get(A2A_REMOTE_BYTES, a2a)
         per_collective = derived.evidence.get("collectives") or {"all_to_all": {"bytes_per_step": a2a,
@@ -148,7 +148,7 @@ def _policy_rows(ctx: Context, s: ExchangeBaseline, policies: dict[str, Any]) ->
             rows.append(_row(derived.name, collective, "replay", b["bytes_per_step"], b["remote_bytes_per_step"],
                              _seconds(net, b["remote_bytes_per_step"], s.world)))
         sync = p[SYNC_BYTES]
-        kind = derived.section.get("sync") or derived.section.get("tier1_sync") or "sparse_allreduce"
+        kind = getattr(derived.section, "sync", None) or getattr(derived.section, "tier1_sync", None) or "sparse_allreduce"
         rows.append(_row(derived.name, "sync", "replay", sync, sync, net.sync(kind, sync)))
         if derived.name == "replication":
             expected = _replication_expected(ctx, s, int(p["hot_rows"]))

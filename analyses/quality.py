@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tracekit.errors import TracekitError
 from tracekit.figures import AUC_CHANGE, LOGLOSS_CHANGE
 from tracekit.files import write_text
+from tracekit.policy import Prediction, Section
 
 SCHEMA = "tracekit.quality/1"
 FILE = "quality.json"  # in RUN/analysis/
@@ -46,6 +47,7 @@ SETTING = {"compression.dp": "keep_ratio", "compression.mp": "keep_ratio", "sche
 """The lossy sections (they change what the model computes, so their cost is measured here), each with
 the field that sets how much: a point measured at another value of it is another section."""
 LOSSY = tuple(SETTING)
+S = TypeVar("S", bound=Section)
 NOT_MEASURED = "its model-quality cost is not measured"
 UNSTABLE = "the calibration seeds spread wider than twice the budget, so another seed's cost is not known to within it"
 AUC_BUDGET = 0.002
@@ -188,21 +190,22 @@ def describe_change(figures: dict[str, Any], intervals: dict[str, Any] | None = 
     return ", ".join(parts) or "no eval metrics"
 
 
-def attach(body: dict, label: str, calibration: Calibration | None, evidence: dict) -> None:
-    """Set a lossy section's predicted model-quality change from the calibration run at its setting
-    (null where none ran), and say where it came from in its `why` and in `evidence["quality"]`."""
-    point = None if calibration is None else calibration.at(label, float(body[SETTING[label]]))
-    body["predicted"].update(point.figures() if point else {AUC_CHANGE: None, LOGLOSS_CHANGE: None})
-    if point and point.intervals():
-        body.setdefault("intervals", {}).update(point.intervals())
-    body["why"] += (f"; model quality: {point.describe()}" if point else
-                    "; model quality: not measured (the trace cannot say; `tracekit optimize` measures it with "
-                    "calibration runs)")
+def attach(section: S, label: str, calibration: Calibration | None, evidence: dict) -> S:
+    """`section` with its predicted model-quality change from the calibration run at its setting (null
+    where none ran), saying where it came from in its `why` and in `evidence["quality"]`."""
+    point = None if calibration is None else calibration.at(label, float(getattr(section, SETTING[label])))
+    p = section.prediction
+    figures = {**p.figures, **(point.figures() if point else {AUC_CHANGE: None, LOGLOSS_CHANGE: None})}
+    intervals = {**p.intervals, **{k: tuple(v) for k, v in (point.intervals() if point else {}).items()}}
+    why = p.why + (f"; model quality: {point.describe()}" if point else
+                   "; model quality: not measured (the trace cannot say; `tracekit optimize` measures it with "
+                   "calibration runs)")
     measured = [] if calibration is None else calibration.of(label)
     evidence["quality"] = {
         "source": "analysis/quality.json (calibration runs of the recorded command)" if measured else "not measured",
         "points": [{SETTING[label]: p.setting, **p.figures(), "intervals": p.intervals(), "runs": list(p.runs),
                     "steps": p.steps} for p in measured]}
+    return replace(section, prediction=Prediction(figures, why, intervals))
 
 
 def load(run: str | Path) -> Calibration | None:

@@ -145,8 +145,8 @@ def test_baseline_bytes_equal_a_recorded_trainer_run(tmp_path: Path, sharding: s
         rows = {}
         for module in (replication, tiers, schedule):
             derived = module.derive(ctx)
-            assert derived.section is not None, derived.reason
-            policy[derived.name] = derived.section
+            assert derived.as_json() is not None, derived.reason
+            policy[derived.name] = derived.as_json()
             rows.update(derived.rows)
         loaded = load_policy(write_policy(tmp_path / "policy.json", policy, rows))
         assert set(loaded) >= {"replication", "tiers", "schedule"}

@@ -301,9 +301,9 @@ def _derive_dp(run: Path) -> tuple[dict, dict]:
         derived = compression.derive(ctx)
     validate_policy = new_policy(source_run="run", model={"tables": [{"name": "t0", "num_rows": 100, "dim": 8}],
                                                            "world_size": 2})
-    validate_policy["compression"] = derived.section
+    validate_policy["compression"] = derived.as_json()
     validate(validate_policy, run / "policy.json")
-    return derived.section["dp"], derived.evidence["dp"]
+    return derived.as_json()["dp"], derived.evidence["dp"]
 
 
 def test_the_longest_refresh_that_holds_the_drift_and_its_bytes_per_ddp_bucket(tmp_path: Path) -> None:

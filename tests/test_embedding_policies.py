@@ -92,7 +92,7 @@ def test_replication_picks_the_least_time_point_of_its_sweep(tmp_path: Path) -> 
     one_hot_run(tmp_path / "run", steps=30, rows=400)
     with open_context(tmp_path / "run", Options(inter_bw=1e6)) as ctx:
         result = replication.derive(ctx)
-        section, sweep = result.section, result.tables["replication_sweep"]
+        section, sweep = result.as_json(), result.tables["replication_sweep"]
         benefit = sweep.filter(pl.col("ordering") == "benefit")
         chosen = sweep.filter(pl.col("chosen"))
         assert chosen.height == 1 and chosen["point"].item() == "optimum"
@@ -119,8 +119,8 @@ def test_a_budget_caps_the_replica(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=10)
     with open_context(tmp_path / "run", Options(budget_bytes=3 * 32)) as ctx:
         result = replication.derive(ctx)
-        assert result.section["budget_bytes_per_rank"] == 96
-        assert result.section["predicted"]["replica_bytes_per_rank"] <= 96 and result.rows["hot_rows"].height == 3
+        assert result.as_json()["budget_bytes_per_rank"] == 96
+        assert result.as_json()["predicted"]["replica_bytes_per_rank"] <= 96 and result.rows["hot_rows"].height == 3
         assert result.tables["replication_sweep"].filter(pl.col("chosen"))["point"].item() == "budget"
 
 
@@ -143,7 +143,7 @@ def four_rank_run(path: Path) -> None:
 def test_tiers_move_inter_node_bytes_inside_nodes(tmp_path: Path) -> None:
     four_rank_run(tmp_path / "run")
     with open_context(tmp_path / "run", Options(topology=Topology(2, 2), budget_bytes=16, intra_bw=1e9, inter_bw=1e6)) as ctx:
-        section = tiers.derive(ctx).section
+        section = tiers.derive(ctx).as_json()
         p = section["predicted"]
         pair = 40 * (4 + 8 + 2 * 16)  # a source's 40 one-hot bags of a table: lengths, ids, rows both ways
         assert p["baseline_intra_bytes_per_step"] == 2 * pair  # ranks 1 -> 0 (t) and 0 -> 1 (u)
@@ -170,17 +170,17 @@ def test_on_one_node_tiers_are_replication(tmp_path: Path) -> None:
     one_hot_run(tmp_path / "run", steps=20, rows=300)
     with open_context(tmp_path / "run") as ctx:
         rep, tier = replication.derive(ctx), tiers.derive(ctx)
-        assert tier.section["topology"] == {"nodes": 1, "ranks_per_node": 2}
-        assert tier.section["predicted"]["tier2_rows"] == 0 and "reduce to replicating" in tier.section["why"]
-        assert tier.section["predicted"]["tier1_rows"] == rep.section["predicted"]["hot_rows"]
+        assert tier.as_json()["topology"] == {"nodes": 1, "ranks_per_node": 2}
+        assert tier.as_json()["predicted"]["tier2_rows"] == 0 and "reduce to replicating" in tier.as_json()["why"]
+        assert tier.as_json()["predicted"]["tier1_rows"] == rep.as_json()["predicted"]["hot_rows"]
         for key in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "sync_bytes_per_step"):
-            assert tier.section["predicted"][key] == pytest.approx(rep.section["predicted"][key])
+            assert tier.as_json()["predicted"][key] == pytest.approx(rep.as_json()["predicted"][key])
         assert set(tier.rows["tiers"]["tier"]) == {1}
 
 
 def hot_rows(result) -> pl.DataFrame:
     """The row list the schedule section names."""
-    return result.rows[Path(result.section["hot_rows"]).stem]
+    return result.rows[Path(result.as_json()["hot_rows"]).stem]
 
 
 def schedule_run(path: Path) -> None:
@@ -194,7 +194,7 @@ def test_schedule_counts_samples_whose_every_id_is_hot(tmp_path: Path) -> None:
     schedule_run(tmp_path / "run")
     with open_context(tmp_path / "run", Options(budget_bytes=32)) as ctx:
         result = schedule.derive(ctx)
-        section = result.section
+        section = result.as_json()
         assert hot_rows(result).select("table_name", "row").rows() == [("a", 1), ("b", 5)]
         # hot samples (a:1 and b:5): rank 0's 1st and 4th, rank 1's 1st and 3rd
         assert section["hot_sample_fraction"] == 0.5
@@ -220,10 +220,10 @@ def test_a_cold_sequence_id_makes_its_whole_batch_cold(tmp_path: Path) -> None:
         result = schedule.derive(ctx)
     assert hot_rows(result).select("table_name", "row").rows() == [("a", 1), ("s", 7)]
     # which of rank 1's samples holds the 8 is not on record: both count cold
-    assert result.section["hot_sample_fraction"] == 0.5
+    assert result.as_json()["hot_sample_fraction"] == 0.5
     # rank 1's two cold samples send their lengths (2 tables each) and the one cold lookup, s:8 (its
     # own); of that only a's lengths entries cross to rank 0
-    p = result.section["predicted"]
+    p = result.as_json()["predicted"]
     assert p["a2a_bytes_per_step"] == 2 * 2 * 4 + (8 + 2 * 16)
     assert p["a2a_remote_bytes_per_step"] == 2 * 4
 
@@ -236,7 +236,7 @@ def test_every_section_passes_the_policy_validator(tmp_path: Path) -> None:
         derived = [module.derive(ctx) for module in (replication, tiers, schedule)]
         for result in derived:
             assert result.section is not None, result.reason
-            policy[result.name] = result.section
+            policy[result.name] = result.as_json()
             rows.update(result.rows)
         target = write_policy(tmp_path / "out" / "policy.json", policy, rows)
         loaded = load_policy(target)
@@ -262,7 +262,7 @@ def test_without_a_budget_the_schedule_sizes_its_hot_set_by_its_own_merit(tmp_pa
     allowed = sweep.filter(pl.col("budget_bytes") <= schedule.FAE_HOT_SHARE * 20 * 16)
     assert chosen["merit"].item() == allowed["merit"].min() and allowed.height < sweep.height
     k = chosen["hot_rows"].item()
-    assert k == hot_rows(result).height and result.section["budget_bytes_per_rank"] == int(curve.replica_bytes[k])
+    assert k == hot_rows(result).height and result.as_json()["budget_bytes_per_rank"] == int(curve.replica_bytes[k])
     fraction = chosen["hot_sample_fraction"].item()
     expected = curve.a2a_rem[k] - fraction * s.base["input_lengths"][1] + curve.sync[k]
     assert chosen["merit"].item() == pytest.approx(expected)

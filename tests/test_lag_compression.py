@@ -110,11 +110,11 @@ def test_a_balanced_run_keeps_the_synchronous_bound_and_says_so(tmp_path: Path) 
     per_step = np.array([3, 5, 2, 4, 6, 3, 2, 5]) * MS
     with open_context(bsp_run(tmp_path / "run", np.stack([per_step, per_step]), transfer_ns=0)) as ctx:
         derived = lag.derive(ctx)
-    assert derived.section["bound"] == 0
-    assert abs(derived.section["predicted"]["gain"]) < 1e-12
-    assert derived.section["why"].startswith("balanced run")
+    assert derived.as_json()["bound"] == 0
+    assert abs(derived.as_json()["predicted"]["gain"]) < 1e-12
+    assert derived.as_json()["why"].startswith("balanced run")
     assert derived.tables["lag_makespan"]["gain"].abs().max() < 1e-12
-    validate(policy_with(derived.section, "lag"), tmp_path / "policy.json")
+    validate(policy_with(derived.as_json(), "lag"), tmp_path / "policy.json")
 
 
 def test_a_balanced_run_with_an_exchange_gains_only_its_overlap(tmp_path: Path) -> None:
@@ -123,16 +123,16 @@ def test_a_balanced_run_with_an_exchange_gains_only_its_overlap(tmp_path: Path) 
     run_dir = bsp_run(tmp_path / "run", np.stack([per_step, per_step]))
     with open_context(run_dir) as ctx:
         one_core = lag.derive(ctx)  # 2 ranks, 1 core: nothing to overlap
-    assert one_core.section["bound"] == 0 and not one_core.evidence["exchange_overlaps_compute"]
+    assert one_core.as_json()["bound"] == 0 and not one_core.evidence["exchange_overlaps_compute"]
     with open_context(spare_cores(run_dir, 4)) as ctx:
         derived = lag.derive(ctx)
     assert derived.evidence["exchange_overlaps_compute"]
     c = per_step[warmup_steps(8):] / 1e9  # the first steps are warm-up (analyses.network)
     overlapped = 1e-3 + c.sum()  # the first exchange, then compute back to back
-    assert derived.section["bound"] == 1
-    assert derived.section["predicted"]["makespan_s"] == pytest.approx(overlapped)
+    assert derived.as_json()["bound"] == 1
+    assert derived.as_json()["predicted"]["makespan_s"] == pytest.approx(overlapped)
     assert derived.tables["lag_makespan"]["makespan_s"].to_list()[1:] == pytest.approx([overlapped] * 9)
-    assert derived.section["why"].startswith("balanced run") and "hides no straggler" in derived.section["why"]
+    assert derived.as_json()["why"].startswith("balanced run") and "hides no straggler" in derived.as_json()["why"]
 
 
 def test_per_rank_jitter_gets_a_bound_and_its_replayed_gain(tmp_path: Path) -> None:
@@ -146,13 +146,13 @@ def test_per_rank_jitter_gets_a_bound_and_its_replayed_gain(tmp_path: Path) -> N
     assert table["bound"].to_list() == [*range(9), None]
     assert table["makespan_s"].to_list() == pytest.approx([lag.replay(c, b, x) for b in [*range(9), None]])
     assert derived.evidence["exchange_per_step_s"] == pytest.approx(x)
-    bound = derived.section["bound"]
+    bound = derived.as_json()["bound"]
     best = table["makespan_s"].min()
     assert bound >= 1 and lag.replay(c, bound, x) <= best * 1.01 < lag.replay(c, bound - 1, x)
-    assert derived.section["predicted"]["gain"] == pytest.approx(1 - lag.replay(c, bound, x) / lag.replay(c, 0, x))
-    assert derived.section["predicted"]["gain"] > 0.05
-    assert derived.section["predicted"]["step_time_s"] == pytest.approx(lag.replay(c, bound, x) / (30 - skip))
-    validate(policy_with(derived.section, "lag"), tmp_path / "policy.json")
+    assert derived.as_json()["predicted"]["gain"] == pytest.approx(1 - lag.replay(c, bound, x) / lag.replay(c, 0, x))
+    assert derived.as_json()["predicted"]["gain"] > 0.05
+    assert derived.as_json()["predicted"]["step_time_s"] == pytest.approx(lag.replay(c, bound, x) / (30 - skip))
+    validate(policy_with(derived.as_json(), "lag"), tmp_path / "policy.json")
 
 
 def test_one_rank_gets_a_reason_not_a_bound(tmp_path: Path) -> None:
@@ -193,7 +193,7 @@ def compression_run(path: Path, *, with_grads: bool = True) -> Path:
 def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
     with open_context(compression_run(tmp_path / "run")) as ctx:
         derived = compression.derive(ctx)
-    dp, mp = derived.section["dp"], derived.section["mp"]
+    dp, mp = derived.as_json()["dp"], derived.as_json()["mp"]
     # no replay: the smallest keep ratio, refreshed every step, sends the targets ⌈0.001 · 1000⌉ + ⌈0.001 · 200⌉
     assert dp["keep_ratio"] == 0.001 and dp["refresh_every"] == 1 and dp["error_feedback"] is True
     kept = 1 + 1
@@ -221,7 +221,7 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
     assert derived.evidence["mp"]["quantized_alternatives_bytes_per_step"] == {
         "bf16": measured / 2, "fp16": measured / 2, "fp8": 256 * (16 + 4)}
     assert set(derived.tables["dct_mp"]["tag"]) == {"_AllToAll.forward", "_AllToAll.backward"}
-    validate(policy_with(derived.section, "compression"), tmp_path / "policy.json")
+    validate(policy_with(derived.as_json(), "compression"), tmp_path / "policy.json")
 
 
 def test_compression_dp_takes_the_most_compressive_keep_ratio_its_calibration_keeps_in_budget(tmp_path: Path) -> None:
@@ -237,7 +237,7 @@ def test_compression_dp_takes_the_most_compressive_keep_ratio_its_calibration_ke
 
     quality.write(run, [point(0.001, -0.001, -0.004), point(0.01, -0.0005, -0.001)])
     with open_context(run) as ctx:
-        dp = compression.derive(ctx).section["dp"]
+        dp = compression.derive(ctx).as_json()["dp"]
     assert (dp["keep_ratio"], dp["refresh_every"]) == (0.01, 1)
     assert dp["predicted"]["kept_elements_per_rank"] == 10 + 2
     assert dp["predicted"]["eval_auc_change"] == pytest.approx(-0.00075)
@@ -253,7 +253,7 @@ def test_the_codec_work_is_the_calibrated_exchange_of_the_values_a_rank_sends_ea
     (run / "analysis").mkdir(exist_ok=True)
     (run / "analysis" / "calibration.json").write_text(json.dumps({"machine": {"cores": 2}, "dct_mp": model}))
     with open_context(run) as ctx:
-        mp = compression.derive(ctx).section["mp"]
+        mp = compression.derive(ctx).as_json()["mp"]
     values = 64 * 16  # a rank's forward all-to-all, as its backward
     assert mp["predicted"]["rank_work_s"] == pytest.approx(0.001 + 1e-6 * values + 1e-5 * values * 0.05)
 
@@ -261,8 +261,8 @@ def test_the_codec_work_is_the_calibrated_exchange_of_the_values_a_rank_sends_ea
 def test_without_grads_only_mp_is_derived_and_dp_says_why(tmp_path: Path) -> None:
     with open_context(compression_run(tmp_path / "run", with_grads=False)) as ctx:
         derived = compression.derive(ctx)
-    assert set(derived.section) == {"mp"} and "no grads table" in derived.evidence["not_derived"]["dp"]
+    assert set(derived.as_json()) == {"mp"} and "no grads table" in derived.evidence["not_derived"]["dp"]
     with open_context(make_run(tmp_path / "bare", steps={0: [(0, MS)], 1: [(0, MS)]})) as ctx:
         bare = compression.derive(ctx)
-    assert bare.section is None and "compression.dp: no grads table" in bare.reason
+    assert bare.as_json() is None and "compression.dp: no grads table" in bare.reason
     assert "compression.mp: no training comms" in bare.reason

@@ -172,12 +172,12 @@ def test_tiers_across_nodes_match_a_brute_force_replay(tmp_path: Path, world: in
                 assert f["sync_intra_bytes_per_step"] == per[kind1, "intra"], where
                 assert f[tiers.TIER2_SYNC_BYTES] == sync2[f["tier2_sync"]], where
                 assert f["sync_inter_bytes_per_step"] == per[kind1, "inter"] + sync2[f["tier2_sync"]], where
-        p = result.section["predicted"]
+        p = result.as_json()["predicted"]
         k1, k2 = int(p["tier1_rows"]), int(p["tier2_rows"])
         f = m.figures(k1, k2)
         chosen = {key: value for key, value in f.items() if key in p and key != "step_time_s"}
         assert chosen == {key: p[key] for key in chosen} and len(chosen) == 15
-        assert (result.section["tier1_sync"], result.section["tier2_sync"]) == (f["tier1_sync"], f["tier2_sync"])
+        assert (result.as_json()["tier1_sync"], result.as_json()["tier2_sync"]) == (f["tier1_sync"], f["tier2_sync"])
         assert p["memory_bytes_per_rank"] <= 96
     # not vacuous: pooled bags mixing tiers 1, 2 and 3, sequence ids in tier 2; across ranks of a
     # node, a tier-2 exchange and row-wise bags split over two copies

@@ -242,7 +242,7 @@ def test_a_recorded_two_rank_run_is_reported_exactly(tmp_path: Path) -> None:
         assert (frame["wait_s"] <= frame["comm_s"] + 1e-9).all() and (frame["comm_s"] > 0).all()
         policy = new_policy(source_run=str(run_dir), model=ctx.model.policy_model(), baseline=traffic.baseline(ctx))
         for derived in (lag.derive(ctx), compression.derive(ctx)):
-            assert derived.section is not None, derived.reason
-            policy[derived.name] = derived.section
+            assert derived.as_json() is not None, derived.reason
+            policy[derived.name] = derived.as_json()
         validate(policy, run_dir / "policy.json")
         assert policy["compression"]["dp"]["predicted"]["baseline_dp_bytes_per_step"] == 2 * 4 * dense_elements

@@ -224,7 +224,7 @@ class Policy:
     baseline: dict[str, float] = field(default_factory=dict)
     sections: dict[str, Section] = field(default_factory=dict)
     combined: Combined | None = None
-    created_at: str | None = None
+    created_at: str | None = field(default_factory=lambda: _now())
 
     @classmethod
     def from_json(cls, policy: dict) -> Policy:
@@ -279,11 +279,13 @@ def new_policy(*, source_run: str, model: dict, baseline: dict | None = None) ->
             "model": model, "baseline": baseline or {}}
 
 
-def write_policy(path: str | os.PathLike, policy: dict, rows: dict[str, Any] | None = None) -> Path:
-    """Validate `policy` and write it to `path` atomically, with each of `rows` (name -> a Polars
-    DataFrame or Arrow table) as `policy/<name>.parquet` beside it. Sections refer to a row list as
-    "policy/<name>.parquet"."""
+def write_policy(path: str | os.PathLike, policy: Policy | dict, rows: dict[str, Any] | None = None) -> Path:
+    """Validate `policy` (a Policy, or the JSON object of a hand-written file) and write it to `path`
+    atomically, with each of `rows` (name -> a Polars DataFrame or Arrow table) as
+    `policy/<name>.parquet` beside it. Sections refer to a row list as "policy/<name>.parquet"."""
     path = Path(path)
+    if isinstance(policy, Policy):
+        policy = policy.to_json()
     path.parent.mkdir(parents=True, exist_ok=True)
     for name, frame in (rows or {}).items():
         table = frame.to_arrow() if hasattr(frame, "to_arrow") else frame
@@ -404,14 +406,16 @@ def _check_prediction(body: dict, where: str, fail: Callable[[str, str], None]) 
             fail(f"{where}.intervals.{figure}", f"low <= high, got [{pair[0]}, {pair[1]}]")
 
 
-def check_model(policy: dict, *, tables: list[dict], world_size: int, path: str | os.PathLike = "policy.json") -> None:
+def check_model(policy: Policy | dict, *, tables: list[dict], world_size: int,
+                path: str | os.PathLike = "policy.json") -> None:
     """Refuse (PolicyMismatch) a policy written for another model: every difference in tables (names,
     row counts, dims) or world size is named. A policy that names no model (hand-written) passes."""
-    if "model" not in policy:
+    model = policy.model if isinstance(policy, Policy) else policy.get("model")
+    if model is None:
         return
     differences = []
     ours = {t["name"]: t for t in tables}
-    theirs = {t["name"]: t for t in policy["model"]["tables"]}
+    theirs = {t["name"]: t for t in model["tables"]}
     for name in sorted(set(theirs) - set(ours)):
         differences.append(f"table {name} is in the policy but not in the model")
     for name in sorted(set(ours) - set(theirs)):
@@ -420,8 +424,8 @@ def check_model(policy: dict, *, tables: list[dict], world_size: int, path: str 
         for key in ("num_rows", "dim"):
             if int(ours[name][key]) != int(theirs[name][key]):
                 differences.append(f"table {name}: {key} {theirs[name][key]} in the policy, {ours[name][key]} in the model")
-    if int(policy["model"]["world_size"]) != world_size:
-        differences.append(f"world size {policy['model']['world_size']} in the policy, {world_size} here")
+    if int(model["world_size"]) != world_size:
+        differences.append(f"world size {model['world_size']} in the policy, {world_size} here")
     if differences:
         raise PolicyMismatch(f"{path} was derived for another model: " + "; ".join(differences))
 

@@ -56,7 +56,7 @@ compute: an upper bound on the saving, which analyses.decision weighs against th
 
     with open_context("runs/base") as ctx:
         policy = derive(ctx)
-    policy.section["dp"]["keep_ratio"], policy.section["mp"]["predicted"]["ratio"]
+    policy.parts["compression.dp"].keep_ratio, policy.parts["compression.mp"].prediction.figures["ratio"]
 """
 
 from __future__ import annotations
@@ -91,16 +91,14 @@ def derive(ctx: Context) -> PolicyResult:
     calibration = quality.load(ctx.path)
     dp, dp_reason = _derive_dp(ctx, world, steps, result, calibration)
     mp, mp_reason = _derive_mp(ctx, world, steps, result, calibration)
-    for name, body in (("dp", dp), ("mp", mp)):
+    for name, body, kind in (("dp", dp, DctDp), ("mp", mp, DctMp)):
         if body is not None:
             step_time(ctx, name, body)
-            quality.attach(body, f"compression.{name}", calibration, result.evidence.setdefault(name, {}))
-    section = {name: body for name, body in (("dp", dp), ("mp", mp)) if body is not None}
+            result.parts[kind.label] = quality.attach(kind.from_json(body), kind.label, calibration,
+                                                      result.evidence.setdefault(name, {}))
     reasons = {name: why for name, why in (("dp", dp_reason), ("mp", mp_reason)) if why}
     result.evidence["not_derived"] = reasons
-    if section:
-        result.section = section
-    else:
+    if not result.parts:
         result.reason = "; ".join(f"compression.{name}: {why}" for name, why in reasons.items())
     return result
 

@@ -39,7 +39,7 @@ stale-synchronous updates, which the `why` says.
 
     with open_context("runs/base") as ctx:
         policy = derive(ctx)
-    policy.section     # {"bound": 2, "predicted": {"step_time_s", "makespan_s", "gain", ...}, "why": ...}
+    policy.section     # Lag(bound=2, prediction=Prediction({"step_time_s", "makespan_s", "gain", ...}, why))
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def derive(ctx: Context, bandwidth: dict | None = None) -> PolicyResult:
         {STEP_TIME: row[STEP_TIME], "makespan_s": row["makespan_s"], "gain": row["gain"],
          "sync_step_time_s": table[STEP_TIME][0], "unbounded_gain": unbounded["gain"]},
         _why(bound, row["gain"], unbounded["gain"], _overlap_gain(c, x, overlap), spread, float((c + x).mean())),
-    )).to_json()
+    ))
     result.evidence = {
         "ranks": ranks, "steps": [steps[0], steps[-1]], "steps_replayed": len(steps),
         "warmup_steps_excluded": warmup_steps(frame["step"].n_unique()),

@@ -129,7 +129,8 @@ def replica_budget(ctx: Context) -> float:
     options' budget, else the replica bytes replication chose."""
     limit = budget(ctx)
     if limit is None:
-        limit = (derive(ctx).section or {}).get("predicted", {}).get("replica_bytes_per_rank", 0)
+        section = derive(ctx).section
+        limit = section.prediction.figures.get("replica_bytes_per_rank", 0) if section else 0
     return limit
 
 
@@ -355,7 +356,7 @@ def _derive(ctx: Context) -> PolicyResult:
             sync == "sparse_allreduce", float(c.sync[k]), float(c.coverage[k]) * s.lookups_per_rank,
             float(c.union_rows[k]) if sync == "sparse_allreduce" else float(k))
     evidence = _evidence(s, c, k, limit, h, by_count, net)
-    return PolicyResult("replication", section=section.to_json(), rows={"hot_rows": rows}, evidence=evidence,
+    return PolicyResult("replication", section=section, rows={"hot_rows": rows}, evidence=evidence,
                         tables={"replication_sweep": table})
 
 

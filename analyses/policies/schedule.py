@@ -393,9 +393,8 @@ def _derive(ctx: Context) -> PolicyResult:
                 "hot_step_sync": sync_kind, "sync_bytes_per_hot_step": sync_hot, "hot_set_bytes": hot_bytes,
                 "shared_with_replication": shared, "network": network.network(ctx).summary(),
                 "notes": list(s.notes)}
-    body = section.to_json()
-    quality.attach(body, "schedule", quality.load(ctx.path), evidence)
-    return PolicyResult("schedule", section=body, rows={name: rows}, evidence=evidence,
+    section = quality.attach(section, "schedule", quality.load(ctx.path), evidence)
+    return PolicyResult("schedule", section=section, rows={name: rows}, evidence=evidence,
                         tables={"schedule_sweep": sweep(ctx, s, rows.height, merit)})
 
 

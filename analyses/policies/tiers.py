@@ -236,7 +236,7 @@ def _derive(ctx: Context) -> PolicyResult:
     m = model(ctx)
     limit = float(replication.replica_budget(ctx))
     candidates = []
-    chosen_k = int((rep.section or {}).get("predicted", {}).get("hot_rows", 0))
+    chosen_k = int(rep.section.prediction.figures.get("hot_rows", 0) if rep.section else 0)
     for k1 in sorted({*exchange.log_points(m.curve.order.height, 60), chosen_k}):
         if m.cum_rb[k1] > limit:
             break
@@ -274,7 +274,7 @@ def _derive(ctx: Context) -> PolicyResult:
                 "tier2_exchange": {c: {"bytes_per_step": out, "remote_bytes_per_step": rem}
                                    for c, (out, rem) in chosen["tier2_collectives"].items()},
                 "reduces_to_replication": one_node, "notes": notes}
-    return PolicyResult("tiers", section=section.to_json(), rows={"tiers": rows}, evidence=evidence)
+    return PolicyResult("tiers", section=section, rows={"tiers": rows}, evidence=evidence)
 
 
 def _merit(objective: str, nodes: int):

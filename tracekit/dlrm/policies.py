@@ -43,7 +43,7 @@ from tracekit.dlrm.compression import DctDp
 from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.sharding import TableSpec
 from tracekit.policy import (INFERENCE_ONLY, DctDp as DctDpSection, Policy, PolicyError, Tiers,
-                             check_model, load_policy, row_path)
+                             check_model, read_policy, row_path)
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,9 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     """The policy at `path` as the trainer applies it (module docstring); PolicyError (or
     PolicyMismatch) saying what differs or what cannot be applied."""
     path = Path(path)
-    raw = load_policy(path)
-    check_model(raw, tables=[{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables],
+    policy = read_policy(path)
+    check_model(policy, tables=[{"name": t.name, "num_rows": t.rows, "dim": t.dim} for t in tables],
                 world_size=world_size, path=path)
-    policy = Policy.from_json(raw)
     applied, skipped = choose(policy, inference=inference)
     chosen = {label: policy.sections[label] for label in applied}
     if inference:
