@@ -9,13 +9,13 @@ Per table t (F_t the features looking it up, analyses.attribution.features; 1 fo
   tables, one rank), each rank's largest bag index + 1 in `lookups`), else over every training
   step from `accesses` (`pooling_source` says which). Empty bags count as 0 ids, as in TorchRec's mean
   ids per sample per feature. The trace holds no feature names: every feature of a table gets the
-  table's mean, so `pooling_factors` is `[pooling_factor] * F_t`. (analyses.cache's `ids_per_sample`
+  table's mean, so `pooling_factors` is `[pooling_factor] * F_t`. (analyses.torchrec_cache_stats' `ids_per_sample`
   counts every feature of a table together: the same for one feature.)
 - cache_load_factor at a target hit rate h (TARGET_HIT_RATES): the smallest simulated load factor
   whose LRU hit rate (1 − miss ratio of `cache_mrc`, analyses.cache.miss_ratio_curves: FBGEMM's per-rank cache of
   the rows a rank holds, so the fraction of each shard's rows, as TorchRec applies it) reaches h;
   where none does, the point where the line from the largest simulated load factor to TorchRec's
-  convention of no misses at load factor 1 (analyses.cache's `expected_miss_rate`) reaches h
+  convention of no misses at load factor 1 (analyses.torchrec_cache_stats' `expected_miss_rate`) reaches h
   (`cache_source` 'simulated' | 'interpolated'). `hit_rate` is what that load factor reaches.
   Both sources grow with h, so a higher target never asks for a smaller cache.
 
@@ -140,7 +140,7 @@ def load_factor_for(load_factors: list[float], hit_rates: list[float], target: f
 def constraints(frame: pl.DataFrame, *, hit_rate: float = DEFAULT_HIT_RATE,
                 stats: dict[str, dict] | None = None) -> dict[str, dict]:
     """{table: ParameterConstraints keyword arguments}, `cache_params` as CacheParams' (torchrec 1.8.0),
-    its `stats` EmbeddingOffloadStats' arguments (analyses.cache.offload_stats) where given."""
+    its `stats` EmbeddingOffloadStats' arguments (analyses.torchrec_cache_stats.offload_stats) where given."""
     out = {}
     for row in frame.filter(pl.col("target_hit_rate") == hit_rate).iter_rows(named=True):
         entry: dict = {}

@@ -389,7 +389,7 @@ def _call(members: list[dict], first: int) -> Call:
 def _name_exchange(calls: dict[int, Call], torchrec: bool) -> None:
     """The trainer's exchange collectives by tag, the input dist's two calls by their order. A TorchRec job's
     of one sharding group by their order: its four all-to-alls (the splits' aside) are the input dist's
-    lengths and ids, the output dist forward and backward (analyses.torchrec_plans' COLLECTIVES); a step
+    lengths and ids, the output dist forward and backward (analyses.torchrec_plan_bytes' COLLECTIVES); a step
     with more (several sharding groups) is left unnamed."""
     if torchrec:
         a2a = sorted((k for k, c in calls.items() if c.op == network.A2A and not c.tag.startswith(tags.TORCHREC_SPLITS)),

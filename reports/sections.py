@@ -83,7 +83,7 @@ def verdict_table(run: RunInputs, compare: dict | None) -> str:
 
 
 def _predicted_saving(run: RunInputs, section: dict) -> float | None:
-    from analyses.compare import predicted_figures
+    from analyses.prediction_check import predicted_figures
 
     base = run.policy.get("baseline", {}) if run.policy else {}
     figures = predicted_figures(section.get("predicted", {}), {"total_bytes_per_step": base.get(A2A_BYTES)})
@@ -368,7 +368,7 @@ def _sweep_chart(sweep: pl.DataFrame) -> Chart:
 
 
 def _interval(row: dict) -> str:
-    """`exact`, or an estimate's interval, of a compare row (analyses.compare's kind and bounds)."""
+    """`exact`, or an estimate's interval, of a compare row (analyses.prediction_check's kind and bounds)."""
     if row.get("kind") != "estimated" or row.get("predicted_low") is None:
         return "exact" if row.get("kind") == "exact" else "–"
     return f"{show(row['figure'], row['predicted_low'])} – {show(row['figure'], row['predicted_high'])}"

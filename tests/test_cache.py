@@ -1,7 +1,7 @@
-"""analyses/cache.py: the vectorised LRU, LFU and oracle replays against a straightforward Python
-implementation of FBGEMM's rules on random streams, the whole analysis on written runs (exact where
-nothing is sampled, within a few points of exact where SHARDS samples), and the TorchRec planner
-inputs."""
+"""analyses/cache_sim.py: the vectorised LRU, LFU and oracle replays against a straightforward Python
+implementation of FBGEMM's rules on random streams; analyses/cache.py: the whole analysis on written runs
+(exact where nothing is sampled, within a few points of exact where SHARDS samples), and the TorchRec
+planner inputs (analyses/torchrec_cache_stats.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from analyses import cache, skew
+from analyses import cache, cache_sim, skew, torchrec_cache_stats
 from analyses.context import open_context
 from tests.test_skew import accesses_of, table_entry, write_run, zipf_ranks, zipf_steps
 from tracekit.store import RunWriter, write_manifest
@@ -33,13 +33,13 @@ def fmix64_by_hand(x: int) -> int:
 
 def test_rows_hash_to_sets_as_fbgemm_does() -> None:
     rows = [0, 1, 2, 12345, 2**40 + 7, 2**62]
-    assert cache.fmix64(np.array(rows)).tolist() == [fmix64_by_hand(r) for r in rows]
-    assert cache.set_of(np.array(rows), 7).tolist() == [fmix64_by_hand(r) % 7 for r in rows]
+    assert cache_sim.fmix64(np.array(rows)).tolist() == [fmix64_by_hand(r) for r in rows]
+    assert cache_sim.set_of(np.array(rows), 7).tolist() == [fmix64_by_hand(r) % 7 for r in rows]
 
 
 class ReferenceCache:
     """One set-associative cache, FBGEMM's rules written out plainly (module docstring of
-    analyses/cache.py): `slots[set]` is a list of [key or None, lru stamp] per way."""
+    analyses/cache_sim.py): `slots[set]` is a list of [key or None, lru stamp] per way."""
 
     def __init__(self, sets: int, ways: int, policy: str, freq: dict) -> None:
         self.sets, self.policy, self.freq = sets, policy, freq
@@ -110,7 +110,7 @@ def reference_oracle(entries, capacity: np.ndarray) -> np.ndarray:
     return misses
 
 
-def random_stream(seed: int, steps: int = 60, groups: int = 3, keys: int = 300) -> cache.Stream:
+def random_stream(seed: int, steps: int = 60, groups: int = 3, keys: int = 300) -> cache_sim.Stream:
     rng = np.random.default_rng(seed)
     rows = []
     for step in range(steps):
@@ -118,7 +118,7 @@ def random_stream(seed: int, steps: int = 60, groups: int = 3, keys: int = 300) 
             batch = np.unique(rng.permutation(keys)[zipf_ranks(rng, keys, 0.9, 40)] * (g + 1))
             rows += [(step, g, int(k), int(rng.integers(1, 4))) for k in batch]  # few counts: many ties
     step, group, key, count = map(np.array, zip(*rows))
-    return cache.Stream(step, group, key, count)
+    return cache_sim.Stream(step, group, key, count)
 
 
 GEOMETRIES = [
@@ -133,7 +133,7 @@ GEOMETRIES = [
 def test_replays_equal_the_reference_implementation(policy: str, seed: int, geometry: int) -> None:
     stream = random_stream(seed)
     sets, ways = GEOMETRIES[geometry]
-    misses, events = cache.simulate(policy, stream, sets, ways)
+    misses, events = cache_sim.simulate(policy, stream, sets, ways)
     entries = list(zip(*(x.tolist() for x in (stream.step, stream.group, stream.key, stream.count))))
     expected = reference(policy, entries, sets, ways)
     np.testing.assert_array_equal(misses, expected)
@@ -144,11 +144,11 @@ def test_replays_equal_the_reference_implementation(policy: str, seed: int, geom
 def test_the_oracle_equals_the_reference_and_bounds_lfu_and_lru() -> None:
     stream = random_stream(5)
     sets, ways = GEOMETRIES[0]
-    misses, _ = cache.oracle(stream, sets * ways)
+    misses, _ = cache_sim.oracle(stream, sets * ways)
     entries = list(zip(*(x.tolist() for x in (stream.step, stream.group, stream.key, stream.count))))
     np.testing.assert_array_equal(misses, reference_oracle(entries, sets * ways))
     for policy in ("lru", "lfu"):
-        assert (misses <= cache.simulate(policy, stream, sets, ways)[0]).all()
+        assert (misses <= cache_sim.simulate(policy, stream, sets, ways)[0]).all()
 
 
 def cache_run(path: Path, *, steps: int = 40, rows: int = 4000, batch: int = 600, split_steps: bool = False) -> tuple:
@@ -213,8 +213,8 @@ def test_torchrec_planner_inputs_come_from_the_trace(tmp_path: Path) -> None:
     run, accesses = cache_run(tmp_path / "run", steps=20, rows=1000, batch=200)
     with open_context(run) as ctx:
         result = cache.compute(ctx, load_factors=(0.05, 0.2))
-    stats = json.loads((run / "analysis" / cache.STATS_FILE).read_text())
-    assert result.summary["torchrec_cache_stats"] == str(run / "analysis" / cache.STATS_FILE)
+    stats = json.loads((run / "analysis" / torchrec_cache_stats.STATS_FILE).read_text())
+    assert result.summary["torchrec_cache_stats"] == str(run / "analysis" / torchrec_cache_stats.STATS_FILE)
     train = [a for a in accesses if a[5] == "train"]
     for name in ("a", "b"):
         entry = stats["tables"][name]
@@ -237,7 +237,7 @@ def test_rows_read_on_two_ranks_in_a_step_count_once_in_the_expected_lookups(tmp
                "shards": [{"rank": q, "first_row": 0, "num_rows": 50} for q in (0, 1)]}]
     with open_context(write_run(tmp_path / "run", accesses, tables)) as ctx:
         cache.compute(ctx, load_factors=(0.5,))
-    stats = json.loads((tmp_path / "run" / "analysis" / cache.STATS_FILE).read_text())
+    stats = json.loads((tmp_path / "run" / "analysis" / torchrec_cache_stats.STATS_FILE).read_text())
     assert stats["tables"]["r"]["expected_lookups"] == pytest.approx(np.mean([len(set(d)) for d in per_step]))
 
 
@@ -325,7 +325,7 @@ def test_lfu_over_a_window_starts_from_the_counts_before_it(tmp_path: Path) -> N
     with open_context(run) as ctx:
         sample = cache.replay(ctx, sample_rows=5000).replayed.sample
         first = cache.replay(ctx, sample_rows=5000).replayed.first
-        stream = cache.Stream(sample.step, sample.table, sample.row, sample.count)
+        stream = cache_sim.Stream(sample.step, sample.table, sample.row, sample.count)
         _, table, key = stream.ids
         prior = cache.lfu_prior(ctx, sample.names, table, key, stream)
     before = Counter()
@@ -350,7 +350,7 @@ def test_without_a_steps_table_pooling_factors_come_from_lookups(tmp_path: Path)
     writer.close()
     with open_context(run) as ctx:
         result = cache.compute(ctx, load_factors=(0.5,))
-    stats = json.loads((run / "analysis" / cache.STATS_FILE).read_text())
+    stats = json.loads((run / "analysis" / torchrec_cache_stats.STATS_FILE).read_text())
     assert stats["tables"]["t"]["pooling_factor"] == pytest.approx(15 / 7)
     assert stats["pooling_factor_source"].startswith("lookups")
     assert result.summary["tables"]["t"]["pooling_factor"] == pytest.approx(15 / 7)

@@ -184,7 +184,7 @@ def test_a_recommended_section_with_a_corrupt_row_list_is_refused_before_any_pro
 
 
 def test_compare_prints_an_estimate_with_its_interval_and_an_exact_figure_alone() -> None:
-    from analyses.compare import row
+    from analyses.prediction_check import row
     from tracekit.app import console
 
     rows = [row("r", "combined", "step_time_s", 0.012, 0.02, (0.01, 0.015)),

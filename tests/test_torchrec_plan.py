@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from analyses import exchange, torchrec_plans
+from analyses import exchange, torchrec_plan_bytes, torchrec_plans
 from analyses.context import open_context
 from tests.recorded import REPO, record
 from tests.torchrec_env import torchrec_python  # noqa: F401
@@ -82,11 +82,11 @@ def test_its_own_plan_changes_nothing_and_another_is_the_one_it_runs(torchrec_py
     # the bytes of each plan, from the base run's lookups alone, are what each run moved
     with open_context(base) as ctx:
         s = exchange.baseline(ctx)
-        L = torchrec_plans.loads(ctx, s.len_bytes, s.id_bytes)
+        L = torchrec_plan_bytes.loads(ctx, s.len_bytes, s.id_bytes)
         dense = measured(ctx)["all_reduce"]
     for run_dir, plan, dp in ((base, from_manifest(manifest(base)), 0.0), (moved, mixed, 2 * ROWS * DIM * 4),
                               (halved, quantized, 0.0)):
-        predicted = torchrec_plans.figures(L, plan["tables"], plan.get("qcomms"))
+        predicted = torchrec_plan_bytes.figures(L, plan["tables"], plan.get("qcomms"))
         with open_context(run_dir) as ctx:
             got = measured(ctx)
         assert got["a2a"] == predicted["a2a_bytes_per_step"]
@@ -169,13 +169,13 @@ def test_the_plan_files_checks() -> None:
         read_plan("/nonexistent/plan.json")
 
 
-def synthetic_loads() -> torchrec_plans.Loads:
+def synthetic_loads() -> torchrec_plan_bytes.Loads:
     """2 ranks, batch 64 each, one id a bag: `big` (1M × 48) weighs as much as three small tables
     (1k × 16) together; and a hot tiny one (`hot`: 10 × 16, 8 ids a bag) whose exchange outweighs
     copying it."""
     names = ["big", "a", "b", "c", "hot"]
     ids = np.array([[64.0, 64.0], [64, 64], [64, 64], [64, 64], [512, 512]])
-    return torchrec_plans.Loads(world=2, names=names, rows=np.array([1_000_000, 1000, 1000, 1000, 10]),
+    return torchrec_plan_bytes.Loads(world=2, names=names, rows=np.array([1_000_000, 1000, 1000, 1000, 10]),
                                 dims=np.array([48, 16, 16, 16, 16]), eb=np.full(5, 4.0), features=np.ones(5),
                                 pooled=np.ones(5, dtype=bool), ids=ids, batch=np.array([64.0, 64.0]), len_bytes=8,
                                 id_bytes=8, sampled_steps=10)
@@ -185,7 +185,7 @@ def test_derive_balances_the_busiest_rank_and_copies_what_is_cheaper_to_copy() -
     L = synthetic_loads()
     base = {name: {"sharding_type": "table_wise", "ranks": [0], "compute_kernel": "fused",
                    "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t])} for t, name in enumerate(L.names)}
-    prices = torchrec_plans.Prices(alpha=1e-4, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8),
+    prices = torchrec_plans.Prices(alpha=1e-4, per_byte=dict.fromkeys(torchrec_plan_bytes.COLLECTIVES, 1e-8),
                                    ring_per_byte=1e-8)
     derived = torchrec_plans.derive(L, base, prices)
     validate({"schema": SCHEMA, "world_size": 2, "tables": derived})
@@ -195,7 +195,7 @@ def test_derive_balances_the_busiest_rank_and_copies_what_is_cheaper_to_copy() -
     assert all(derived[t]["ranks"] == [1 - on_big] for t in ("a", "b", "c"))  # the rest on the other rank
     assert torchrec_plans.link_seconds(L, derived, prices) < torchrec_plans.link_seconds(L, base, prices)
     # the bytes: every id and length once, every pooled row out and back, the copy's all-reduce
-    f = torchrec_plans.figures(L, derived)
+    f = torchrec_plan_bytes.figures(L, derived)
     exchanged = [t for t, name in enumerate(L.names) if name != "hot"]
     assert f["a2a_bytes_per_step"] == sum(8 * 128 + 8 * L.ids[t].sum() + 2 * 128 * L.dims[t] * 4 for t in exchanged)
     assert f["dp_allreduce_bytes_per_step"] == 2 * 10 * 16 * 4
@@ -206,7 +206,7 @@ def test_a_table_heavier_than_a_ranks_share_is_split_by_columns() -> None:
     L.dims[0], L.ids[0] = 256, [256.0, 256.0]  # big now outweighs everything else together
     base = {name: {"sharding_type": "table_wise", "ranks": [0], "compute_kernel": "fused",
                    "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t])} for t, name in enumerate(L.names)}
-    prices = torchrec_plans.Prices(alpha=1e-6, per_byte=dict.fromkeys(torchrec_plans.COLLECTIVES, 1e-8),
+    prices = torchrec_plans.Prices(alpha=1e-6, per_byte=dict.fromkeys(torchrec_plan_bytes.COLLECTIVES, 1e-8),
                                    ring_per_byte=1e-8)
     derived = torchrec_plans.derive(L, base, prices)
     assert derived["big"]["sharding_type"] == "column_wise" and sorted(derived["big"]["ranks"]) == [0, 1]
@@ -224,8 +224,8 @@ def test_a_plan_is_a_change_of_the_replayed_graph_pair_by_pair() -> None:
     recorded = plan()  # big, b, hot on rank 0; a, c on rank 1
     moved = plan(big=("table_wise", [1]), hot=("data_parallel", [0, 1]))
     change = torchrec_plans.plan_change(L, recorded, moved, None, allreduce=1000.0)
-    before, after = torchrec_plans.pairs_of(L, recorded), torchrec_plans.pairs_of(L, moved)
-    for c in torchrec_plans.COLLECTIVES:
+    before, after = torchrec_plan_bytes.pairs_of(L, recorded), torchrec_plan_bytes.pairs_of(L, moved)
+    for c in torchrec_plan_bytes.COLLECTIVES:
         assert np.allclose(before[c] * change.scale[c], after[c]), c
     # rank 1 now owns big: its output to rank 0 grows by big's pooled rows, rank 0's to rank 1 shrinks
     assert change.scale["output_fwd"][1, 0] > 1 > change.scale["output_fwd"][0, 1]
