@@ -27,7 +27,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from collectors.embedding import Kept, Table, count_rows  # noqa: E402
+from collectors.counting import Kept, Table, count_rows  # noqa: E402
 from tracekit.store import PARQUET_OPTIONS  # noqa: E402
 
 
