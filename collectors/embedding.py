@@ -46,6 +46,7 @@ from collectors import phase
 from collectors.counting import Table
 from collectors.guard import Guard
 from collectors.lookups import lookup_ids
+from collectors.names import ModuleNames
 from collectors.staging import Staging
 from collectors.steps import StepClock
 from collectors.table_identity import TableIdentity
@@ -67,7 +68,8 @@ class EmbeddingHandle:
         self.lookup_every = lookup_every
         self.window = window  # the steps recorded (tracekit/window.py); the others cost one check per call
         self.guard = Guard("embedding")
-        self.identity = TableIdentity()  # which table of the trace each module is (collectors/table_identity.py)
+        self.names = ModuleNames()
+        self.identity = TableIdentity(self.names)  # which table each module is (collectors/table_identity.py)
         # the calls kept for the writer (collectors/staging.py); `_stage`, bound once, is the hot path's call
         self.staging = Staging(writer, clock, self.identity.table_list, max_pending_ids)
         self._stage = self.staging.stage
@@ -107,7 +109,7 @@ class EmbeddingHandle:
             _installed = None
 
     def _on_register(self, parent: nn.Module, attr: str, child: nn.Module | None) -> None:
-        self.guard.run(self.identity.names.on_module, parent, attr, child)  # returns None: child unchanged
+        self.guard.run(self.names.on_module, parent, attr, child)  # returns None: child unchanged
 
     def _on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
         if isinstance(module, EMBEDDINGS) and module not in self._modules:

@@ -54,8 +54,8 @@ class TableIdentity:
     """The tables the embedding collector has seen: their manifest entries (`tables`, in first-call
     order) and their `Table`s (`table_list`, by `Table.index`, which kept calls name them by)."""
 
-    def __init__(self) -> None:
-        self.names = ModuleNames()
+    def __init__(self, names: ModuleNames) -> None:
+        self.names = names  # the modules' paths, kept by the collector's module-registration hook
         self.tables: list[dict] = []  # one entry per module seen, in first-call order (module docstring)
         self.table_list: list[Table] = []  # by Table.index
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # name_table()
