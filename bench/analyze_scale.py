@@ -5,7 +5,7 @@ The run is written once into the directory given (and reused): the 26 Criteo Kag
 size with their fitted Zipf exponents, 2 ranks, 4096 samples per rank and step, one id per sample
 and table, each table on one rank (table-wise sharding, t -> rank t % 2), so the owner sees the
 whole global batch of 8192 lookups per table and step. Part files carry the recorder's schema,
-metadata and encodings (`tracekit.store.write_part`), about 2M rows each, rows sorted within a
+metadata and encodings (`tracekit.parts.write_part`), about 2M rows each, rows sorted within a
 (step, table) as the recorder writes them. Its first half of steps (hard links to the same part
 files) is the 50M-row run. Each measurement is a fresh subprocess; wall time is the parent's clock
 around it and peak memory its `ru_maxrss` from `os.wait4` (the child's own, not the maximum over
@@ -46,8 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from tracekit.parts import PARQUET_OPTIONS, write_part  # noqa: E402
 from tracekit.schema import TABLES, file_metadata  # noqa: E402
-from tracekit.store import PARQUET_OPTIONS, write_manifest, write_part  # noqa: E402
+from tracekit.store import write_manifest  # noqa: E402
 
 BATCH_PER_RANK = 4096
 WORLD = 2

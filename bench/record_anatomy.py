@@ -40,7 +40,7 @@ def inner(variant: str, out: str, train_args: list[str]) -> None:
     import numpy as np
     import torch  # noqa: F401 -- activates the collectors
 
-    from collectors import embedding, steps
+    from collectors import embedding, staging, steps
 
     rows: list[tuple[int, int, int]] = []
     gc_ns, started = [0], [0]
@@ -65,8 +65,8 @@ def inner(variant: str, out: str, train_args: list[str]) -> None:
         def dropped(self, whole, running):
             self._taken = []
             return iter(())
-        embedding.EmbeddingHandle._counted = dropped
-        embedding.lookup_rows = lambda calls: tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
+        staging.Staging._counted = dropped
+        staging.lookup_rows = lambda calls: tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
     atexit.register(lambda: Path(out).write_text(json.dumps(rows)))
     sys.argv = ["train.py", *train_args]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -5,7 +5,7 @@ Copy k of SRC (k = 0, 1, ...) has its steps shifted by k · S (S the run's steps
 k · T (T the run's span, first step start to last step end) and its comms' seq by k · Q (Q one
 more than the largest seq); every other column is SRC's, so shares, traffic per step and replays
 per step are SRC's, and any step-windowed figure of the tiled run equals SRC's on the same steps.
-Part files are rewritten with the recorder's metadata (tracekit.store.write_part); the manifest's
+Part files are rewritten with the recorder's metadata (tracekit.parts.write_part); the manifest's
 step counts and written rows are scaled to match.
 
     .venv/bin/python bench/tile_run.py runs/kaggle /tmp/tracekit-tiled --accesses 100M
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tracekit.parts import PARQUET_OPTIONS, write_part  # noqa: E402
 from tracekit.schema import MANIFEST  # noqa: E402
-from tracekit.store import PARQUET_OPTIONS, write_part  # noqa: E402
 
 TIME_COLUMNS = ("t_start_ns", "t_end_ns", "t_ns")
 

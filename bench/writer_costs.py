@@ -1,6 +1,6 @@
 """What the trace writer spends per embedding id, itemised: counting a piece of whole steps into
 `accesses` rows (`count_rows`), then encoding those rows as the recorder writes them (Parquet,
-zstd, the `accesses` encodings of tracekit/store.py), each column apart, and the formats one might
+zstd, the `accesses` encodings of tracekit/parts.py), each column apart, and the formats one might
 swap in (no compression, lz4, Arrow IPC on one thread).
 
 The piece is the one-rank proxy of bench/record_overhead.py at `--batch 1536` (8 tables x 100k
@@ -27,8 +27,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from collectors.embedding import Kept, Table, count_rows  # noqa: E402
-from tracekit.store import PARQUET_OPTIONS  # noqa: E402
+from collectors.counting import Kept, Table, count_rows  # noqa: E402
+from tracekit.parts import PARQUET_OPTIONS  # noqa: E402
 
 
 def cpu_s(work: Callable[[], object], repeats: int) -> float:

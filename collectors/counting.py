@@ -1,6 +1,6 @@
 """Counting kept lookup calls into `accesses` rows, exactly, however the calls fall into flushes.
 
-The embedding collector (collectors/embedding.py) keeps each lookup call's ids and hands the writer
+The embedding collector's staging (collectors/staging.py) keeps each lookup call's ids and hands the writer
 thread a `Kept`: the ids of many calls end to end, with each call's step, table, phase and size.
 `count_rows` turns a `Kept` into `accesses` rows, one per (step, phase, table, row). Two rules keep
 those rows whole:

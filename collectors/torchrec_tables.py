@@ -74,7 +74,8 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from collectors import phase
-from collectors.embedding import EmbeddingHandle, Table
+from collectors.counting import Table
+from collectors.embedding import EmbeddingHandle
 from collectors.guard import Guard
 from collectors.imports import ImportWatcher
 

@@ -20,7 +20,7 @@ def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, p
     """Render the report of `runs` (the first is the base, which `tracekit analyze` must have analysed:
     else TracekitError) into `output`; returns its path. With `plotly_js="beside"` plotly.js is
     written once beside it (plotly.min.js) instead of inlined."""
-    from reports import sections
+    from reports import predictions, sections, verdict
     from reports.html import render
     from reports.inputs import load
 
@@ -31,15 +31,15 @@ def write_report(runs: Sequence[str | os.PathLike], output: str | os.PathLike, p
 
         summary = compare(inputs[0].path, [r.path for r in inputs[1:]]).summary
     base = inputs[0]
-    parts = [sections.overview(inputs), sections.skew(base), sections.traffic(base), sections.timeline(base),
-             sections.cache(base), sections.policies(base)]
-    for extra in (sections.torchrec(base), sections.simulate(base)):
+    parts = [verdict.overview(inputs), sections.skew(base), sections.traffic(base), sections.timeline(base),
+             sections.cache(base), predictions.policies(base)]
+    for extra in (predictions.torchrec(base), sections.simulate(base)):
         if extra is not None:
             parts.append(extra)
     if summary is not None:
-        parts.append(sections.compare(summary))
+        parts.append(predictions.compare(summary))
     title = f"tracekit report: {base.name}" + (f" and {len(inputs) - 1} more" if len(inputs) > 1 else "")
-    page = render(title, sections.verdict(inputs, summary), parts, plotly_js, sections.verdict_table(base, summary))
+    page = render(title, verdict.verdict(inputs, summary), parts, plotly_js, verdict.verdict_table(base, summary))
     output = Path(output)
     if plotly_js == "beside":
         from plotly.offline import get_plotlyjs

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import tracekit
-from collectors import embedding, steps
+from collectors import counting, embedding, lookups, staging, steps
 from collectors.bootstrap import is_launcher
 from collectors.steps import StepClock
 import tracekit.store
@@ -157,7 +157,7 @@ def test_a_step_is_written_once_it_has_ended_and_lookups_after_the_last_step_at_
 def test_calls_across_many_flushes_counted_in_small_pieces_are_written_exactly(tmp_path, monkeypatch):
     """The training thread keeps references to the calls' ids; the writer reads them in bulk at each
     flush and counts each flush in pieces. Every access and lookup is still the fed ids'."""
-    monkeypatch.setattr(embedding, "PIECE_IDS", 16)  # flushes counted in several pieces
+    monkeypatch.setattr(staging, "PIECE_IDS", 16)  # flushes counted in several pieces
     writer = RunWriter(tmp_path, rank=0, flush_interval_s=3600)
     clock = StepClock()
     handles = [steps.install(writer, clock), embedding.install(writer, clock, lookup_every=2)]
@@ -334,11 +334,11 @@ def test_a_failing_hook_or_write_does_not_change_training(tmp_path, monkeypatch,
 
 def test_positions_of_bags_and_sequences():
     # 1-D ids with offsets (include_last_offset style, with an empty bag 1)
-    sample, pos = embedding.positions(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 2, 2, 4]))
+    sample, pos = lookups.positions(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 2, 2, 4]))
     assert sample.tolist() == [0, 0, 2, 2] and pos.tolist() == [0, 1, 0, 1]
-    sample, pos = embedding.positions(torch.tensor([[1, 2, 3], [4, 5, 6]]), None)  # [B, L]
+    sample, pos = lookups.positions(torch.tensor([[1, 2, 3], [4, 5, 6]]), None)  # [B, L]
     assert sample.tolist() == [0, 0, 0, 1, 1, 1] and pos.tolist() == [0, 1, 2, 0, 1, 2]
-    sample, pos = embedding.positions(torch.tensor([9, 9]), None)  # 1-D nn.Embedding input
+    sample, pos = lookups.positions(torch.tensor([9, 9]), None)  # 1-D nn.Embedding input
     assert sample.tolist() == [0, 1] and pos.tolist() == [0, 0]
 
 
@@ -347,18 +347,18 @@ def test_bag_lookups_of_many_calls_at_once_equal_each_calls_positions(padding):
     """The writer's one pass over a table's sampled bag calls (`_bag_rows`) gives every lookup the
     step, sample and pos that `positions` gives it call by call: empty bags (first, inner, last),
     include_last_offset's closing offset, an empty call, int32 ids, padding left out, global rows."""
-    table = embedding.Table("t", 20, padding, 1000)
+    table = counting.Table("t", 20, padding, 1000)
     g = torch.Generator().manual_seed(5)
     shapes = [(7, [0, 0, 3, 3, 7]), (0, [0]), (5, [0, 2, 5, 5]), (6, [0, 1, 6]), (4, [0, 4])]
-    calls = [embedding.Call(step, "train", table, torch.randint(0, 20, (n,), generator=g, dtype=dtype),
+    calls = [lookups.Call(step, "train", table, torch.randint(0, 20, (n,), generator=g, dtype=dtype),
                             torch.tensor(offsets), True)
              for step, ((n, offsets), dtype) in enumerate(zip(shapes, [torch.int64, torch.int32] * 3))]
     expected = []
     for c in calls:
-        sample, pos = embedding.positions(c.ids, c.offsets)
+        sample, pos = lookups.positions(c.ids, c.offsets)
         expected += [(c.step, s, p, int(i) + 1000) for s, p, i in zip(sample.tolist(), pos.tolist(), c.ids.tolist())
                      if int(i) != padding]
-    *got, feature = embedding.lookup_rows(calls)
+    *got, feature = lookups.lookup_rows(calls)
     assert list(zip(*(column.tolist() for column in got))) == expected
     assert all(column.dtype == np.int64 for column in got)
     assert feature.dtype == np.int16 and not feature.any()  # one feature looks the table up
@@ -369,14 +369,14 @@ def test_one_count_of_many_tables_equals_counting_each_id(num_rows):
     """count_rows sorts every table's keys together: each table's (step, row, count) must still be
     exactly its own ids counted, padding left out, shard rows made global, dtypes as the schema."""
     g = torch.Generator().manual_seed(3)
-    tables = [embedding.Table("a", num_rows, None, 0, 0), embedding.Table("b", 7, 2, 100, 1),
-              embedding.Table("c", num_rows, 0, 10**12, 2)]
-    groups = [[embedding.Call(step, "train", t, torch.randint(0, min(t.num_rows, 50), (n,), generator=g,
+    tables = [counting.Table("a", num_rows, None, 0, 0), counting.Table("b", 7, 2, 100, 1),
+              counting.Table("c", num_rows, 0, 10**12, 2)]
+    groups = [[lookups.Call(step, "train", t, torch.randint(0, min(t.num_rows, 50), (n,), generator=g,
                                                               dtype=dtype), None, False)
                for step, n in [(4, 30), (4, 5), (6, 0), (9, 40)]]
               for t, dtype in zip(tables, [torch.int64, torch.int32, torch.int64])]
     interleaved = [call for calls in zip(*groups) for call in calls]  # as kept: in step order, tables mixed
-    counted = embedding.count_rows(embedding.Kept.of_calls(interleaved), tables)
+    counted = counting.count_rows(counting.Kept.of_calls(interleaved), tables)
     assert counted.groups == [(t, "train") for t in tables]
     cuts = np.cumsum([0, *counted.sizes])
     for j, (table, calls) in enumerate(zip(tables, groups)):
@@ -393,10 +393,10 @@ def test_a_flush_counted_in_pieces_equals_one_count():
     the whole, no (step, table, row) in two pieces, steps in order or not (tests/test_counting.py
     varies the layouts)."""
     g = torch.Generator().manual_seed(7)
-    tables = [embedding.Table("a", 30, None, 0, 0), embedding.Table("b", 30, 5, 0, 1)]
-    calls = [embedding.Call(step, "train", tables[t], torch.randint(0, 30, (n,), generator=g), None, False)
+    tables = [counting.Table("a", 30, None, 0, 0), counting.Table("b", 30, 5, 0, 1)]
+    calls = [lookups.Call(step, "train", tables[t], torch.randint(0, 30, (n,), generator=g), None, False)
              for step in range(40) for t, n in ((0, 7), (1, 3), (0, 0), (1, 11))]
-    kept = embedding.Kept.of_calls(calls)
+    kept = counting.Kept.of_calls(calls)
 
     def rows(counted):
         names = np.repeat([t.name for t, _ in counted.groups], counted.sizes)
@@ -404,12 +404,12 @@ def test_a_flush_counted_in_pieces_equals_one_count():
 
     pieces = list(kept.pieces(50))
     assert len(pieces) > 5 and sum(int(p.size.sum()) for p in pieces) == int(kept.size.sum())
-    together = [row for piece in pieces for row in rows(embedding.count_rows(piece, tables))]
-    assert sorted(together) == sorted(rows(embedding.count_rows(kept, tables)))
+    together = [row for piece in pieces for row in rows(counting.count_rows(piece, tables))]
+    assert sorted(together) == sorted(rows(counting.count_rows(kept, tables)))
     assert len({r[:3] for r in together}) == len(together)
-    shuffled = embedding.Kept.of_calls(calls[4:] + calls[:4])  # step 0 after the others
-    together = [row for piece in shuffled.pieces(50) for row in rows(embedding.count_rows(piece, tables))]
-    assert sorted(together) == sorted(rows(embedding.count_rows(kept, tables)))
+    shuffled = counting.Kept.of_calls(calls[4:] + calls[:4])  # step 0 after the others
+    together = [row for piece in shuffled.pieces(50) for row in rows(counting.count_rows(piece, tables))]
+    assert sorted(together) == sorted(rows(counting.count_rows(kept, tables)))
 
 
 def test_tables_outside_a_model_get_a_fallback_name(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from collectors import counting, embedding, host_staging, steps
+from collectors import counting, embedding, host_staging, staging, steps
 from collectors.counting import PHASES, Kept, Table, carried, count_rows
 from collectors.steps import StepClock
 from tracekit.store import RunWriter
@@ -212,7 +212,7 @@ def test_a_step_end_copy_that_fails_counts_its_ids_as_lost(monkeypatch):
 
 def test_a_drain_made_to_fail_counts_its_rows_as_lost(tmp_path, monkeypatch):
     calls = Counter()
-    count = embedding.count_rows
+    count = staging.count_rows
 
     def failing_second(kept, tables):
         calls["n"] += 1
@@ -220,8 +220,8 @@ def test_a_drain_made_to_fail_counts_its_rows_as_lost(tmp_path, monkeypatch):
             raise RuntimeError("injected")
         return count(kept, tables)
 
-    monkeypatch.setattr(embedding, "count_rows", failing_second)
-    monkeypatch.setattr(embedding, "PIECE_IDS", 500)  # several pieces a drain: the failure is mid-drain
+    monkeypatch.setattr(staging, "count_rows", failing_second)
+    monkeypatch.setattr(staging, "PIECE_IDS", 500)  # several pieces a drain: the failure is mid-drain
     fed, recorded, writer = fed_and_recorded(tmp_path, 3000, 2000, flush_inside=True)
     lost = sum(fed.values()) - sum(recorded.values())
     assert writer.errors == 1 and lost > 0

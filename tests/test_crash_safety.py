@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from tests.recorded import record
+from tracekit.parts import FAULT_KILL_BEFORE_RENAME
 from tracekit.run import open_run
-from tracekit.store import FAULT_KILL_BEFORE_RENAME
 
 # Trains until the store kills it; stepping on past 60 s of sleeps means the fault never fired.
 SCRIPT = """

@@ -17,9 +17,10 @@ import tracekit
 from collectors import embedding, phase, steps
 from collectors.steps import StepClock
 from tests.recorded import REPO, TINY, expected_accesses, record, record_script, sample_accesses
+from tracekit.parts import write_part
 from tracekit.run import open_run
 from tracekit.schema import file_metadata
-from tracekit.store import RunWriter, write_manifest, write_part
+from tracekit.store import RunWriter, write_manifest
 
 
 class Doubler(torch.autograd.Function):

@@ -18,9 +18,10 @@ import pytest
 import tracekit
 from tests.recorded import record, record_script
 from tracekit.app.recording import merge_policy
+from tracekit.parts import write_part
 from tracekit.run import open_run
 from tracekit.schema import VERSION_KEY
-from tracekit.store import RunWriter, write_manifest, write_part
+from tracekit.store import RunWriter, write_manifest
 
 ONE_PROCESS = """
 import sys, torch, tracekit

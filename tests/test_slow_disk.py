@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from analyses.analyze import analyze
 from reports.inputs import load
-from reports.sections import warnings
+from reports.verdict import warnings
 from tests.recorded import REPO, TINY
 from tracekit.dlrm.data import open_dataset
 

@@ -20,9 +20,10 @@ import tracekit.store
 from tests.prerequisites import needs
 from tracekit import thread_priority
 from tracekit.errors import RunNotFound, SchemaVersionError, TracekitError
+from tracekit.parts import write_part
 from tracekit.run import open_run
 from tracekit.schema import MANIFEST, SCHEMA_VERSION, STATUS_COMPLETED, TABLE_KEY, TABLES, VERSION_KEY, file_metadata
-from tracekit.store import RunWriter, read_manifest, write_manifest, write_part
+from tracekit.store import RunWriter, read_manifest, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,7 +116,7 @@ def test_round_trip_polars_and_duckdb(tmp_path):
 
 
 def test_phases_of_batches_with_different_dictionaries_share_a_part_file_intact(tmp_path):
-    """`phase` is written as a dictionary (store.PARQUET_OPTIONS): batches whose dictionaries differ
+    """`phase` is written as a dictionary (parts.PARQUET_OPTIONS): batches whose dictionaries differ
     (["train"], then ["eval", "train"]) still read back row for row."""
     phases = [["train"] * 3, ["eval", "train", "eval"], ["train"] * 2]
     write_manifest(tmp_path, {"status": STATUS_COMPLETED, "world_size": 1})

@@ -258,7 +258,7 @@ def test_a_bare_tbe_is_hooked_once_its_module_is_imported(tmp_path: Path, monkey
     again = torchrec_tables.install(tables)  # a fresh install once uninstalled
     again.uninstall()
     assert again is not handle and handle._watcher not in sys.meta_path and again._watcher not in sys.meta_path
-    calls = [call for kept in tables._tables_calls for call in kept.split()]  # the writer's split of each TBE call
+    calls = [call for kept in tables.staging._tables_calls for call in kept.split()]  # the writer's split of each TBE call
     assert [(c.table.name, c.ids.tolist(), c.offsets.tolist()) for c in calls] == [
         ("a", [1, 2, 3], [0, 1, 3]), ("b", [4], [0, 0, 1]), ("b", [5, 6], [0, 2, 2])]
     assert writer.dropped["accesses"] == 2

@@ -2,9 +2,9 @@
 
 It runs inside traced processes, so it imports only the standard library, numpy, pyarrow and
 tracekit core (never duckdb or polars). `RunWriter.append` only validates and queues; a daemon thread
-writes one zstd part file per table per flush to `<run>/<table>/rank=<R>/part-NNNNN.parquet`,
-under a hidden temporary name renamed into place when complete, so a reader globbing `*.parquet`
-never sees half a file and a crash loses at most the rows not yet flushed.
+writes one zstd part file per table per flush to `<run>/<table>/rank=<R>/part-NNNNN.parquet`
+(tracekit/parts.py), under a hidden temporary name renamed into place when complete, so a reader
+globbing `*.parquet` never sees half a file and a crash loses at most the rows not yet flushed.
 
 Collectors on a hot path do not append: they register a *source* (`add_source`), keep raw
 records with a list append, and the writer thread pulls and converts them on every flush, so
@@ -14,19 +14,12 @@ the traced program pays for neither the conversion nor the Parquet encoding on i
     writer.append("steps", {"step": [0], "t_start_ns": [t0], "t_end_ns": [t1], "samples": [512], "loss": [0.69]})
     writer.close()
     write_manifest("runs/base", {**manifest, "dropped_rows": writer.dropped})
-
-Test hook: with TRACEKIT_FAULT_KILL_BEFORE_RENAME=<table>:<n> in its environment, a process about
-to rename part n of `table` into place (`part-<n, 5 digits>.parquet`, of any rank) kills itself
-with SIGKILL instead, its bytes written to the temporary file: a real kill in the middle of writing
-a part, whose aftermath tests/test_crash_safety.py checks. With TRACEKIT_FAULT_SLOW_WRITE_S=S, every
-part takes S seconds more to write: a slow disk, for bench/soak.py's writer that falls behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -34,13 +27,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from tracekit.errors import RunNotFound, TracekitError
 from tracekit.files import write_text
+from tracekit.parts import PARQUET_OPTIONS, prime, write_part
 from tracekit.schema import MANIFEST, TABLES, file_metadata
 from tracekit.thread_priority import may_leave_idle, renice, set_idle
 
@@ -72,16 +64,6 @@ on the writer thread at every flush, with final=True once, at close."""
 InFlight = Callable[[], dict[str, int]]
 """A source's `in_flight()`: the rows per trace table its running drain has taken out of its buffers
 and not yet handed over (for `accesses`, lookups), which a failed drain loses."""
-
-
-def _prime() -> None:
-    """Pay now, as the writer starts and before the traced program's loop, what its first flush would
-    pay once (pyarrow's lazy import of numpy.ma, zstd's set-up: ~14 ms of CPU here)."""
-    try:
-        pq.write_table(pa.table({"x": pa.array(np.zeros(1, dtype=np.int64))}), pa.BufferOutputStream(),
-                       compression="zstd")
-    except Exception:  # the flushes will say what is wrong, counted like any failed write
-        pass
 
 
 def _schema(table: str) -> pa.Schema:
@@ -267,7 +249,7 @@ class RunWriter:
                                             and set_idle(self._tid, True))
         if self._idle_mode:
             threading.Thread(target=self._watch, name=f"tracekit-watchdog-rank{self.rank}", daemon=True).start()
-        _prime()
+        prime()
         while True:
             with self._cond:
                 while not self._due():
@@ -405,42 +387,6 @@ process may lift it back, the writer runs under SCHED_IDLE too (`RunWriter(idle=
 nice value whenever a watchdog lifts it (bench/RESULTS.md §17)."""
 
 
-# Encodings per trace table, for size and for the writer's CPU time (bench/RESULTS.md): row ids
-# sorted within a (step, table) delta-encode to about a byte, low-cardinality columns take a
-# dictionary, the rest is zstd, and only `step` gets min/max statistics (a third of the encoding
-# time otherwise). The default dictionary-encodes every column and keeps every statistic. `phase`,
-# already a dictionary in Arrow, must be listed too, or its strings are decoded and re-encoded (1.3
-# of a 4.7 ms accesses flush, bench/RESULTS.md §16).
-PARQUET_OPTIONS: dict[str, dict[str, Any]] = {
-    "accesses": dict(use_dictionary=["step", "table_name", "count", "phase"],
-                     column_encoding={"row": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
-    "lookups": dict(use_dictionary=["step", "table_name", "pos", "phase", "feature"],
-                    column_encoding={"sample": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
-}
-
-
-FAULT_KILL_BEFORE_RENAME = "TRACEKIT_FAULT_KILL_BEFORE_RENAME"  # the test hook of the module docstring
-FAULT_SLOW_WRITE_S = "TRACEKIT_FAULT_SLOW_WRITE_S"  # ... and a slow disk: each part takes this long more
-
-
-def write_part(data: pa.Table, directory: Path, index: int, **options: Any) -> Path:
-    """Write `data` as `directory/part-<index>.parquet` (zstd; `options` go to pq.write_table) via a
-    hidden temporary file in the same directory, renamed into place once complete."""
-    final = directory / f"part-{index:05d}.parquet"
-    tmp = directory / f".{final.name}.tmp"
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        if os.environ.get(FAULT_SLOW_WRITE_S):
-            time.sleep(float(os.environ[FAULT_SLOW_WRITE_S]))
-        pq.write_table(data, tmp, compression="zstd", **options)
-        if os.environ.get(FAULT_KILL_BEFORE_RENAME) == f"{directory.parent.name}:{index}":
-            os.kill(os.getpid(), signal.SIGKILL)
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return final
-
-
 class SizeCapReached(Exception):
     """A writer stops writing once it has written its share of `record --max-size`."""
 
@@ -479,4 +425,3 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TracekitError(f"{path} is not valid JSON ({e})") from e
-
