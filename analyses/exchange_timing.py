@@ -146,9 +146,9 @@ def change(ctx: Context, s: ExchangeBaseline, remote: dict[str, float], sparse: 
 
 
 def sync_calls(sparse: bool, sync_bytes: float, world: int) -> tuple:
-    """A replica sync of `sync_bytes` a step (Σ ranks' wire bytes, `sync_bytes`'s formulas) as the
-    collectives the trainer issues after the backward: dense, one ring all-reduce; sparse, the count's
-    all-gather, the ids' all-to-all and the rows' all-reduce (its bytes given to the all-reduce)."""
+    """A replica sync of `sync_bytes` a step (Σ ranks' wire bytes, analyses.exchange.sync_bytes's
+    formulas) as the collectives the trainer issues after the backward: dense, one ring all-reduce; sparse,
+    the count's all-gather, the ids' all-to-all and the rows' all-reduce (its bytes given to the all-reduce)."""
     if sync_bytes <= 0 or world < 2:
         return ()
     ring = Added(network.ALL_REDUCE, sync_bytes / (2 * (world - 1)), tag=tags.REPLICA_SYNC)

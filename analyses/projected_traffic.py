@@ -20,8 +20,7 @@ collectives (sparse: count all-gather, ids all-to-all, all-reduce over the union
 DCT's compression: compression.mp scales every floating-point all-to-all (the embedding outputs
 and their gradients) by its predicted ratio; compression.dp takes DDP's gradient all-reduces out
 of the ring and sends its predicted bytes as all-gathers instead, two per bucket (the counts, then
-the entries). `combined` is every section together, compression applied after the exchange's
-replicas, as the trainer applies them.
+the entries).
 
 At another world size W' or per-device batch b' (`scaled`) each collective keeps its bytes per sample,
 spread evenly over the W'·W' rank pairs (balanced sharding assumed), all-reduces keep their size (the

@@ -8,6 +8,7 @@ policy's step time is the same graph with its collectives changed (dPRO, Daydrea
 - fit: the links fitted from the same run;
 - prediction: the run's replay, its check against the measured steps and a policy's predicted step.
 
+    from analyses.replay.prediction import replay
     rp = replay(ctx)                  # the recorded steps as graphs, and the fitted links
     rp.check()                        # the unchanged replay against the measured steps: p50, p90
     rp.predict(Change(scale={"output_fwd": 0.5}))   # Prediction(step_s, low_s, high_s, ratio)

@@ -33,6 +33,9 @@ class Fit:
 
 def fit_links(ctx: Context, steps: list[Step], node_of: tuple[int, ...], topology: dict,
          notes: list[str]) -> tuple[Links, Fit]:
+    """The links the recorded `steps` ran on, fitted from them, and how: on one host each call takes the time
+    it took; on a token-bucket link its rate by replaying the steps (`_fit_bucket`); else α per op and the
+    rate by least squares over the calls that ran alone (module docstring)."""
     given = topology.get("link_bytes_per_s")
     nodes = len(set(node_of))
     alone = [c for s in steps for c in s.calls.values() if not c.is_async and c.alone and c.time_s > 0

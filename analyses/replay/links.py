@@ -18,6 +18,8 @@ LINE_RATE = 100.0  # a token bucket's line rate, as a multiple of its rate (a ve
 
 @dataclass(frozen=True)
 class Links:
+    """The links a replay runs on: each rank's node, a node link's and a rank's rate each way, α per op."""
+
     node_of: tuple[int, ...]  # by rank
     inter: float  # bytes/s of a node's link, each way
     intra: float  # bytes/s of a rank within its node, each way
