@@ -21,10 +21,10 @@ from pathlib import Path
 import time
 from typing import Any, Protocol
 
-from analyses import replay
 from analyses.context import Background, Context, Options, PolicyResult, Result, open_context
 from analyses.decision import decide
 from analyses.network import network
+from analyses.replay.prediction import replay, together
 from analyses.row_totals import kept_file
 from analyses.time_left import TimeLeft, expected_seconds
 from tracekit.policy import Policy, Section, write_policy
@@ -130,7 +130,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             _analysis(ctx, summary, name, module, needs, progress, clock)
         net = network(ctx)
         summary["network"] = net.summary()
-        rp = replay.replay(ctx)
+        rp = replay(ctx)
         if rp.steps:
             summary["replay"] = rp.summary()
         baseline = {}
@@ -155,7 +155,7 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             sections.update(derived.sections())
             rows.update(derived.rows)
         policy = decide(Policy(str(ctx.path), ctx.model.policy_model(), baseline, sections), net,
-                        ctx.options.quality_budget, replay.together(ctx))
+                        ctx.options.quality_budget, together(ctx))
         as_json = policy.to_json()
         for name, derived in results.items():
             if derived.sections():

@@ -14,7 +14,7 @@ The trainer unions the rows of replication, tiers and schedule when they are app
 so at most one of them is recommended: the one of least predicted step time. `combined` is the
 prediction for every recommended training section applied together: bytes from the exchange
 section and the compression parts; step time the replay of their changes composed where the run
-replays (analyses/replay.py), else the baseline plus their changes, its error the root of the sum of
+replays (analyses/replay/), else the baseline plus their changes, its error the root of the sum of
 their squared errors. The changes add, except where two sections save the same time:
 compression.mp shrinks the output all-to-all that an exchange section (replication, tiers,
 schedule) has already shrunk, so its change counts in proportion to the all-to-all bytes the
@@ -39,7 +39,7 @@ EXCHANGE = ("replication", "tiers", "schedule")
 def decide(policy: Policy, net: Network, budget: Budget = Budget(), together: Callable | None = None) -> Policy:
     """`policy` with `recommended` (and the `reason` where false) set on every section, and its
     `combined` prediction where more than one training section is recommended: `together(labels)`, the
-    replay of their changes composed (analyses.replay.together), where it gives one."""
+    replay of their changes composed (analyses.replay.prediction.together), where it gives one."""
     base = net.step.median_s
     decided: dict[str, Section] = {}
     for label, section in policy.sections.items():

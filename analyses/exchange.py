@@ -14,7 +14,7 @@ F_t the features looking table t up, 1 but for a TorchRec table: analyses.attrib
 Bytes are summed over ranks' `bytes_out`, self-splits included, so they compare with `comms`
 exactly (`*_bytes_per_step`); `remote_*` leaves out what a rank sends itself (what crosses the
 network). `ExchangeBaseline` also holds, per collective, its busiest link's bytes and what it
-measurably held the ranks: `timing` prices a policy's step from them with analyses.network's model.
+measurably held the ranks: analyses.exchange_timing prices a policy's step from them.
 
 Under hybrid replication of a hot set H (papers §7, SCARS step 5), as the trainer does it
 (tracekit/dlrm/sharding.py): a hot id is looked up where its sample is, so its id leaves the
@@ -23,7 +23,7 @@ row-wise table) whose ids are all in H leaves the output all-to-all (its returne
 and backward); a mixed bag sends its cold ids and gets its pooled rows back; a sequence lookup of
 a hot row leaves (id and row). Bags with no ids are kept. The lengths exchange keeps its size
 under every policy (a bag served locally is sent as −1). The replicas are synchronised every
-step (`sync_bytes`), dense or sparse (`sync_choice` picks):
+step (`sync_bytes`), dense or sparse (analyses.exchange_timing.sync_choice picks):
 
     dense   2(W−1) · Σ_{i∈H} rb_i                                   (ring all-reduce, §1.3)
     sparse  W(W−1) · 8  +  Σ_r (W−1) · id_bytes · u_r  +  2(W−1) · Σ_{i∈H∩touched} rb_i
@@ -38,7 +38,6 @@ sampled (exact where every step was).
     s = baseline(ctx)                   # the replay's temp tables and per-run constants (once per context)
     saved = hot_curve(ctx, order, n)    # bytes freed per collective by every prefix of a row order
     comms_replay(ctx)                   # per (step, rank, collective): replayed and recorded bytes
-    timing(ctx, s, remote, ...)         # a policy's step time, from the bytes it leaves on the exchange
 
 Temporary tables it creates that other modules read (call `baseline(ctx)` first; the tables of
 analyses.attribution are there too):
@@ -59,12 +58,11 @@ tk_onehot, tk_owner_consts, tk_bags and tk_a2a_k are its own steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import polars as pl
 
-from analyses import attribution, network, replay
+from analyses import attribution, network
 from analyses.context import Context
 from tracekit import tags
 
@@ -76,7 +74,6 @@ TRAINER_TAGS = {"input_lengths": tags.INPUT_DIST, "input_ids": tags.INPUT_DIST,
 
 
 COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int64
-
 
 
 @dataclass
@@ -108,13 +105,11 @@ class ExchangeBaseline:
         return sum(v[1] for v in self.base.values())
 
 
-
 def baseline(ctx: Context) -> ExchangeBaseline:
     """Attribute the lookups' sources, then build tk_x (attributed lookups of sharded tables, with
     a bag key), tk_pairs (the baseline replay per step and rank pair) and tk_rows (per row); once
     per context (ctx.memo)."""
     return ctx.memo(baseline, lambda: _replay_baseline(ctx))
-
 
 
 def _replay_baseline(ctx: Context) -> ExchangeBaseline:
@@ -148,11 +143,9 @@ def _replay_baseline(ctx: Context) -> ExchangeBaseline:
                             list(attributed.notes))
 
 
-
 def _elem(ctx: Context, k: int, default: int) -> int:
     rows = ctx.sql(f"SELECT mode(dtype) FROM tk_a2a WHERE k = {k}").fetchall()
     return attribution.elem_bytes(rows[0][0]) if rows and rows[0][0] else default
-
 
 
 def _pairs(ctx: Context, len_bytes: int, id_bytes: int) -> None:
@@ -178,7 +171,6 @@ def _pairs(ctx: Context, len_bytes: int, id_bytes: int) -> None:
         UNION ALL SELECT step, 'output_bwd', src, owner, pooled_rb * b + seq_rb FROM p""")
 
 
-
 def item_bytes_sql(len_bytes: int, id_bytes: int) -> str:
     """Columns of the bytes an item moves on each collective, from n_ids, n_remote (ids looked
     up on another rank than src), n_shards, n_remote_shards, rb and `seq` (a sequence lookup)."""
@@ -187,7 +179,6 @@ def item_bytes_sql(len_bytes: int, id_bytes: int) -> str:
                {id_bytes} * n_ids AS ids_out, {id_bytes} * n_remote AS ids_rem,
                CASE WHEN seq THEN rb ELSE rb * n_shards END AS row_out,
                CASE WHEN seq THEN rb * n_remote ELSE rb * n_remote_shards END AS row_rem"""
-
 
 
 def items_sql(ctx: Context, order: str, per_node: int = 1) -> str:
@@ -237,7 +228,6 @@ def items_sql(ctx: Context, order: str, per_node: int = 1) -> str:
             WHERE l.seq)"""
 
 
-
 def _rows(ctx: Context, steps: int, len_b: int, id_b: int) -> None:
     """tk_rows: per (tid, row) its lookups, remote lookups, the steps and (step, source) pairs that
     touched it, the samples holding it, and the all-to-all bytes per step its lookups would free
@@ -278,14 +268,12 @@ def _rows(ctx: Context, steps: int, len_b: int, id_b: int) -> None:
         FROM per_src r JOIN tk_names n USING (tid) GROUP BY r.tid, r."row", n.rb, n.kind""")
 
 
-
 def _base_bytes(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
     rows = ctx.sql(f"""SELECT collective, sum(bytes)::DOUBLE / {steps},
                               coalesce(sum(bytes) FILTER (WHERE sender <> receiver), 0)::DOUBLE / {steps}
                        FROM tk_pairs GROUP BY collective""").fetchall()
     found = {c: (out, rem) for c, out, rem in rows}
     return {c: found.get(c, (0.0, 0.0)) for c in COLLECTIVES}
-
 
 
 def _cost(ctx: Context) -> dict[str, float]:
@@ -307,7 +295,6 @@ def _cost(ctx: Context) -> dict[str, float]:
     return {c: float(d) for c, d in rows}
 
 
-
 def _busiest(ctx: Context, steps: int) -> dict[str, float]:
     """Per collective, the replayed remote bytes on its busiest link per step: over ranks, the
     larger of what a rank sends and receives (analyses.network's wire size of an all-to-all)."""
@@ -322,7 +309,6 @@ def _busiest(ctx: Context, steps: int) -> dict[str, float]:
     return {c: float(found.get(c, 0.0)) for c in COLLECTIVES}
 
 
-
 def sync_bytes(world: int, id_bytes: int, rb: np.ndarray, steps_touched: np.ndarray,
                src_steps: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """Cumulative (over rows in the given order) dense and sparse replica sync bytes per step,
@@ -334,11 +320,9 @@ def sync_bytes(world: int, id_bytes: int, rb: np.ndarray, steps_touched: np.ndar
     return dense, sparse
 
 
-
 def count_exchange(world: int) -> float:
     """Bytes per step of the sparse sync's all-gather of each rank's touched-row count (int64)."""
     return float(world * max(world - 1, 0) * COUNT_BYTES)
-
 
 
 def hot_curve(ctx: Context, order: str, n: int, per_node: int = 1) -> dict[str, np.ndarray]:
@@ -363,7 +347,6 @@ def hot_curve(ctx: Context, order: str, n: int, per_node: int = 1) -> dict[str, 
             for c in collectives:
                 out[f"{c}_{kind}"] = cum
     return out
-
 
 
 def step_interval(ctx: Context, s: ExchangeBaseline, order: str, k: int,
@@ -394,13 +377,11 @@ def step_interval(ctx: Context, s: ExchangeBaseline, order: str, k: int,
     return out
 
 
-
 def curve_totals(s: ExchangeBaseline, saved: dict[str, np.ndarray], k: int | np.ndarray) -> tuple:
     """(a2a bytes_out, a2a remote) per step after freeing saved[...][k]."""
     out = s.base_out - sum(saved[f"{c}_out"][k] for c in COLLECTIVES)
     rem = s.base_remote - sum(saved[f"{c}_rem"][k] for c in COLLECTIVES)
     return out, rem
-
 
 
 # shared by the policies ---------------------------------------------------------------------
@@ -410,7 +391,6 @@ def log_points(n: int, count: int = 30) -> list[int]:
     if n <= 0:
         return [0]
     return sorted({0, n, *(int(round(x)) for x in np.geomspace(1, n, num=min(count, n)))})
-
 
 
 def comms_replay(ctx: Context) -> pl.DataFrame:
@@ -433,138 +413,3 @@ def comms_replay(ctx: Context) -> pl.DataFrame:
                    bytes_in AS bytes_in_comms, splits_out AS splits_out_comms, splits_in AS splits_in_comms
             FROM tk_a2a JOIN tk_steps USING (step) WHERE k <= 4)
         SELECT * FROM pred FULL JOIN rec USING (step, rank, collective) ORDER BY step, rank, collective""")
-
-
-# a policy's step ---------------------------------------------------------------------------------
-
-@dataclass
-class Timing:
-    """A policy's predicted step (arrays over a curve's K, or floats): seconds."""
-
-    comm_s: Any
-    work_s: Any
-    step_s: Any  # None without a measured step time
-    error_s: Any
-
-
-def sync_choice(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], dense: Any, sparse: Any, hot_ids: Any,
-                union_rows: Any, rows: Any) -> Any:
-    """The one rule for a replica sync: sparse (True) or dense, whichever predicts less time
-    (collectives, bytes and calibrated rank work: `timing`), or fewer bytes under `--objective
-    bytes`. Arrays broadcast."""
-    if ctx.options.objective == "bytes":
-        return np.asarray(sparse) <= np.asarray(dense)
-    t_sparse = timing(ctx, s, remote, True, sparse, hot_ids, union_rows)
-    t_dense = timing(ctx, s, remote, False, dense, hot_ids, rows)
-    return t_sparse.comm_s + t_sparse.work_s <= t_dense.comm_s + t_dense.work_s
-
-
-def timing(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: Any, sync_bytes: Any, hot_ids: Any,
-           rows: Any, skipped_calls: Any = 0.0) -> Timing:
-    """The predicted step of a policy that leaves `remote[c]` remote bytes per step on each
-    collective c of the exchange (its busiest link scaled alike), syncs `sync_bytes` per step
-    (sparse where `sparse`), serves `hot_ids` lookups per rank and step from replicas and syncs
-    `rows` replica rows per step; `skipped_calls`: exchange calls per step it no longer makes.
-    step = measured step − the baseline exchange's time + the policy's (exchange, sync, rank work);
-    error: analyses.network's (each changed call's residual, a tenth of the wire time changed, the
-    calibration's residual, the baseline's drift).
-
-    Where the run's steps replay (analyses.replay), the step is the replay's instead: the recorded steps
-    with the exchange's bytes scaled, the sync added after the backward, the exchange skipped on the
-    share of steps that make none, and the work added; its error the spread of the per-step replays."""
-    replayed = _replayed(ctx, s, remote, sparse, sync_bytes, hot_ids, rows, skipped_calls)
-    if replayed is not None:
-        return replayed
-    net = network.network(ctx)
-    beta, alpha = net.fit.beta_s_per_byte, net.alpha(network.A2A)
-    collectives = tuple(s.base)  # the exchange's collectives: COLLECTIVES
-    # each collective: α + β · its busiest link's bytes (the transfer, scaled with its remote bytes),
-    # and what it measurably held the ranks beyond that (waits for a rank late from the link's
-    # previous transfers), scaled with the step's transfer time; on a link whose bytes cost nothing
-    # (β ≈ 0: loopback) the waits stay as they are
-    transfer = {c: beta * s.busiest[c] for c in collectives}
-    waits = sum(max(s.cost.get(c, 0.0) - alpha - transfer[c], 0.0) for c in collectives)
-    ratio = {c: np.asarray(remote[c], dtype=np.float64) / s.base[c][1] if s.base[c][1] else 0.0 for c in collectives}
-    base_transfer = sum(transfer.values())
-    new_transfer = sum(transfer[c] * ratio[c] for c in collectives)
-    sync_bytes = np.asarray(sync_bytes, dtype=np.float64)
-    sparse = np.asarray(sparse, dtype=bool)
-    syncing = sync_bytes > 0
-    calls = np.where(syncing, np.where(sparse, len(network.SPARSE_SYNC_OPS), 1), 0)
-    sync_alpha = np.where(sparse, sum(net.alpha(op) for op in network.SPARSE_SYNC_OPS),
-                          net.alpha(network.ALL_REDUCE))
-    sync = np.where(syncing, sync_alpha + beta * sync_bytes / max(s.world, 1), 0.0)
-    link = new_transfer + beta * sync_bytes / max(s.world, 1)
-    held = waits * (link / base_transfer if base_transfer > 0 else 1.0)
-    exchange = (len(collectives) - np.asarray(skipped_calls, dtype=np.float64)) * alpha + new_transfer + held
-    ids = s.lookups_per_rank
-    work_sparse = net.work("replication.sparse_allreduce", ids=ids, hot=hot_ids, rows=rows)
-    work_dense = net.work("replication.dense_allreduce", ids=ids, hot=hot_ids, rows=rows)
-    work = (np.zeros_like(sync) if work_sparse is None or work_dense is None
-            else np.where(syncing, np.where(sparse, work_sparse, work_dense), 0.0))
-    comm = exchange + sync
-    base_comm = len(collectives) * alpha + base_transfer + waits
-    step = None if s.step_time_s is None else np.maximum(0.0, s.step_time_s - base_comm + comm + work)
-    changed = calls + np.asarray(skipped_calls, dtype=np.float64)
-    wire_change = np.abs(new_transfer + held - base_transfer - waits) + beta * sync_bytes / max(s.world, 1)
-    work_residual = np.where(sparse, net.work_residual("replication.sparse_allreduce"),
-                             net.work_residual("replication.dense_allreduce")) * syncing
-    error = (np.sqrt(changed * net.fit.residual_s ** 2 + (wire_change * net.wire_error) ** 2
-                     + work_residual ** 2) + net.step.spread_s)
-    return Timing(comm, work, step, error)
-
-
-CURVE_POINTS = 16  # points of a curve the replay prices; the step between them is interpolated
-
-
-def _replayed(ctx: Context, s: ExchangeBaseline, remote: dict[str, Any], sparse: Any, sync_bytes: Any, hot_ids: Any,
-              rows: Any, skipped_calls: Any) -> Timing | None:
-    """`timing` by the replay, at up to CURVE_POINTS log-spaced points of a curve, interpolated between them;
-    None where the run does not replay (no steps every rank completed, or no measured step)."""
-    rp = replay.replay(ctx)
-    if not rp.steps or rp.measured_median_s is None or s.step_time_s is None:
-        return None
-    values = {"sparse": sparse, "sync": sync_bytes, "hot": hot_ids, "rows": rows, "skipped": skipped_calls,
-              **{c: remote[c] for c in s.base}}
-    shape = np.broadcast(*(np.asarray(v) for v in values.values())).shape
-    size = int(np.prod(shape)) if shape else 1
-    flat = {name: np.broadcast_to(np.asarray(v, dtype=np.float64), shape).reshape(-1) for name, v in values.items()}
-    points = log_points(size - 1, CURVE_POINTS) if size > 1 else [0]
-    step, low, high, work = (np.empty(len(points)) for _ in range(4))
-    for n, i in enumerate(points):
-        c = change(ctx, s, {col: flat[col][i] for col in s.base}, bool(flat["sparse"][i]), flat["sync"][i],
-                   flat["hot"][i], flat["rows"][i], flat["skipped"][i])
-        p = rp.predict(c)
-        step[n], low[n], high[n], work[n] = p.step_s, p.low_s, p.high_s, c.work_s
-    at = np.arange(size)
-    step_s, low_s, high_s, work_s = (np.interp(at, points, v) for v in (step, low, high, work))
-    error = np.maximum(step_s - low_s, high_s - step_s)  # the per-step spread and the baseline's drift
-    comm = np.maximum(step_s - work_s - rp.compute_s, 0.0)
-    return Timing(*(v.reshape(shape) if shape else float(v[0]) for v in (comm, work_s, step_s, error)))
-
-
-def change(ctx: Context, s: ExchangeBaseline, remote: dict[str, float], sparse: bool, sync_bytes: float,
-           hot_ids: float, rows: float, skipped_calls: float = 0.0) -> replay.Change:
-    """A policy that leaves `remote[c]` remote bytes on each exchange collective c (`timing`'s arguments, one
-    point) as a change of the replayed graph: the exchange scaled, skipped on its share of steps, the sync's
-    collectives and its calibrated rank work added after the backward."""
-    net = network.network(ctx)
-    kind = "replication.sparse_allreduce" if sparse else "replication.dense_allreduce"
-    work = net.work(kind, ids=s.lookups_per_rank, hot=hot_ids, rows=rows) if sync_bytes > 0 else None
-    skip = min(float(skipped_calls) / len(COLLECTIVES), 1.0)
-    # remote[c] is a mean over every step: the steps that make the exchange carry it over their share
-    scale = {c: float(remote[c]) / s.base[c][1] / max(1.0 - skip, 1e-12) if s.base[c][1] else 1.0 for c in s.base}
-    return replay.Change(scale, skip, sync_calls(sparse, float(sync_bytes), s.world), 0.0 if work is None else float(work))
-
-
-def sync_calls(sparse: bool, sync_bytes: float, world: int) -> tuple:
-    """A replica sync of `sync_bytes` a step (Σ ranks' wire bytes, `sync_bytes`'s formulas) as the
-    collectives the trainer issues after the backward: dense, one ring all-reduce; sparse, the count's
-    all-gather, the ids' all-to-all and the rows' all-reduce (its bytes given to the all-reduce)."""
-    if sync_bytes <= 0 or world < 2:
-        return ()
-    ring = replay.Added(network.ALL_REDUCE, sync_bytes / (2 * (world - 1)), tag=tags.REPLICA_SYNC)
-    if not sparse:
-        return (ring,)
-    bytes_per_rank = {network.ALL_GATHER: 8.0, network.A2A: 0.0, network.ALL_REDUCE: ring.bytes_per_rank}
-    return tuple(replay.Added(op, bytes_per_rank[op], tag=tags.REPLICA_SYNC) for op in network.SPARSE_SYNC_OPS)

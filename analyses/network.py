@@ -257,7 +257,8 @@ def shrunk(ctx: Context, where: str, ratio: float) -> float:
     """Seconds per step saved when the synchronous calls matching `where` keep `ratio` of their
     bytes: their transfer (β · busiest-link bytes) shrinks in proportion, and what they held the
     ranks beyond α and transfer (waits for a rank late from the link) shrinks with the step's whole
-    transfer time, as in analyses.exchange.timing; on a link whose bytes cost nothing (β ≈ 0) nothing is saved."""
+    transfer time, as in analyses.exchange_timing.timing; on a link whose bytes cost nothing (β ≈ 0)
+    nothing is saved."""
     net = network(ctx)
     steps = max(ctx.train_steps(), 1)
     beta = net.fit.beta_s_per_byte

@@ -29,9 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from analyses import attribution, exchange, network, replay, traffic
+from analyses import attribution, exchange, network, traffic
 from analyses.context import Context, Result
 from analyses.torchrec_plan_bytes import COLLECTIVES, Loads, figures, loads, pairs_of
+from analyses.replay.change import Change
+from analyses.replay.prediction import Prediction, replay
 from tracekit.figures import ALLREDUCE_BYTES, STEP_TIME
 from tracekit.topology import Topology
 from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, PlanError, from_manifest, write_plan
@@ -128,7 +130,7 @@ def compute(ctx: Context) -> Result:
             "dp_allreduce_bytes_per_step"]  # the rest of the model's DDP all-reduce stays
         replayed, unreplayed = plan_replay(ctx, L, base["tables"], derived, qcomms, allreduce)
         if replayed is not None:
-            measured = replay.replay(ctx).measured_median_s
+            measured = replay(ctx).measured_median_s
             predicted[STEP_TIME], interval = replayed.step_s, [replayed.low_s, replayed.high_s]
             recommended = qcomms is None and replayed.high_s < measured
             why = _why_replayed(replayed, measured, base["tables"] == derived, qcomms)
@@ -158,7 +160,7 @@ def compute(ctx: Context) -> Result:
 
 
 def plan_change(L: Loads, recorded: dict[str, dict], plan: dict[str, dict], qcomms: dict | None,
-                allreduce: float) -> replay.Change | None:
+                allreduce: float) -> Change | None:
     """`plan` against the `recorded` one as a change of the replayed graph: each exchange collective's bytes
     per (sender, receiver) scaled by the plan's over the recorded plan's (`pairs_of`), DDP's all-reduce by
     its data-parallel tables' bytes; None where the plan sends between two ranks that the recorded exchange
@@ -173,14 +175,14 @@ def plan_change(L: Loads, recorded: dict[str, dict], plan: dict[str, dict], qcom
             return None
         scale[c] = np.divide(after[c], before[c], out=np.ones_like(after[c]), where=before[c] > 0)
     dense = ((allreduce - before["dp_allreduce"].sum() + after["dp_allreduce"].sum()) / allreduce) if allreduce else 1.0
-    return replay.Change(scale, dense=float(dense))
+    return Change(scale, dense=float(dense))
 
 
 def plan_replay(ctx: Context, L: Loads, recorded: dict[str, dict], plan: dict[str, dict], qcomms: dict | None,
-                allreduce: float) -> tuple[replay.Prediction | None, str | None]:
+                allreduce: float) -> tuple[Prediction | None, str | None]:
     """The plan's step by the replay of the recorded steps (analyses.replay) with `plan_change`, or None and
     why not (None and None where the run does not replay at all)."""
-    rp = replay.replay(ctx)
+    rp = replay(ctx)
     if not rp.steps or rp.measured_median_s is None:
         return None, None
     named = {c.collective for s in rp.steps for c in s.calls.values()}
@@ -197,7 +199,7 @@ def _groups(tables: dict[str, dict]) -> set[str]:
     return {t["sharding_type"] for t in tables.values() if t["sharding_type"] != "data_parallel"}
 
 
-def _why_replayed(p: replay.Prediction, measured: float, same: bool, qcomms: dict | None) -> str:
+def _why_replayed(p: Prediction, measured: float, same: bool, qcomms: dict | None) -> str:
     """One line: why the plan is recommended or not, by the replay."""
     how = (f"the recorded steps replayed with the plan's bytes: {measured * 1e3:.1f} → {p.step_s * 1e3:.1f} ms a step "
            f"[{p.low_s * 1e3:.1f}, {p.high_s * 1e3:.1f}]; the lookups' own work moving between ranks is not modelled")

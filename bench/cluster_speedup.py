@@ -7,7 +7,7 @@ Per configuration NODESxRANKS@LINK, on the criteo-kaggle preset (scale 0.01, dim
 1. `tracekit optimize --cluster NODESxRANKS --link LINK --objective bytes`: the baseline recorded on
    the emulated cluster, analysed, each policy section re-run there, and compared: the step-time
    speedup of each policy, the loss curve's largest difference against the baseline, and the
-   baseline's communication share (1 − compute / step, analyses.simulate.recorded);
+   baseline's communication share (1 − compute / step, analyses.step_traffic.recorded);
 2. `simulate` of that baseline onto its own topology and link with its policy.json (replay): predicted
    step time of every policy against the measured one;
 3. `simulate` of a baseline recorded once per world size on loopback (one node,
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from analyses import simulate  # noqa: E402
+from analyses import simulate, step_traffic  # noqa: E402
 from analyses.compare import compare  # noqa: E402
 from analyses.context import open_context  # noqa: E402
 from tracekit.topology import Topology  # noqa: E402
@@ -93,7 +93,7 @@ def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summ
     policy = load_policy(policy_path)
     target = simulate.Target(nodes, per_node, inter_bw=link)
     with open_context(base) as ctx:
-        _, own = simulate.recorded(ctx)
+        _, own = step_traffic.recorded(ctx)
         on_cluster = _by_policy(simulate.simulate(ctx, target, policy, policy_path))
     with open_context(loop) as ctx:
         from_loopback = _by_policy(simulate.simulate(ctx, target, policy, policy_path))

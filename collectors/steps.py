@@ -12,7 +12,7 @@ post hook that calls `clock.advance()`, with the step's loss: the last one-eleme
 `backward()` started from during the step (read by the writer thread, so never a sync point).
 The step's row also holds its last backward's times: called, its last gradient computed, returned.
 The middle one is where DDP begins to wait for its bucket all-reduces (the replay's wait point of
-the step's async calls, analyses/replay.py): a pre-hook on the backward's root node queues an engine
+the step's async calls, analyses/replay/): a pre-hook on the backward's root node queues an engine
 callback, which runs when the graph is done and before DDP's own (queued at its last bucket). Loops without an optimizer (inference) call
 `clock.advance()` themselves; do not do both, or each step is counted twice.
 

@@ -107,7 +107,7 @@ def test_replication_picks_the_least_time_point_of_its_sweep(tmp_path: Path) -> 
         assert sweep.filter(pl.col("point") == "hugectr").height == 1
         h = result.evidence["hugectr"]
         assert h["rows"] % 2 == 0 and h["threshold"] == pytest.approx(256 * 30 * (2 * 0.01 / (128 * 127)) ** 0.5)
-        # the step time: the recorded steps replayed with the chosen rows' exchange and sync (analyses/replay.py;
+        # the step time: the recorded steps replayed with the chosen rows' exchange and sync (analyses/replay/;
         # no rank work calibrated here), below the measured 0.1 s on this 1 MB/s link
         assert section["predicted"]["step_time_s"] == pytest.approx(chosen["step_time_s"].item())
         assert section["predicted"]["step_time_s"] < 0.1

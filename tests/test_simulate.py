@@ -15,8 +15,10 @@ from click.testing import CliRunner
 
 from analyses.analyze import analyze
 from analyses.context import Options, open_context
-from analyses.simulate import (TIER2_TAG, WIRE_EFFICIENCY, Target, Traffic, comm_time, exchange_time, ring_time,
-                               scaled, simulate, with_compression, with_policy)
+from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
+from analyses.projected_traffic import TIER2_TAG, scaled, with_compression, with_policy
+from analyses.simulate import Target, comm_time, simulate
+from analyses.step_traffic import Traffic
 from tests.recorded import REPO, TINY, record
 from tracekit.app.cli import cli
 from tracekit.policy import load_policy
@@ -150,7 +152,7 @@ def test_step_time_is_compute_plus_the_link_time(run: Path) -> None:
         fast = simulate(ctx, Target(2, 1, inter_bw=125e6, latency_s=0.0)).tables["simulate"].row(0, named=True)
         assert slow["compute_s"] == fast["compute_s"] > 0
         # at 2 ranks on 2 nodes each rank sends its remote exchange and one ring share (S) over its own link: the
-        # replay (analyses/replay.py) takes at least that long, and at most twice (gloo's all-to-all between
+        # replay (analyses/replay/) takes at least that long, and at most twice (gloo's all-to-all between
         # ranks that enter apart moves one way, then the other)
         one_way = (slow["a2a_remote_bytes_per_step"] + slow["allreduce_bytes_per_step"]) / 2 / (1.25e6 * WIRE_EFFICIENCY)
         assert 0.95 * one_way <= slow["comm_s"] <= 2.05 * one_way

@@ -66,10 +66,12 @@ from dataclasses import replace
 
 import polars as pl
 
-from analyses import network, quality, replay, traffic
+from analyses import network, quality, traffic
 from analyses.context import DTYPE_BYTES, Context, PolicyResult
 from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
+from analyses.replay.change import Change
+from analyses.replay.prediction import changes, replay
 from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
 from tracekit.policy import DctDp, DctMp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
@@ -107,7 +109,7 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
     """Set body's predicted step_time_s and its interval: the replay of the recorded steps with the part's
     collectives changed (dp: the dense gradients' all-reduce bytes scaled to the kept entries'; mp: the
     output all-to-all's bytes scaled by its ratio) and its calibrated rank-side work added (each value
-    encoded and decoded; the hook's selection), analyses/replay.py; where the run does not replay,
+    encoded and decoded; the hook's selection), analyses/replay/; where the run does not replay,
     `_per_call`."""
     net = network.network(ctx)
     predicted = body["predicted"]
@@ -122,17 +124,17 @@ def step_time(ctx: Context, name: str, body: dict) -> None:
         elements = baseline / world / 4  # fp32 gradient entries a rank all-reduces per step
         refresh = max(int(body.get("refresh_every") or 1), 1)  # thresholds recomputed every `refresh` steps
         work = net.work("dct_dp", elem=elements, bucket=buckets, refresh_elem=elements / refresh)
-        kind, change = "dct_dp", replay.Change(dense=predicted[DP_BYTES] / baseline)
+        kind, change = "dct_dp", Change(dense=predicted[DP_BYTES] / baseline)
     else:
         # fp32 values a rank sends each way: the baseline's bytes hold the forward and the backward
         # all-to-all, and the calibration's point is one exchange of `values` both ways (calibrate._dct_mp)
         values = predicted["baseline_output_a2a_bytes_per_step"] / 4 / world / 2
         work = net.work("dct_mp", value=values, kept=values * body["keep_ratio"])
-        kind, change = "dct_mp", replay.Change(scale={"output_fwd": predicted["ratio"], "output_bwd": predicted["ratio"]})
+        kind, change = "dct_mp", Change(scale={"output_fwd": predicted["ratio"], "output_bwd": predicted["ratio"]})
     change = replace(change, work_s=0.0 if work is None else float(work))
-    rp = replay.replay(ctx)
+    rp = replay(ctx)
     if rp.steps and rp.measured_median_s is not None:
-        replay.changes(ctx)[f"compression.{name}"] = change
+        changes(ctx)[f"compression.{name}"] = change
         p = rp.predict(change)
         residual = net.work_residual(kind) if work is not None else 0.0
         step, low, high = p.step_s, p.low_s - residual, p.high_s + residual

@@ -19,8 +19,8 @@ hot). Every prefix K of that order is replayed over the recorded lookups (exchan
 item leaves at K > its last position), with both syncs per step: dense 2(W−1)·Σ rb over the K
 rows, sparse over the union of hot rows touched that step. Where lookups were sampled, the bytes
 at the chosen K are estimates with an interval over the sampled steps (exchange.step_interval);
-with --lookup-every 1 they are exact. The sync is exchange.sync_choice's; the K is the one of
-least predicted step time (exchange.timing: the measured step less the baseline exchange's time,
+with --lookup-every 1 they are exact. The sync is exchange_timing.sync_choice's; the K is the one of
+least predicted step time (exchange_timing.timing: the measured step less the baseline exchange's time,
 plus the policy's exchange, sync collectives and calibrated rank-side work, analyses.network),
 with Σ rb ≤ the budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes;
 without one, the unconstrained optimum). Its step time carries the model's error as an interval;
@@ -57,9 +57,10 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import attribution, exchange, network, replay
+from analyses import attribution, exchange, exchange_timing, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
+from analyses.replay.prediction import changes
 from analyses.row_totals import row_totals
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, COMM_TIME, STEP_TIME, SYNC_BYTES
 from tracekit.policy import Prediction, Replication
@@ -77,7 +78,7 @@ class Curve:
     a2a_rem: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
-    is_sparse: np.ndarray  # exchange.sync_choice at each K
+    is_sparse: np.ndarray  # exchange_timing.sync_choice at each K
     coverage: np.ndarray  # share of lookups on hot rows
     union_rows: np.ndarray  # hot rows touched per step (union over ranks)
     comm_time: np.ndarray
@@ -221,8 +222,8 @@ def curve(ctx: Context, s: ExchangeBaseline, name: str, order_by: str) -> Curve:
     remote = {c: s.base[c][1] - saved[f"{c}_rem"] for c in exchange.COLLECTIVES}
     hot_ids = coverage * s.lookups_per_rank
     k = np.arange(n + 1, dtype=np.float64)
-    is_sparse = exchange.sync_choice(ctx, s, remote, dense, sparse, hot_ids, union_rows, k)
-    t = exchange.timing(ctx, s, remote, is_sparse, np.where(is_sparse, sparse, dense), hot_ids,
+    is_sparse = exchange_timing.sync_choice(ctx, s, remote, dense, sparse, hot_ids, union_rows, k)
+    t = exchange_timing.timing(ctx, s, remote, is_sparse, np.where(is_sparse, sparse, dense), hot_ids,
                         np.where(is_sparse, union_rows, k))
     replica = np.concatenate([zero, np.cumsum(rb)])
     return Curve(order, replica, a2a_out, a2a_rem, dense, sparse, is_sparse, coverage, union_rows, t.comm_s,
@@ -351,7 +352,7 @@ def _derive(ctx: Context) -> PolicyResult:
                           budget_bytes_per_rank=int(limit if limit is not None else c.replica_bytes[k]),
                           prediction=Prediction(predicted, why, intervals(ctx, s, c, k, "tk_order_replication")))
     if k:
-        replay.changes(ctx)["replication"] = exchange.change(
+        changes(ctx)["replication"] = exchange_timing.change(
             ctx, s, {col: v["remote_bytes_per_step"] for col, v in c.collectives(s, k).items()},
             sync == "sparse_allreduce", float(c.sync[k]), float(c.coverage[k]) * s.lookups_per_rank,
             float(c.union_rows[k]) if sync == "sparse_allreduce" else float(k))

@@ -55,10 +55,11 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import attribution, exchange, network, quality, replay
+from analyses import attribution, exchange, exchange_timing, network, quality
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.policies import replication
+from analyses.replay.prediction import changes
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, HOT_SAMPLE_FRACTION, HOT_STEP_FRACTION, STEP_TIME, SYNC_BYTES
 from tracekit.policy import Prediction, Schedule
 
@@ -123,7 +124,7 @@ def hot_batch_sync(ctx: Context, s: ExchangeBaseline, hot_bytes: float, hot_rows
     hot_batches, sparse = rows[0], float(rows[1] or 0.0) + exchange.count_exchange(s.world)
     dense = 2 * w1 * hot_bytes
     remote = {c: 0.0 for c in exchange.COLLECTIVES}
-    is_sparse = bool(exchange.sync_choice(ctx, s, remote, dense, sparse, s.lookups_per_rank, hot_rows, hot_rows))
+    is_sparse = bool(exchange_timing.sync_choice(ctx, s, remote, dense, sparse, s.lookups_per_rank, hot_rows, hot_rows))
     return (sparse if is_sparse else dense), ("sparse_allreduce" if is_sparse else "dense_allreduce"), hot_batches
 
 
@@ -279,7 +280,7 @@ def own_budget(ctx: Context, s: ExchangeBaseline) -> tuple[float, np.ndarray, bo
     lengths_rem = s.base["input_lengths"][1]
     remote = {col: (1 - fraction) * (s.base[col][1] - c.saved[f"{col}_rem"]) for col in exchange.COLLECTIVES}
     k = np.arange(c.order.height + 1, dtype=np.float64)
-    t = exchange.timing(ctx, s, remote, c.is_sparse, c.sync, c.coverage * s.lookups_per_rank,
+    t = exchange_timing.timing(ctx, s, remote, c.is_sparse, c.sync, c.coverage * s.lookups_per_rank,
                         np.where(c.is_sparse, c.union_rows, k), skipped_calls=fraction * len(exchange.COLLECTIVES))
     by_time = ctx.options.objective == "time" and t.step_s is not None
     merit = np.asarray(t.step_s, dtype=np.float64) if by_time else c.a2a_rem - fraction * lengths_rem + c.sync
@@ -351,11 +352,11 @@ def _derive(ctx: Context) -> PolicyResult:
     sync_kind = replicated.sync_kind(k)
     sync = float(replicated.sync[k]) if k else 0.0
     rows_synced = replicated.union_rows[k] if sync_kind == "sparse_allreduce" else k
-    t = exchange.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
+    t = exchange_timing.timing(ctx, s, remote, sync_kind == "sparse_allreduce", sync,
                         replicated.coverage[k] * s.lookups_per_rank, rows_synced,
                         skipped_calls=fraction * len(exchange.COLLECTIVES))
     if k:
-        replay.changes(ctx)["schedule"] = exchange.change(
+        changes(ctx)["schedule"] = exchange_timing.change(
             ctx, s, remote, sync_kind == "sparse_allreduce", sync, replicated.coverage[k] * s.lookups_per_rank,
             rows_synced, fraction * len(exchange.COLLECTIVES))
     step_time = None if t.step_s is None else float(t.step_s)

@@ -35,7 +35,7 @@ runs over log-spaced points (and replication's choice) with K2 the rest of the b
 node, where tier 2 changes nothing), then at the best K1, K2 over log-spaced points below that
 (a large tier 2's sync can cost more than it saves); the pair with least time is chosen (with
 `--objective bytes`, across nodes, the pair with least bytes between nodes, exchange and syncs). Its time is
-replication's (analyses.exchange.timing: each collective of the main exchange costs α plus its
+replication's (analyses.exchange_timing.timing: each collective of the main exchange costs α plus its
 busiest link's transfer and what it held the ranks, scaled here by the bytes it still sends between
 nodes, the link a cluster run's calls wait on), plus α for each of the tier-2 exchange's 4 calls
 (G > 1, K2 > 0) and each sync's, plus β_intra · intra / W (β_intra 1 / --intra-bw, else 0: ranks of
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analyses import exchange, network
+from analyses import exchange, exchange_timing, network
 from analyses.context import Context, PolicyResult
 from analyses.exchange import ExchangeBaseline
 from analyses.network import WIRE_EFFICIENCY
@@ -152,7 +152,7 @@ class TierModel:
             remote = {col: s.base[col][1] * (left[col] / self.inter_base[col] if self.inter_base[col] else 1.0)
                       for col in exchange.COLLECTIVES}
             hot_ids = float(c.coverage[k1]) * s.lookups_per_rank
-            t = exchange.timing(self.ctx, s, remote, kind1 == "sparse_allreduce", on_link, hot_ids,
+            t = exchange_timing.timing(self.ctx, s, remote, kind1 == "sparse_allreduce", on_link, hot_ids,
                                 float(c.union_rows[k1]))
             alphas = ((net.sync_alpha(kind1) if t1_intra + t1_inter else 0.0)
                       + (net.sync_alpha(kind2) if sync2[kind2] else 0.0)

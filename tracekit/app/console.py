@@ -187,7 +187,7 @@ def _network(n: dict) -> None:
 
 
 def _replay(r: dict) -> None:
-    """One line on the replay the policies' step times come from (analyses/replay.py): how well it fits."""
+    """One line on the replay the policies' step times come from (analyses/replay/): how well it fits."""
     check, fit = r["check"], r["fit"]
     link = r["inter_bytes_per_s"] or r["intra_bytes_per_s"]
     rate = f"{format_bytes(link)}/s" if link else "unbounded"
