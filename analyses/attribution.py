@@ -62,11 +62,8 @@ from dataclasses import dataclass, field
 import duckdb
 import polars as pl
 
-from analyses.context import Context
+from analyses.context import DTYPE_BYTES, Context
 from tracekit.tags import TORCHREC_SPLITS
-
-ELEM_BYTES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
-              "float32": 4, "float64": 8}
 
 
 @dataclass
@@ -84,7 +81,7 @@ class Attribution:
 
 def elem_bytes(dtype: str) -> int:
     """Bytes per element of a comms `dtype` ('torch.int32') or a manifest dtype ('float32')."""
-    return ELEM_BYTES.get(dtype.removeprefix("torch."), 4)
+    return DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
 
 
 def table_ids(ctx: Context) -> pl.DataFrame:
@@ -197,7 +194,7 @@ def _a2a(ctx: Context) -> None:
 def _split_counts(k: int, per: str) -> str:
     """SQL: (step, owner, src, n, rest) with n = splits_in[src] / elem / `per` of each owner's k-th a2a."""
     elem = "CASE replace(dtype, 'torch.', '') " + " ".join(
-        f"WHEN '{name}' THEN {size}" for name, size in ELEM_BYTES.items()) + " ELSE 1 END"
+        f"WHEN '{name}' THEN {size}" for name, size in DTYPE_BYTES.items()) + " ELSE 1 END"
     return f"""SELECT step, owner, src, bytes // ({elem}) // {per} AS n, bytes % (({elem}) * {per}) AS rest
                FROM (SELECT a.step, a.rank AS owner, a.dtype, o.n_features,
                             unnest(a.splits_in) AS bytes, unnest(generate_series(0, len(a.splits_in) - 1)) AS src

@@ -50,7 +50,9 @@ STREAMED = ("accesses", "lookups")
 """Trace tables every query reads from their Parquet parts; the others (comms, steps, ...), read
 by many queries and a few rows per step, are read once into the connection (a long run writes
 them in thousands of small parts)."""
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2, "int32": 4,
+               "int64": 8}
+"""Bytes of an element of each dtype, as the manifest and `comms` name them (less any `torch.`)."""
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class Budget:
     """The most a lossy section may cost: an eval AUC loss of at most `auc` and a relative rise of eval
     log loss of at most `loss`, each where the runs measured its metric (None: no such bound). A user who
     serves click probabilities pays for a worse log loss even where the ranking, and so the AUC, holds:
-    one section moved AUC by +0.0006 and log loss by +24% (issue 45)."""
+    one section moved AUC by +0.0006 and log loss by +24% (bench/RESULTS.md §38)."""
 
     auc: float | None = AUC_BUDGET
     loss: float | None = LOSS_BUDGET

@@ -20,21 +20,25 @@ from typing import Callable
 import numpy as np
 
 MEASURED_AT = (16.0e6, 153.5e6, 1535.4e6)  # accesses + lookups rows of the measurements
-PHASE_SECONDS: dict[str, tuple[float, ...]] = {  # at each of MEASURED_AT
-    "open": (0.38, 2.15, 21.91),
-    "skew": (0.97, 3.62, 26.77),
-    "traffic": (0.04, 0.11, 0.54),
-    "timeline": (0.04, 0.16, 1.13),
-    "cache": (4.16, 7.95, 27.77),
-    "planner": (0.07, 0.48, 4.15),
-    "torchrec_plan": (0.05, 0.10, 0.88),
-    "policy: replication": (2.08, 7.38, 15.92),
-    "policy: tiers": (0.10, 0.48, 0.49),
-    "policy: schedule": (0.39, 1.30, 1.48),
-    "policy: compression": (0.08, 0.25, 1.53),
-    "policy: lag": (0.03, 0.24, 2.27),
-    "costmodel": (0.33, 1.03, 1.74),
-}
+# seconds of each phase at each of MEASURED_AT, one row a phase
+_PHASE_TABLE = """
+open                   0.38  2.15  21.91
+skew                   0.97  3.62  26.77
+traffic                0.04  0.11   0.54
+timeline               0.04  0.16   1.13
+cache                  4.16  7.95  27.77
+planner                0.07  0.48   4.15
+torchrec_plan          0.05  0.10   0.88
+policy: replication    2.08  7.38  15.92
+policy: tiers          0.10  0.48   0.49
+policy: schedule       0.39  1.30   1.48
+policy: compression    0.08  0.25   1.53
+policy: lag            0.03  0.24   2.27
+costmodel              0.33  1.03   1.74
+"""
+PHASE_SECONDS: dict[str, tuple[float, ...]] = {
+    name: tuple(float(s) for s in seconds)
+    for name, *seconds in (line.rsplit(maxsplit=len(MEASURED_AT)) for line in _PHASE_TABLE.strip().splitlines())}
 
 
 def expected_seconds(phase: str, rows: float) -> float:

@@ -5,7 +5,7 @@
 Checks out OLD in a scratch worktree (the compiled kernel copied from this checkout, so both run
 the same C++), then runs `torchrun --nproc-per-node 2 train.py ARGS --json` from OLD and from this
 checkout in turn, `--pairs` times, and prints both medians, their ratio and the per-pair ratios.
-Used for "a path costs nothing when unused" (issue 9: replication with no --policy).
+Used for "a path costs nothing when unused" (bench/RESULTS.md §6: replication with no --policy).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""BLS with stragglers: measured makespans against the lag recurrence (issue 12's targets).
+"""BLS with stragglers: measured makespans against the lag recurrence (bench/RESULTS.md §11).
 
     .venv/bin/python bench/bls_lag.py [--world 4] [--steps 200] [--bounds 0,1,2,4,8] [--probability 0.1]
                                       [--repeats 3] [--out DIR]
@@ -7,7 +7,7 @@ Every run is `train.py --inference` on the same model and data, recorded (the sa
 for all), one gloo rank a process on CPU.
 1. Balanced, synchronous collectives: its step time D becomes the straggler delay; from its trace,
    per rank and step, the compute c and the collectives' transfer x (analyses.policies.lag.work_matrix).
-2. Balanced, lag bound max(--bounds), against the recurrence on the balanced c and x (issue 12: no
+2. Balanced, lag bound max(--bounds), against the recurrence on the balanced c and x (the target: no
    gain, no loss; the exchange thread may gain what it overlaps).
 3. Stragglers `--probability`:D, synchronous collectives: measured `sync`, and from its trace c and
    x; the recurrence at bound 0 replays it (a check of the model), and without a bound predicts the
@@ -45,7 +45,7 @@ from analyses.timeline import compute as timeline  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--world", type=int, choices=(2, 4), default=4, help="ranks (issue 12: 4)")
+    p.add_argument("--world", type=int, choices=(2, 4), default=4, help="ranks")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--bounds", default="0,1,2,4,8")
     p.add_argument("--probability", type=float, default=0.1)

@@ -1,5 +1,5 @@
 """The replication cost model (tracekit/dlrm/calibrate.py) against a point off its grid, per sync kind:
-a wall-clock figure, so a benchmark's, not a test's (issue 33).
+a wall-clock figure, so a benchmark's, not a test's.
 
     .venv/bin/python bench/calibration_holdout.py [--runs 5] [--repeats 15]
 

@@ -1,4 +1,4 @@
-"""Policies on an emulated cluster, and `simulate` checked against it (issue 11's targets).
+"""Policies on an emulated cluster, and `simulate` checked against it (bench/RESULTS.md §8).
 
     .venv/bin/python bench/cluster_speedup.py [--configs 2x1@200mbit,2x1@1gbit,2x1@10gbit,2x2@200mbit]
         [--steps 60] [--batch-size 2048] [--out DIR]

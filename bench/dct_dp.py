@@ -1,11 +1,11 @@
-"""DCT-DP measured (issue 12): DDP's gradient bytes on the wire with and without compression.dp,
+"""DCT-DP measured (bench/RESULTS.md §9): DDP's gradient bytes on the wire with and without compression.dp,
 and the eval AUC after the same steps.
 
     .venv/bin/python bench/dct_dp.py [--steps 200] [--samples N] [--keep 0.005,0.001,0.005:10] [--refresh-every 1000]
         [--reuse] [--out DIR]
     .venv/bin/python bench/dct_dp.py --from-analyze [--steps 1000 --samples 5000000] [--reuse] [--out DIR]
 
---from-analyze runs the loop a user runs instead of hand-written policies (issue 25): `tracekit record`
+--from-analyze runs the loop a user runs instead of hand-written policies (bench/RESULTS.md §21): `tracekit record`
 of the baseline with default settings, `tracekit analyze` with default settings, then the trainer with
 the compression.dp section analyze wrote, alone in a file as `tracekit optimize` writes
 policy.compression.dp.json; it prints the section, its predicted gradient bytes (and interval)

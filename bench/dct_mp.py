@@ -1,4 +1,4 @@
-"""DCT-MP and quantized output all-to-all, measured (issue 12): bytes on the wire and eval AUC.
+"""DCT-MP and quantized output all-to-all, measured (bench/RESULTS.md §10): bytes on the wire and eval AUC.
 
     .venv/bin/python bench/dct_mp.py [--steps 200] [--keep 0.03,0.05]
 

@@ -1,4 +1,4 @@
-"""FAE on the Criteo Kaggle layout (issue 27): what the schedule's own budget chooses, and what the
+"""FAE on the Criteo Kaggle layout (bench/RESULTS.md §23): what the schedule's own budget chooses, and what the
 largest hot set it allows does when applied.
 
     .venv/bin/python bench/fae_kaggle.py [--steps 400] [--link 200mbit] [--out /tmp/tracekit-bench-fae-kaggle]

@@ -1,4 +1,4 @@
-"""FAE hot/cold scheduling, measured (issue 9): hot-sample fraction, samples/s and the AUC change.
+"""FAE hot/cold scheduling, measured (bench/RESULTS.md §6): hot-sample fraction, samples/s and the AUC change.
 
     .venv/bin/python bench/fae_schedule.py [--pairs 3] [--steps 600]
 

@@ -2,7 +2,7 @@
 # The GPU checks of `tracekit record`, as one run on a lent GPU machine, from the repo root: the
 # gpu-marked tests (NVML sampler, CUDA gradients, the trainer on CUDA, NCCL collectives, counting on a
 # side stream, the Kaggle layout at batch 65,536 recorded with fed = recorded), then the tracing-overhead benchmark on
-# CUDA: the 8-table workload, then the Criteo Kaggle layout at full size, batch 16384 (issue 43's <= 5% target), 40 steps so that its last traced run (small enough to return) comes back as kaggle-run.tar.gz for `analyze` and
+# CUDA: the 8-table workload, then the Criteo Kaggle layout at full size, batch 16384 (the target: recording costs <= 5%), 40 steps so that its last traced run (small enough to return) comes back as kaggle-run.tar.gz for `analyze` and
 # `report` on the CPU machine (the NVML section drawn from real samples). That machine's python3 has torch, pyarrow, numpy, click, rich,
 # nvidia-ml-py and pytest, but no polars or duckdb, so only these test files are collected.
 # Logs go to $OUT (or /tmp/gpu-check).

@@ -1,4 +1,4 @@
-"""`--precision bf16` measured (issue 14): train.py's samples/s at fp32 and bf16, and the eval AUC
+"""`--precision bf16` measured (bench/RESULTS.md §13): train.py's samples/s at fp32 and bf16, and the eval AUC
 after the same steps.
 
     .venv/bin/python bench/precision.py [--runs 5] [--steps 200] [--pooling 1] [--auc-steps 200]
@@ -9,7 +9,7 @@ MLP 512-256-1, batch 512 per rank, uniform ids, SGD, table-wise), 2 ranks under 
 CPU, NCCL where train.py finds CUDA), fp32 and bf16 alternating run by run, --runs each; medians.
 AUC: the criteo-kaggle preset x 0.01 (bench/dct_dp.py's), batch 2048 per rank, --auc-steps steps,
 one run per precision (same seed and data, so deterministic up to bf16 rounding); the eval AUC on
-the held-out 10%. Issue 14's target: bf16 within 0.002 AUC of fp32.
+the held-out 10%. The target: bf16 within 0.002 AUC of fp32.
 
 Prints a table (machine named: CPU, cores, bf16 instructions, torch, device) and writes the JSON to
 --out. Other processes' CPU use during each run is measured (bench/vs_torchrec.py's other_load):

@@ -1,4 +1,4 @@
-"""Prediction accuracy (issue 25, item 6): every policy section `analyze` writes, predicted against measured.
+"""Prediction accuracy (bench/RESULTS.md §22): every policy section `analyze` writes, predicted against measured.
 
     .venv/bin/python bench/prediction_accuracy.py [--workloads NAME,...] [--modes default,every1] [--repeats 2] [--steps N]
         [--out runs/prediction_accuracy] [--resume]
@@ -90,7 +90,7 @@ class Workload:
 # Kaggle x 0.01 at dim 16, batch 512; fae_schedule.py's 6 x 2,000 at Zipf 1.3; the DCT benches' defaults).
 WORKLOADS = (
     Workload("ratings-2t", ("--tables", "2", "--rows", "6000", "--dim", "8", "--zipf", "1.0"), 500, 2, None, 90,
-             "issue 25's new user: two id tables (user, item) of a ratings set, pooling 1, dim 8"),
+             "a new user's first model: two id tables (user, item) of a ratings set, pooling 1, dim 8"),
     Workload("seq-z0.6-w4", ("--tables", "8", "--sequence-tables", "4", "--pooling", "4", "--rows", "50000",
                              "--dim", "32", "--zipf", "0.6"), 256, 4, None, 60,
              "flat skew, half sequence features, 4 ranks on 2 cores (waits, not bytes)"),

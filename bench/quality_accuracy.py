@@ -1,9 +1,9 @@
-"""Model-quality predictions against a held-out seed (issue 32): each lossy section's predicted eval AUC
+"""Model-quality predictions against a held-out seed (bench/RESULTS.md §32b): each lossy section's predicted eval AUC
 change, from `tracekit optimize`'s calibration runs, against a run the calibration did not see.
 
     .venv/bin/python bench/quality_accuracy.py [--workloads NAME,...] [--out runs/quality_accuracy] [--resume]
 
-For each workload (bench/prediction_accuracy.py's eight, at their step counts, and the issue's Criteo
+For each workload (bench/prediction_accuracy.py's eight, at their step counts, and the Criteo
 Kaggle layout x 0.01 at 400 steps), with `tracekit record`'s default recording settings:
 1. the baseline is recorded and analysed with analyze's defaults (the quality budget an eval AUC loss of
    0.002);
@@ -56,9 +56,9 @@ from prediction_accuracy import (WORKLOADS, Workload, cluster_unavailable, defau
 
 EVAL_FRACTION = 0.1
 HELD_OUT = SEEDS  # the calibration runs seeds 0 .. SEEDS-1
-TOLERANCE = 0.002  # issue 32: predicted cost within 0.002 AUC of the measured
+TOLERANCE = 0.002  # the target: predicted cost within 0.002 AUC of the measured
 KAGGLE = Workload("kaggle-x0.01", ("--preset", "criteo-kaggle", "--scale", "0.01"), 512, 2, "1gbit", 400,
-                  "issue 32's workload: Criteo Kaggle layout x 0.01, dim 64 (bench/RESULTS.md §32)")
+                  "Criteo Kaggle layout x 0.01, dim 64 (bench/RESULTS.md §32's workload)")
 ALL = (*WORKLOADS, KAGGLE)
 
 

@@ -9,7 +9,7 @@ clock, and with `--variant` switches parts of recording off, to see what each co
   Parquet): what the training thread's share costs, and the writer's taking;
 - `no-keep`: the lookup hook returns at once: the class-level forward and the other collectors.
 
-From the repo root (one run of 6,000 steps of issue 43's proxy, ~1 min):
+From the repo root (one run of 6,000 steps of the host-bound proxy, ~1 min):
 
     .venv/bin/python bench/record_anatomy.py --variant full
     .venv/bin/python bench/record_anatomy.py --variant no-count --runs 2
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from record_blocks import PROXY  # issue 43's proxy (bench/ is the script's first path)
+from record_blocks import PROXY  # the host-bound proxy (bench/ is the script's first path)
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK, SETTLE = 500, 150  # steps a block; steps left out at each block's start (the writer's flush of the last)
@@ -102,7 +102,7 @@ def main() -> int:
         inner(args.variant, args.inner, [*rest, "--steps", str(args.steps)])
         return 0
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"machine: {cpu}, {os.cpu_count()} cores; issue 43's proxy, one rank, OMP_NUM_THREADS=1, "
+    print(f"machine: {cpu}, {os.cpu_count()} cores; the host-bound proxy, one rank, OMP_NUM_THREADS=1, "
           f"{args.steps} steps, record --every {2 * BLOCK}:{BLOCK}; variant {args.variant}")
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):

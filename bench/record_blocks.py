@@ -9,7 +9,7 @@ the median of those pairs. What the unrecorded steps still pay (the step
 and comm collectors, the phase wrapper) is not in this ratio; `record_overhead.py` measures the
 whole against untraced runs. From the repo root:
 
-    .venv/bin/python bench/record_blocks.py --runs 3                  # issue 43's host-bound proxy, ~1 min a run
+    .venv/bin/python bench/record_blocks.py --runs 3                  # the host-bound proxy, ~1 min a run
     .venv/bin/python bench/record_blocks.py --runs 3 -- --batch-size 1536   # more arguments for train.py
 """
 

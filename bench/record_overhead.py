@@ -9,7 +9,7 @@ core each. With `--device cuda`: 1 rank on NCCL, NVML sampled while traced. From
     .venv/bin/python bench/record_overhead.py --runs 5
     .venv/bin/python bench/record_overhead.py --workload proxy --quick --steps 1000 --runs 10   # ~7 ms steps
     .venv/bin/python bench/record_overhead.py --workload proxy --ranks 1 --batch 1536 --quick --steps 1000 --runs 8
-    .venv/bin/python bench/record_overhead.py --workload host26 --quick --runs 4 --outside-window   # issue 43's proxy
+    .venv/bin/python bench/record_overhead.py --workload host26 --quick --runs 4 --outside-window   # the host-bound proxy
     python3 bench/record_overhead.py --device cuda --python python3 --workload kaggle --quick --runs 3
     python3 bench/record_overhead.py --device cuda --python python3 --runs 3      # on a GPU machine
 """
@@ -119,8 +119,8 @@ def main() -> int:
     p.add_argument("--workload", choices=["default", "kaggle", "proxy", "proxy26", "host26"], default="default",
                    help="kaggle: the criteo-kaggle preset at full size, batch 16384 on cuda (--scale on cpu); "
                         "proxy: GPU-like short steps on CPU (8 tables x 100k rows, dim 16, batch 64, pooling 4, "
-                        "small MLPs); proxy26: the same with 26 tables; host26: a GPU host's host-bound rank "
-                        "(issue 43): `python train.py`, one rank, OMP_NUM_THREADS=1, 26 tables x 100k rows, dim 16, "
+                        "small MLPs); proxy26: the same with 26 tables; host26: a GPU host's host-bound rank: "
+                        "`python train.py`, one rank, OMP_NUM_THREADS=1, 26 tables x 100k rows, dim 16, "
                         "batch 512, ~6.6 ms steps, the second core left free as a GPU host leaves its others")
     p.add_argument("--ranks", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--batch", type=int, default=64,

@@ -1,4 +1,4 @@
-"""Replication on the Criteo Kaggle layout, measured against predicted (issue 9's targets).
+"""Replication on the Criteo Kaggle layout, measured against predicted (bench/RESULTS.md §6).
 
     .venv/bin/python bench/replication_kaggle.py [--scale 0.01] [--steps 300] [--worlds 2,4] [--pairs 3]
         [--train-args "--sequence-tables 4 --pooling 2"] [--out DIR]

@@ -2,7 +2,7 @@
 
     python bench/report_speed.py [RUN ...]     # default: runs/demo/base and the policy runs beside it
 
-Three runs, the median printed with the machine (target: ≤ 10 s and ≤ 8 MB, issue 10). The run
+Three runs, the median printed with the machine (target: ≤ 10 s and ≤ 8 MB). The run
 must be analysed already (`make demo` does it), so this times the report alone.
 """
 

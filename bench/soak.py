@@ -1,4 +1,4 @@
-"""Recording a wide, long run (issue 28's soak): 8 ranks × 1,000 steps on this machine, lookups
+"""Recording a wide, long run, a soak (bench/RESULTS.md §25): 8 ranks × 1,000 steps on this machine, lookups
 every step; then the same with the disk slowed (every Parquet part 0.5 s late,
 TRACEKIT_FAULT_SLOW_WRITE_S), where the writer falls behind; and slowed with the bound on the ids a
 rank holds for its writer lowered (TRACEKIT_MAX_PENDING_IDS) so that it sheds.

@@ -1,4 +1,4 @@
-"""FlexShard's tiers against replication alone on an emulated cluster (issue 27's targets).
+"""FlexShard's tiers against replication alone on an emulated cluster (bench/RESULTS.md §24).
 
     .venv/bin/python bench/tiers_cluster.py [--shape 2x2] [--link 200mbit] [--steps 40] [--budget 10%]
         [--out DIR] [--analyse-only]

@@ -1,5 +1,5 @@
 """A recorded run repeated in time: what a long run of the same job records, for analysis at scale
-(issue 30) without recording for hours.
+(bench/RESULTS.md §27) without recording for hours.
 
 Copy k of SRC (k = 0, 1, ...) has its steps shifted by k · S (S the run's steps), its times by
 k · T (T the run's span, first step start to last step end) and its comms' seq by k · Q (Q one

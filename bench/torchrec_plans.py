@@ -1,4 +1,4 @@
-"""TorchRec's default plan against the plan tracekit derives from the trace (issue 29), on the three
+"""TorchRec's default plan against the plan tracekit derives from the trace (bench/RESULTS.md §26), on the three
 job shapes of bench/torchrec_shapes.py, on the loopback and on emulated 2-node clusters.
 
 For each shape and link: `tracekit optimize --check-all` records the job as TorchRec's planner

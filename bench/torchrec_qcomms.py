@@ -1,4 +1,4 @@
-"""What TorchRec's quantized comms cost the model, and save in bytes (issue 29's qcomms target: the
+"""What TorchRec's quantized comms cost the model, and save in bytes (the target: the
 output all-to-all's bytes exactly halved at fp16/bf16, held-out AUC and logloss within 0.002).
 
 The job is bench/torchrec_shapes.py's criteo shape: real Criteo rows, 26 tables, trained on 9,000

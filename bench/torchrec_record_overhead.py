@@ -1,4 +1,4 @@
-"""What `tracekit record` costs a TorchRec job (issue 13): samples/s of bench/torchrec_dlrm.py (TorchRec's
+"""What `tracekit record` costs a TorchRec job (bench/RESULTS.md §12): samples/s of bench/torchrec_dlrm.py (TorchRec's
 DLRM, 8 tables x 100k rows x dim 64, FBGEMM's fused table-wise kernel, 2 gloo ranks) untraced and
 under `tracekit record` with its defaults, alternating, each a fresh torchrun; medians, the ratio of
 the medians and the run-by-run pairs, with the machine; beside them what recording costs in CPU,

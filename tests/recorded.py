@@ -60,3 +60,29 @@ def record_script(tmp_path: Path, name: str, text: str, ranks: int = 2) -> tuple
     script.write_text(text)
     return record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node", str(ranks), str(script))
+
+
+def gloo_script(body: str, imports: str = "torch, torch.distributed as dist") -> str:
+    """A script for torchrun's gloo ranks: `imports` and DistributedDataParallel, the process group
+    started and `rank` set, then `body` (top-level code), then a barrier and the group's end."""
+    return (f"\nimport {imports}\nfrom torch.nn.parallel import DistributedDataParallel\n"
+            'dist.init_process_group("gloo")\nrank = dist.get_rank()\n'
+            f"{body}dist.barrier()\ndist.destroy_process_group()\n")
+
+
+def record_gloo(tmp_path: Path, name: str, body: str, imports: str = "torch, torch.distributed as dist") -> Path:
+    """Record gloo_script(body, imports) as `tmp_path/name` under torchrun with 2 ranks; the run's
+    directory, once the script exited 0."""
+    code, run_dir = record_script(tmp_path, name, gloo_script(body, imports))
+    assert code == 0
+    return run_dir
+
+
+def one_table_script(imports: str, steps: int, each_step: str) -> str:
+    """A script training one 100-row table for `steps` steps, rows step % 100 and 7 a step, running
+    `each_step` (code indented in the loop) after each optimizer step; `imports` its import lines."""
+    return (f'\n{imports}\nmodel = torch.nn.EmbeddingBag(100, 4, mode="sum")\n'
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            f"for step in range({steps}):\n"
+            "    model(torch.tensor([step % 100, 7]), torch.tensor([0])).sum().backward()\n"
+            f"    opt.step()\n{each_step}")

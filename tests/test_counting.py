@@ -1,6 +1,6 @@
 """No id lost at any step size: the piece cutter over random call layouts, counts carried between
 flushes, steps of 0.1x, 1x and 3x a flush (a table looked up twice a step among them) recorded
-exactly through a real RunWriter, a drain made to fail counted as lost, and the issue's own command
+exactly through a real RunWriter, a drain made to fail counted as lost, and a large-batch command
 line (26 Kaggle tables at batch 50,000, a step larger than a flush) under `tracekit record`."""
 
 from __future__ import annotations

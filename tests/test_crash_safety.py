@@ -9,20 +9,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tests.recorded import record
+from tests.recorded import one_table_script, record
 from tracekit.parts import FAULT_KILL_BEFORE_RENAME
 from tracekit.run import open_run
 
 # Trains until the store kills it; stepping on past 60 s of sleeps means the fault never fired.
-SCRIPT = """
-import time, torch
-model = torch.nn.EmbeddingBag(100, 4, mode="sum")
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(30_000):
-    model(torch.tensor([step % 100, 7]), torch.tensor([0])).sum().backward()
-    opt.step()
-    time.sleep(0.002)
-"""
+SCRIPT = one_table_script("import time, torch", 30_000, "    time.sleep(0.002)\n")
 
 
 def test_a_kill_between_writing_a_part_and_its_rename_leaves_only_whole_parts(tmp_path: Path) -> None:

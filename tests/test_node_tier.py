@@ -27,11 +27,10 @@ from tests.multiprocess import run_ranks
 from tests.recorded import REPO
 from tests.test_cluster import TINY_TRAINER, needs_cluster
 from tests.test_replication import SCENARIOS as REPLICATION_SCENARIOS
-from tests.test_replication import _config, _dataset, assert_same_training
+from tests.test_replication import _config, _dataset, assert_same_training, rows_moved
 from tracekit.dlrm import policies
 from tracekit.dlrm.node_tier import NodeTier
 from tracekit.dlrm.replicas import SYNCS
-from tracekit.dlrm.sharding import init_rows
 from tracekit.dlrm.train import build_tables, run
 from tracekit.policy import new_policy, write_policy
 
@@ -167,15 +166,8 @@ def test_tier2_rows_moved(two_by_two: dict) -> None:
     cfg = _config(name, 16)
     rows = tier_rows(cfg).filter(pl.col("tier") == 2)
     tables = build_tables(cfg, _dataset(cfg))
-    moved = 0
-    for t, spec in enumerate(tables):
-        tier2 = torch.tensor(rows.filter(pl.col("table_name") == spec.name)["row"].to_list())
-        for _, weights in two_by_two[(name, SYNCS[0])]:
-            if spec.name in weights["tables"]:
-                start, shard = weights["tables"][spec.name]
-                mine = tier2[(tier2 >= start) & (tier2 < start + shard.shape[0])]
-                moved += int((shard[mine - start] != init_rows(spec, t, mine, cfg.seed)).any(dim=1).sum())
-    assert moved > 0, "training must have updated tier-2 rows"
+    assert rows_moved(tables, rows, two_by_two[(name, SYNCS[0])], cfg.seed) > 0, \
+        "training must have updated tier-2 rows"
 
 
 # bytes on an emulated cluster --------------------------------------------------------------------

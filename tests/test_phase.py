@@ -16,7 +16,7 @@ from torch import nn
 import tracekit
 from collectors import embedding, phase, steps
 from collectors.steps import StepClock
-from tests.recorded import REPO, TINY, expected_accesses, record, record_script, sample_accesses
+from tests.recorded import REPO, TINY, expected_accesses, record, record_gloo, sample_accesses
 from tracekit.parts import write_part
 from tracekit.run import open_run
 from tracekit.schema import file_metadata
@@ -181,11 +181,7 @@ def test_the_trainers_evaluation_is_eval_and_its_training_exactly_the_samples_fe
     assert set(eval_a2a["len"]) == {3 * 4} and eval_a2a.height == 4
 
 
-USER_EVAL_SCRIPT = """
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-dist.init_process_group("gloo")
-rank = dist.get_rank()
+USER_EVAL_SCRIPT = """\
 torch.manual_seed(0)
 emb = torch.nn.EmbeddingBag(1000, 8, mode="sum")
 head = DistributedDataParallel(torch.nn.Linear(8, 1))
@@ -205,15 +201,12 @@ emb.eval(); head.eval()
 with torch.no_grad():
     for i in range(60, 62):
         head(emb(*batch(i)))
-dist.barrier()
-dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
 def test_a_user_scripts_evaluation_is_eval_exactly(tmp_path: Path) -> None:
-    code, run_dir = record_script(tmp_path, "user_eval.py", USER_EVAL_SCRIPT)
-    assert code == 0
+    run_dir = record_gloo(tmp_path, "user_eval.py", USER_EVAL_SCRIPT)
     accesses = open_run(run_dir).scan("accesses").collect()
     for r in (0, 1):
         mine = accesses.filter(pl.col("rank") == r)

@@ -1,4 +1,4 @@
-"""Predictions a user can trust (issue 25), on real 2-rank trainer runs: a figure estimated from
+"""Predictions a user can trust, on real 2-rank trainer runs: a figure estimated from
 sampled lookups carries an interval that holds the exact figure of the fully recorded run; a policy
 that cannot pay is written `recommended: false` and one that can is recommended; a policy file
 `analyze` wrote on a 2-node cluster run is applied by train.py as it is."""

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from tracekit import thread_priority
 from tracekit.app.cli import cli
-from tests.recorded import REPO, TINY, expected_accesses, record, record_script
+from tests.recorded import REPO, TINY, expected_accesses, one_table_script, record, record_gloo
 from tracekit.run import open_run
 
 def expected_tables(world_size: int, sharding: str, sequence_tables: int) -> list[dict]:
@@ -137,14 +137,7 @@ def test_collectives_and_gradients_are_recorded_exactly(tmp_path: Path) -> None:
     assert set(per_rank_grads[0]["step"]) == {0, 2}
 
 
-KILL_SCRIPT = """
-import glob, os, signal, sys, time, torch
-import pyarrow.parquet as pq
-model = torch.nn.EmbeddingBag(100, 4, mode="sum")
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(1000):
-    model(torch.tensor([step % 100, 7]), torch.tensor([0])).sum().backward()
-    opt.step()
+KILL_SCRIPT = one_table_script("import glob, os, signal, sys, time, torch\nimport pyarrow.parquet as pq", 1000, """\
     if step == 40:  # wait (at most a minute) until step 39's rows are on disk, then die
         def written(table):
             parts = glob.glob(os.path.join(os.environ["TRACEKIT_RUN_DIR"], table, "rank=0", "*.parquet"))
@@ -153,7 +146,7 @@ for step in range(1000):
         while time.monotonic() < deadline and not (written("steps") and written("accesses")):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
-"""
+""")
 
 
 def test_a_killed_process_leaves_readable_files_and_a_failed_manifest(tmp_path: Path) -> None:
@@ -190,11 +183,7 @@ def test_ctrl_c_marks_the_run_interrupted(tmp_path: Path) -> None:
     assert len(open_run(run_dir).scan("steps").collect()) >= 20
 
 
-USER_SCRIPT = """
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-dist.init_process_group("gloo")
-rank = dist.get_rank()
+USER_SCRIPT = """\
 torch.manual_seed(0)
 emb = torch.nn.EmbeddingBag(1000, 8, mode="sum")
 head = DistributedDataParallel(torch.nn.Linear(8, 1))
@@ -208,15 +197,12 @@ for step in range(5):
     (head(pooled).sum() + out.sum() * 0).backward()
     opt.step()
     opt.zero_grad()
-dist.barrier()
-dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
 def test_a_user_script_is_recorded_without_changing_it(tmp_path: Path) -> None:
-    code, run_dir = record_script(tmp_path, "user_train.py", USER_SCRIPT)
-    assert code == 0
+    run_dir = record_gloo(tmp_path, "user_train.py", USER_SCRIPT)
     # not under DDP, so each rank trains a table of its own (tests/test_table_identity.py)
     assert json.loads((run_dir / "manifest.json").read_text())["tables"] == [
         {"name": f"EmbeddingBag_0@rank{r}", "num_rows": 1000, "dim": 8, "dtype": "float32", "kind": "pooled",

@@ -143,6 +143,20 @@ def assert_same_training(base: list, replicated: list, cfg: TrainConfig) -> None
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
 
 
+def rows_moved(tables: list, rows: pl.DataFrame, ranks: list, seed: int) -> int:
+    """How many of `rows` (table_name, row) differ from their initial values in the tables the
+    ranks' (losses, weights) end with."""
+    moved = 0
+    for t, spec in enumerate(tables):
+        chosen = torch.tensor(rows.filter(pl.col("table_name") == spec.name)["row"].to_list())
+        for _, weights in ranks:
+            if spec.name in weights["tables"]:
+                start, shard = weights["tables"][spec.name]
+                mine = chosen[(chosen >= start) & (chosen < start + shard.shape[0])]
+                moved += int((shard[mine - start] != init_rows(spec, t, mine, seed)).any(dim=1).sum())
+    return moved
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -179,15 +193,8 @@ def test_world2_hot_set_is_not_vacuous(name: str, world2: dict) -> None:
         del kinds["hot lookups"], kinds["cold lookups"]
     assert min(kinds.values()) > 0, kinds
 
-    moved = 0
-    for t, spec in enumerate(tables):
-        hot = torch.tensor(rows.filter(pl.col("table_name") == spec.name)["row"].to_list())
-        for _, weights in world2[(name, SYNCS[0])]:
-            if spec.name in weights["tables"]:
-                start, shard = weights["tables"][spec.name]
-                mine = hot[(hot >= start) & (hot < start + shard.shape[0])]
-                moved += int((shard[mine - start] != init_rows(spec, t, mine, cfg.seed)).any(dim=1).sum())
-    assert moved > 0, "training must have updated replicated rows"
+    assert rows_moved(tables, rows, world2[(name, SYNCS[0])], cfg.seed) > 0, \
+        "training must have updated replicated rows"
 
 
 @pytest.mark.slow

@@ -10,16 +10,13 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.recorded import record_script
+from tests.recorded import record_gloo
 from tracekit.run import open_run
 
 # The shape of a widely used open-source DLRM script: model-parallel tables in a rank-local
 # ModuleList whose sizes are numpy integers, beside a replicated table under DDP and a tagged shard.
-SCRIPT = """
-import numpy as np, torch, torch.distributed as dist, tracekit
-from torch.nn.parallel import DistributedDataParallel
-dist.init_process_group("gloo")
-rank = dist.get_rank()
+IMPORTS = "numpy as np, torch, torch.distributed as dist, tracekit"
+SCRIPT = """\
 sizes = [np.int64(10_000)] if rank == 0 else [np.int64(5_000)]
 
 
@@ -52,15 +49,12 @@ for step in range(2):
     loss.backward()
     opt.step()
     opt.zero_grad()
-dist.barrier()
-dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
 def test_rank_local_tables_stay_apart_and_replicas_and_shards_merge(tmp_path: Path) -> None:
-    code, run_dir = record_script(tmp_path, "dlrm_like.py", SCRIPT)
-    assert code == 0
+    run_dir = record_gloo(tmp_path, "dlrm_like.py", SCRIPT, imports=IMPORTS)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     tables = {t["name"]: (t["num_rows"], t["placement"], t["shards"]) for t in manifest["tables"]}
     assert tables == {

@@ -17,7 +17,7 @@ whose every id is hot batched together, so those steps skip the all-to-all.
   all-to-all: hot_step_fraction = H.
 - The trainer batches the whole epoch by a hot set chosen on the sampled steps. Counted on those
   same steps (in-sample), a hot set of every row they touch makes nearly every sampled sample
-  all-hot, while the epoch's other samples are not (issue 33: 99.6% predicted in-sample, 75% of the
+  all-hot, while the epoch's other samples are not (bench/RESULTS.md §33: 99.6% predicted in-sample, 75% of the
   steps ran hot). So H and the bytes are each a weighing of two figures: in-sample, for the share of
   the epoch the sampled steps hold (`coverage`: their samples over the run's `epoch_samples` metric,
   which the reference trainer reports; 0 where a run does not), and held out, for the rest: the

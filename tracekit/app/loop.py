@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tracekit.errors import TracekitError
 
 if TYPE_CHECKING:
     import polars as pl
 
+    from analyses.analyze import Progress
     from analyses.context import Options
     from analyses.simulate import Target
 
-Progress = Callable[..., None]  # progress(what, left_s=None): a phase begins, left_s seconds expected to the end
 
-
-def _silent(what: str, left_s: float | None = None) -> None:
+def _silent(phase: str, left_s: float | None = None) -> None:
     return None
 
 
