@@ -116,13 +116,14 @@ def calibrate(run_dir: Path, repeats: int, as_json: bool) -> None:
     Example:
       tracekit calibrate runs/base --json
     """
+    from tracekit.app.calibration import read_inputs, write
     from tracekit.app.console import print_calibration, run_progress
     from tracekit.dlrm import calibrate as calibration
 
-    inputs = calibration.read_inputs(run_dir)
+    inputs = read_inputs(run_dir)
     with run_progress(enabled=not as_json) as progress:
         result = calibration.calibrate(inputs, repeats=repeats, progress=lambda what: progress(f"calibrating {what}"))
-    path = calibration.write(run_dir, result)
+    path = write(run_dir, result)
     show(result, as_json, print_calibration)
     if not as_json:
         click.echo(f"wrote {path}")
