@@ -31,7 +31,7 @@ from tests.test_replication import _config, _dataset, assert_same_training
 from tracekit.dlrm import policies
 from tracekit.dlrm.node_tier import NodeTier
 from tracekit.dlrm.replicas import SYNCS
-from tracekit.dlrm.sharding import init_rows
+from tracekit.dlrm.tables import init_rows
 from tracekit.dlrm.train import build_tables, run
 from tracekit.policy import new_policy, write_policy
 

@@ -90,7 +90,8 @@ from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import SYNCS, Replicas
 from tracekit.dlrm.runtime import keep_freed_memory
 from tracekit.dlrm.schedule import hot_samples
-from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, init_rows
+from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan
+from tracekit.dlrm.tables import init_rows
 from tracekit.dlrm.timing import clock, fit_nonnegative, paired
 from tracekit.errors import TracekitError
 from tracekit.schema import CALIBRATION_SCHEMA

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from tracekit.dlrm.sharding import TableSpec
+from tracekit.dlrm.tables import TableSpec
 
 MAX_TABLE_BYTES = 64 << 20  # tables above this in all are scaled down (rows); more than any CPU cache holds
 FALLBACK_ZIPF = 1.05  # ids' skew where the run has no accesses table
