@@ -388,7 +388,7 @@ def first(src: Path, size: str, runs: int, out: Path) -> None:
     if not manifest.is_file() or json.loads(manifest.read_text()).get("tiled", {}).get("copies") != copies:
         tile(src, run, copies)
     analyze = [sys.executable, "-m", "tracekit", "analyze", str(run), "--no-report", "--json"]
-    calibrate = [sys.executable, "-m", "tracekit.dlrm.calibrate", "--run", str(run),
+    calibrate = [sys.executable, "-m", "tracekit.app.calibration", "--run", str(run),
                  "--row-totals", str(run / STATE_DIR / "row_totals.parquet")]
     got: dict[str, list[dict]] = {"first analyze (calibration beside it)": [], "analyze, calibration written": [],
                                   "calibration alone": []}

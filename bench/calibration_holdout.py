@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.recorded import TINY, record  # noqa: E402
+from tracekit.app.calibration import read_inputs  # noqa: E402
 from tracekit.dlrm import calibrate  # noqa: E402
 from tracekit.dlrm.replicas import SYNCS  # noqa: E402
 
@@ -34,7 +35,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         code, run = record(Path(tmp), sys.executable, str(REPO / "train.py"), *TINY)
         assert code == 0, "the TINY trainer failed"
-        inputs = calibrate.read_inputs(run)
+        inputs = read_inputs(run)
         grid = calibrate.replication_grid(inputs)
         ks, batches = sorted({k for k, _ in grid}), sorted({b for _, b in grid})
         k, b = (ks[1] + ks[2]) // 2, (batches[1] + batches[2]) // 2

@@ -2,7 +2,7 @@
 file it applied (`tracekit.policy_applied`) and its final figures (`tracekit.metrics`).
 
 bootstrap keeps one `Declared` per traced process and writes it into the rank report at exit;
-tracekit/app/recording.py merges the ranks' (`merge_policy`, `merge_metrics`).
+tracekit/app/rank_reports.py merges the ranks' (`merge_policy`, `merge_metrics`).
 
     declared = Declared()
     declared.policy_applied("runs/base/policy.json")   # the path made absolute, the bytes hashed now

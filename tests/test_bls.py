@@ -175,7 +175,7 @@ def test_bad_options_are_refused(args: list[str], message: str) -> None:
 
 def test_a_policy_lag_bound_applies_to_inference_only_and_training_skips_it(tmp_path: Path) -> None:
     from tracekit.dlrm import policies
-    from tracekit.dlrm.sharding import TableSpec
+    from tracekit.dlrm.tables import TableSpec
     from tracekit.policy import new_policy, write_policy
 
     tables = [TableSpec(f"t{i}", 500, 8) for i in range(4)]

@@ -17,9 +17,10 @@ from click.testing import CliRunner
 import torch
 
 from tests.recorded import REPO, TINY, record
+from tracekit.app.calibration import read_inputs
 from tracekit.app.cli import cli
-from tracekit.dlrm import calibrate
 from tracekit.dlrm.replicas import SYNCS
+from tracekit.dlrm.timing import fit_nonnegative
 from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA
 from tracekit.store import read_manifest, write_manifest
 
@@ -80,9 +81,9 @@ def test_every_coefficient_is_finite_and_non_negative(calibrated: tuple[str, dic
 def test_the_nonnegative_fit_recovers_an_exact_linear_law() -> None:
     x = np.array([[1.0, n, h] for n in (100, 200, 400) for h in (10, 50, 90)])
     y = x @ np.array([3e-4, 2e-8, 5e-7])
-    c, residual = calibrate.fit_nonnegative(x, y)
+    c, residual = fit_nonnegative(x, y)
     assert c == pytest.approx([3e-4, 2e-8, 5e-7], rel=1e-6) and residual < 1e-12
-    c, _ = calibrate.fit_nonnegative(x, x @ np.array([3e-4, -2e-8, 5e-7]))  # a negative law: clipped at 0
+    c, _ = fit_nonnegative(x, x @ np.array([3e-4, -2e-8, 5e-7]))  # a negative law: clipped at 0
     assert min(c) >= 0 and c[1] == 0
 
 
@@ -132,7 +133,7 @@ def test_the_rows_counts_analyze_keeps_give_the_inputs_the_accesses_give(run: Pa
     with open_context(copy) as ctx:
         totals = kept_file(ctx)
     assert totals is not None and totals.is_file()
-    read, kept = calibrate.read_inputs(copy), calibrate.read_inputs(copy, totals)
+    read, kept = read_inputs(copy), read_inputs(copy, totals)
     assert kept.id_source == read.id_source == "accesses"
     assert kept.ids_per_sample == read.ids_per_sample
     assert all(torch.equal(a, b) for a, b in zip(read.weights, kept.weights))

@@ -18,7 +18,7 @@ from tracekit.dlrm import policies
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import open_dataset
 from tracekit.dlrm.output_codec import OutputCodec
-from tracekit.dlrm.sharding import TableSpec
+from tracekit.dlrm.tables import TableSpec
 from tracekit.dlrm.train import build_tables, run
 from tracekit.errors import ConfigError
 from tracekit.policy import PolicyError, new_policy, write_policy

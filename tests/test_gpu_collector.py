@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 from collectors import gpu
 from tracekit.app.cli import cli
-from tracekit.app.recording import gpu_outcome, gpu_status
+from tracekit.app.rank_reports import gpu_outcome
+from tracekit.app.recording import gpu_status
 from tracekit.schema import GPU
 from tracekit.store import RunWriter
 

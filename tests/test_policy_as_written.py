@@ -26,7 +26,7 @@ from analyses.compare import compare
 from tests.recorded import REPO, TINY
 from tests.test_trainer_cli import master, rank_of_two  # noqa: F401 — master is a fixture
 from tracekit.dlrm import policies
-from tracekit.dlrm.sharding import TableSpec
+from tracekit.dlrm.tables import TableSpec
 from tracekit.policy import PolicyError, new_policy, write_policy
 
 TABLES = [TableSpec(f"t{i}", 500, 8) for i in range(4)]  # TINY's model
@@ -185,14 +185,14 @@ def test_a_recommended_section_with_a_corrupt_row_list_is_refused_before_any_pro
 
 def test_compare_prints_an_estimate_with_its_interval_and_an_exact_figure_alone() -> None:
     from analyses.prediction_check import row
-    from tracekit.app import console
+    from tracekit.app import console, console_compare
 
     rows = [row("r", "combined", "step_time_s", 0.012, 0.02, (0.01, 0.015)),
             row("r", "combined", "a2a_bytes_per_step", 1000.0, 1000.0)]
     assert [(r["kind"], r["predicted_low"], r["predicted_high"]) for r in rows] == [
         ("estimated", 0.01, 0.015), ("exact", None, None)]
     with console.terminal.capture() as captured:
-        console._compare_policies(rows, "base")
+        console_compare._compare_policies(rows, "base")
     printed = captured.get()
     assert "~12.00 ms [10.00 ms, 15.00 ms]" in printed and "│ 1.00 kB " in printed, printed
     assert "~1.00 kB" not in printed, printed

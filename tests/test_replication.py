@@ -40,7 +40,7 @@ from tracekit.dlrm import policies
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import open_dataset
 from tracekit.dlrm.replicas import SYNC_LABEL, SYNCS
-from tracekit.dlrm.sharding import init_rows
+from tracekit.dlrm.tables import init_rows
 from tracekit.dlrm.train import build_tables, run
 from tracekit.policy import new_policy, write_policy
 

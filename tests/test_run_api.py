@@ -17,7 +17,7 @@ import pytest
 
 import tracekit
 from tests.recorded import record, record_script
-from tracekit.app.recording import merge_policy
+from tracekit.app.rank_reports import merge_policy
 from tracekit.parts import write_part
 from tracekit.run import open_run
 from tracekit.schema import VERSION_KEY

@@ -131,7 +131,7 @@ def test_offsets_are_zero_on_one_host() -> None:
 def test_one_rank_has_a_timeline_and_no_stragglers(tmp_path: Path, capsys) -> None:
     """A world-1 run (as the GPU check records one) is analysed and printed: there is no rank to be
     last or to wait for, and the console says so rather than failing on the missing spread."""
-    from tracekit.app.console import RENDERERS
+    from tracekit.app.console_analysis import RENDERERS
 
     with open_context(bsp_run(tmp_path / "run", WORK[:1], tails_ns=[0])) as ctx:
         result = timeline.compute(ctx)

@@ -17,7 +17,8 @@ from tests.multiprocess import run_ranks
 from tests.prerequisites import missing
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import open_dataset
-from tracekit.dlrm.sharding import ShardingPlan, TableSpec, _init_shard
+from tracekit.dlrm.sharding import ShardingPlan
+from tracekit.dlrm.tables import TableSpec, init_shard
 from tracekit.dlrm.train import run
 
 CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo-sample" / "criteo_dac_train_first10k.txt.gz"
@@ -85,7 +86,7 @@ def test_world2_matches_world1(name: str, world2: dict) -> None:
                 start, shard = weights2["tables"][table]
                 rebuilt[start:start + shard.shape[0]] = shard
         torch.testing.assert_close(rebuilt, full, rtol=1e-4, atol=1e-5, msg=lambda m: f"table {table}: {m}")
-        initial = _init_shard(TableSpec(table, full.shape[0], cfg.dim), list(weights1["tables"]).index(table),
+        initial = init_shard(TableSpec(table, full.shape[0], cfg.dim), list(weights1["tables"]).index(table),
                               0, full.shape[0], cfg.seed)
         changed += int((full != initial).any(dim=1).sum())
     assert changed > 0, "training must have updated some rows"

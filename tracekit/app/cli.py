@@ -54,7 +54,7 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
       tracekit record -o runs/base -- torchrun --standalone --nproc-per-node 2 train.py --steps 300
     """
     from tracekit.app import recording
-    from tracekit.app.console import describe_record
+    from tracekit.app.console_record import describe_record
     from tracekit.app.watch import watching
 
     command, settings = list(command), job_settings(**job)
@@ -91,7 +91,8 @@ def analyze(run_dir: Path, budget: str | None, topology: str | None, intra_bw: s
     Example:
       tracekit analyze runs/base --budget 5% --topology 2x1
     """
-    from tracekit.app.console import analysis_progress, print_analysis
+    from tracekit.app.console import analysis_progress
+    from tracekit.app.console_analysis import print_analysis
     from tracekit.app.loop import analyze_run
 
     options = analysis_options(budget, topology, intra_bw, inter_bw, policies, objective, replay_steps, memory_limit,
@@ -116,13 +117,15 @@ def calibrate(run_dir: Path, repeats: int, as_json: bool) -> None:
     Example:
       tracekit calibrate runs/base --json
     """
-    from tracekit.app.console import print_calibration, run_progress
+    from tracekit.app.calibration import read_inputs, write
+    from tracekit.app.console import run_progress
+    from tracekit.app.console_analysis import print_calibration
     from tracekit.dlrm import calibrate as calibration
 
-    inputs = calibration.read_inputs(run_dir)
+    inputs = read_inputs(run_dir)
     with run_progress(enabled=not as_json) as progress:
         result = calibration.calibrate(inputs, repeats=repeats, progress=lambda what: progress(f"calibrating {what}"))
-    path = calibration.write(run_dir, result)
+    path = write(run_dir, result)
     show(result, as_json, print_calibration)
     if not as_json:
         click.echo(f"wrote {path}")
@@ -142,7 +145,7 @@ def planner(run_dir: Path, as_json: bool) -> None:
       tracekit planner runs/torchrec --json
     """
     from analyses.analyze import planner as planner_inputs
-    from tracekit.app.console import print_planner
+    from tracekit.app.console_analysis import print_planner
 
     summary = planner_inputs(run_dir)
     if not as_json and not summary["rows"]:
@@ -192,7 +195,7 @@ def compare(base: Path, runs: tuple[Path, ...], skip_steps: int | None, report_p
     Example:
       tracekit compare runs/base runs/hybrid --json
     """
-    from tracekit.app.console import print_compare
+    from tracekit.app.console_compare import print_compare
     from tracekit.app.loop import compare_runs
 
     summary = compare_runs(base, runs, skip_steps=skip_steps,
@@ -272,7 +275,8 @@ def optimize(out_dir: Path, lookup_every: int, budget: str | None, topology: str
       tracekit optimize -o runs/opt -- torchrun --standalone --nproc-per-node 2 train.py --steps 300
       tracekit optimize --cluster 2x2 --link 200mbit -o runs/opt -- python train.py --steps 300
     """
-    from tracekit.app.console import print_compare, run_progress
+    from tracekit.app.console import run_progress
+    from tracekit.app.console_compare import print_compare
     from tracekit.app.optimize import optimize as run_loop
 
     command = list(command)[1:] if command[:1] == ("--",) else list(command)
@@ -317,7 +321,7 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
     """
     from tracekit.app import cluster as emulated
     from tracekit.app import recording
-    from tracekit.app.console import describe_record
+    from tracekit.app.console_record import describe_record
     from tracekit.units import parse_rate
 
     parsed(parse_rate, link, "--link")
@@ -387,7 +391,7 @@ def simulate(run_dir: Path, topology: str, inter_bw: str, intra_bw: str | None, 
       tracekit simulate runs/base --topology 2x1 --inter-bw 200mbit
     """
     from analyses.simulate import Target
-    from tracekit.app.console import print_simulate
+    from tracekit.app.console_analysis import print_simulate
     from tracekit.app.loop import simulate_run
     from tracekit.topology import Topology
     from tracekit.units import parse_duration, parse_rate

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from tracekit.app import cluster as emulated
 from tracekit.app import quality_runs, recording
-from tracekit.app.console import describe_record
+from tracekit.app.console_record import describe_record
 from tracekit.errors import TracekitError
 from tracekit.app.loop import analyze_run, compare_runs, write_report
 from tracekit.policy import TRAINING, Policy, Section, Tiers, nothing_to_apply, read_policy, write_policy

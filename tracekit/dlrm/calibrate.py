@@ -1,8 +1,10 @@
 """Calibration: the seconds each policy's code path adds on a rank per training step, measured on
-this machine with the trainer's own code (issue 25).
+this machine with the trainer's own code.
 
-    python -m tracekit.dlrm.calibrate --run runs/base --json   # print the JSON; write the file
-    tracekit calibrate runs/base                               # the same, as a table
+    tracekit calibrate runs/base --json                        # print the JSON; write the file
+    python -m tracekit.app.calibration --run runs/base         # the same, as analyze starts it
+
+    result = calibrate(inputs)     # inputs: tracekit/dlrm/calibration_inputs.py; result: the file's dict
 
 A policy adds work on the rank, not only on the wire: the replica path splits the ids into hot and
 cold, gathers the replica rows, keeps their gradients in backward and, in the sync, finds the rows
@@ -10,13 +12,14 @@ touched (unique), sums and updates them; DCT-DP selects each bucket's largest en
 encodes and decodes every output row. This module times those code paths (ShardedEmbeddings with
 Replicas, dct_dp_hook under DDP, OutputCodec.exchange) in ONE process with a world-1 gloo group,
 so a collective costs only its call on the rank; the wire is the network model's (fitted from the
-run's recorded calls). The sizes come from the run: its tables, its ids per sample per table, its
-rows' access counts (the ids drawn here follow them) and its per-rank batch. It takes 5-15 s.
+run's recorded calls). The sizes come from the run (analyses.run_sizes reads them): its tables, its ids per
+sample per table, its rows' access counts (the ids drawn here follow them) and its per-rank batch.
+It takes 5-15 s.
 
-Every timing is a median over repeats, taken on `clock`: the calibrating process's CPU time
-(all its threads, gloo's included), which is the wall time of the same work on a core of its own
-and, unlike wall time, does not grow when other processes share the cores. Torch runs with the
-intra-op threads a rank of the run had (1 under torchrun). Each linear model is a non-negative
+Every timing is a median over repeats, taken on `clock` (tracekit/dlrm/timing.py): the calibrating
+process's CPU time (all its threads, gloo's included), which is the wall time of the same work on a
+core of its own and, unlike wall time, does not grow when other processes share the cores. Torch
+runs with the intra-op threads a rank of the run had (1 under torchrun). Each linear model is a non-negative
 least-squares fit with its residual (root mean square over the points, in seconds); the points
 are in the file, so a reader can check the fit.
 
@@ -65,246 +68,42 @@ Analyses read this file only; they never import this module (it imports torch).
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
-import math
 import os
 import platform
 import socket
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tracekit.dlrm.calibration_inputs import MAX_TABLE_BYTES, Batches, Inputs, hot_rows
 from tracekit.dlrm.compression import DctDp, DctDpState, dct_dp_hook
 from tracekit.dlrm.data import TabularDataset
 from tracekit.dlrm.optim import sparse_optimizer
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import SYNCS, Replicas
 from tracekit.dlrm.runtime import keep_freed_memory
-from tracekit.files import write_text
 from tracekit.dlrm.schedule import hot_samples
-from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec, init_rows
+from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan
+from tracekit.dlrm.tables import init_rows
+from tracekit.dlrm.timing import clock, fit_nonnegative, paired
 from tracekit.errors import TracekitError
-from tracekit.phases import TRAIN
-from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA
-from tracekit.store import read_manifest
+from tracekit.schema import CALIBRATION_SCHEMA
 
 REPEATS = 7  # timings per point: their noise stays under the fits' residuals (bench/RESULTS.md §37)
-MAX_TABLE_BYTES = 64 << 20  # tables above this in all are scaled down (rows); more than any CPU cache holds
-FALLBACK_ZIPF = 1.05  # ids' skew where the run has no accesses table
 DCT_DP_KEEP_RATIO = 0.01
 DCT_MP_KEEP_RATIOS = (0.05, 0.25, 0.5)
 SYNC_COLLECTIVES = {"sparse_allreduce": {"all_gather_single": 1, "all_to_all_single": 1, "all_reduce": 1},
                     "dense_allreduce": {"all_reduce": 1}}  # replicas.py: Replicas.synchronise, _union
 
 
-@dataclass
-class Inputs:
-    """What the calibration takes from a run."""
-
-    tables: list[TableSpec]  # rows possibly scaled down (MAX_TABLE_BYTES)
-    table_rows: list[int]  # the run's rows per table
-    ids_per_sample: list[float]  # per table
-    batch: int  # samples per rank per step
-    world_size: int
-    optimizer: str = "sgd"
-    threads: int = 1
-    weights: list[torch.Tensor] = field(default_factory=list, repr=False)  # per table: P(row) ∝ weight
-    id_source: str = "accesses"
-    run: str | None = None
-
-    def describe(self) -> dict:
-        return {"run": self.run, "world_size": self.world_size, "batch_per_rank": self.batch,
-                "optimizer": self.optimizer, "id_source": self.id_source,
-                "tables": [{"name": t.name, "rows": rows, "dim": t.dim, "pooled": t.pooled,
-                            "ids_per_sample": round(m, 4), "rows_calibrated": t.rows}
-                           for t, rows, m in zip(self.tables, self.table_rows, self.ids_per_sample)]}
-
-
-# inputs from a run -------------------------------------------------------------------------------
-
-def read_inputs(run_dir: str | os.PathLike, row_totals: str | os.PathLike | None = None) -> Inputs:
-    """The calibration's inputs from the run at `run_dir`: its manifest, steps and accesses; the rows'
-    counts from `row_totals` where given (the Parquet file of (table_name, row, lookups) that analyze
-    keeps, analyses.row_totals), else summed from the accesses."""
-    run_dir = Path(run_dir)
-    manifest = read_manifest(run_dir)
-    entries = manifest.get("tables") or []
-    if not entries:
-        raise TracekitError(f"{run_dir}: the manifest names no embedding tables; nothing to calibrate")
-    steps = _read_train(run_dir, "steps", ["samples"])
-    if steps is None or steps.num_rows == 0:
-        raise TracekitError(f"{run_dir} has no training steps (steps table); record a run that trains")
-    samples = steps.column("samples").to_pylist()
-    dims = [int(e["dim"]) for e in entries]
-    dim = max(set(dims), key=dims.count)  # the trainer's tables share one dim
-    run_rows = [int(e["num_rows"]) for e in entries]
-    specs = [TableSpec(e["name"], rows, dim, e.get("kind", "pooled") == "pooled")
-             for e, rows in zip(entries, _scaled_rows(run_rows, dim))]
-    per_row = _row_counts(run_dir, row_totals)
-    if per_row is not None and per_row.num_rows:
-        weights, source = [], "accesses"
-        for spec in specs:
-            mine = per_row.filter(pc.equal(per_row.column("table_name"), spec.name))
-            rows = torch.from_numpy(mine.column("row").to_numpy().astype(np.int64))
-            counts = torch.from_numpy(mine.column("count").to_numpy().astype(np.float32))
-            weights.append(torch.zeros(spec.rows).index_add_(0, rows % spec.rows, counts))  # folded if scaled
-        per_sample = [float(w.sum()) / sum(samples) for w in weights]
-    else:
-        source = f"zipf {FALLBACK_ZIPF}, 1 id per sample per table (the run has no accesses table)"
-        weights = [torch.arange(1, spec.rows + 1, dtype=torch.float32).pow(-FALLBACK_ZIPF) for spec in specs]
-        per_sample = [1.0] * len(specs)
-    threads = int((manifest.get("environment") or {}).get("OMP_NUM_THREADS", 0)) or (
-        1 if int(manifest.get("world_size") or 1) > 1 else torch.get_num_threads())
-    return Inputs(specs, run_rows, per_sample, int(statistics.median(samples)), int(manifest.get("world_size") or 1),
-                  _optimizer(manifest.get("command") or []), threads, weights, source, str(run_dir))
-
-
-def _row_counts(run_dir: Path, row_totals: str | os.PathLike | None) -> pa.Table | None:
-    """(table_name, row, count): each row's training lookups, from `row_totals` or the accesses."""
-    if row_totals is not None:
-        totals = pq.read_table(row_totals, columns=["table_name", "row", "lookups"])
-        return pa.table({"table_name": totals.column("table_name").cast(pa.string()), "row": totals.column("row"),
-                         "count": totals.column("lookups")})
-    accesses = _read_train(run_dir, "accesses", ["table_name", "row", "count"])
-    if accesses is None:
-        return None
-    summed = accesses.group_by(["table_name", "row"]).aggregate([("count", "sum")])
-    return pa.table({"table_name": summed.column("table_name"), "row": summed.column("row"),
-                     "count": summed.column("count_sum")})
-
-
-def _read_train(run_dir: Path, table: str, columns: list[str]) -> pa.Table | None:
-    """The training rows of a trace table (all ranks), only `columns`; None where it has no parts."""
-    parts = sorted((run_dir / table).glob("*/*.parquet"))
-    if not parts:
-        return None
-    pieces = []
-    for part in parts:
-        names = pq.read_schema(part).names
-        data = pq.read_table(part, columns=[c for c in [*columns, "phase"] if c in names])
-        if "phase" in data.column_names:
-            data = data.filter(pc.equal(data.column("phase").cast(pa.string()), TRAIN)).drop(["phase"])
-        if "table_name" in data.column_names:
-            data = data.set_column(data.column_names.index("table_name"), "table_name",
-                                   data.column("table_name").cast(pa.string()))
-        pieces.append(data.select(columns))
-    return pa.concat_tables(pieces)
-
-
-def _optimizer(command: list[str]) -> str:
-    """The trainer's --optimizer where the recorded command names it; sgd (its default) otherwise."""
-    for i, arg in enumerate(command):
-        if arg == "--optimizer" and i + 1 < len(command):
-            return command[i + 1]
-        if arg.startswith("--optimizer="):
-            return arg.split("=", 1)[1]
-    return "sgd"
-
-
-def _scaled_rows(rows: list[int], dim: int) -> list[int]:
-    """Rows per table as calibrated: as in the run, or, where the tables' fp32 rows exceed
-    MAX_TABLE_BYTES in all, the same share of each (row r's reads then fold onto row r mod rows)."""
-    share = min(1.0, MAX_TABLE_BYTES / (sum(rows) * dim * 4))
-    return [max(1, int(n * share)) for n in rows]
-
-
-# measuring ---------------------------------------------------------------------------------------
-
-def _clock() -> float:
-    return time.process_time()
-
-
-def _median_se(values: list[float]) -> tuple[float, float]:
-    """Median, and its standard error (1.2533 · σ / √n, σ from the median absolute deviation)."""
-    m = statistics.median(values)
-    mad = statistics.median(abs(v - m) for v in values)
-    return m, 1.2533 * 1.4826 * mad / math.sqrt(len(values))
-
-
-def _paired(first: Callable[[int], None], second: Callable[[int], None], repeats: int, warmup: int = 2):
-    """Time `first(i)` and `second(i)` alternately (order swapped each repeat): the median of each,
-    and the median and standard error of their differences (second − first)."""
-    for i in range(warmup):
-        first(i)
-        second(i)
-    a, b = [], []
-    for i in range(repeats):
-        for fn, out in ((first, a), (second, b)) if i % 2 == 0 else ((second, b), (first, a)):
-            t = _clock()
-            fn(i)
-            out.append(_clock() - t)
-    diff, noise = _median_se([y - x for x, y in zip(a, b)])
-    return statistics.median(a), statistics.median(b), diff, noise
-
-
-def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> tuple[list[float], float]:
-    """Least squares y ≈ x·c with every c ≥ 0 (the best of the fits on each subset of the columns
-    whose coefficients are all non-negative), and the residual: √(Σ r² / max(1, n − columns used))."""
-    n, p = x.shape
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
-    xs = x / scale
-    best, best_sse = np.zeros(p), float(np.sum(y ** 2))
-    for used in itertools.chain.from_iterable(itertools.combinations(range(p), k) for k in range(1, p + 1)):
-        cols = list(used)
-        c, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
-        if np.any(c < 0):
-            continue
-        sse = float(np.sum((y - xs[:, cols] @ c) ** 2))
-        if sse < best_sse - 1e-18:
-            best, best_sse = np.zeros(p), sse
-            best[cols] = c
-    used = int(np.count_nonzero(best))
-    return [float(v) for v in best / scale], math.sqrt(best_sse / max(1, n - used))
-
-
 # replication -------------------------------------------------------------------------------------
-
-@dataclass
-class _Batches:
-    """A few local batches of one size, drawn from the run's id distribution, cycled through."""
-
-    lengths: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @staticmethod
-    def draw(inputs: Inputs, b: int, count: int, seed: int) -> "_Batches":
-        gen = torch.Generator().manual_seed(seed)
-        out = _Batches([], [])
-        for _ in range(count):
-            lengths = torch.stack([torch.full((b,), int(m), dtype=torch.int64)
-                                   + (torch.rand(b, generator=gen) < m - int(m)).long() for m in inputs.ids_per_sample])
-            values = [torch.multinomial(w, n, replacement=True, generator=gen) if n else torch.empty(0, dtype=torch.int64)
-                      for w, n in zip(inputs.weights, lengths.sum(dim=1).tolist())]
-            out.lengths.append(lengths)
-            out.values.append(torch.cat(values))
-        return out
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        j = i % len(self.values)
-        return self.lengths[j], self.values[j]
-
-
-def _hot_rows(inputs: Inputs, k: int) -> list[torch.Tensor]:
-    """The k most read rows over all tables (as a replication policy picks them), per table."""
-    weights = torch.cat(inputs.weights)
-    top = torch.topk(weights, k).indices
-    base = [0, *itertools.accumulate(t.rows for t in inputs.tables)]
-    return [torch.sort(top[(top >= lo) & (top < hi)] - lo)[0] for lo, hi in zip(base, base[1:])]
-
 
 @dataclass
 class Tables:
@@ -330,7 +129,7 @@ class Tables:
         return self.replicated
 
 
-def _embedding_step(embeddings: ShardedEmbeddings, batches: _Batches) -> Callable[[int], None]:
+def _embedding_step(embeddings: ShardedEmbeddings, batches: Batches) -> Callable[[int], None]:
     """One training step of the embedding part, as train.py runs it: forward, backward, sync."""
     def step(i: int) -> None:
         lengths, values = batches[i]
@@ -339,7 +138,7 @@ def _embedding_step(embeddings: ShardedEmbeddings, batches: _Batches) -> Callabl
     return step
 
 
-def _counts(hot: list[torch.Tensor], batches: _Batches, sync: str) -> tuple[float, float, float]:
+def _counts(hot: list[torch.Tensor], batches: Batches, sync: str) -> tuple[float, float, float]:
     """Mean ids, hot ids and replica rows synchronised per step over the batches."""
     ids = hits = rows = 0.0
     for lengths, values in zip(batches.lengths, batches.values):
@@ -366,9 +165,9 @@ def measure_replication_point(inputs: Inputs, sync: str, k: int, b: int, *, repe
     """One point: the embedding part's step with replicas of the K hottest rows against without, on
     a few batches of b samples."""
     tables = tables or Tables.build(inputs)
-    hot = _hot_rows(inputs, k)
-    batches = _Batches.draw(inputs, b, 4, seed)
-    base_s, with_s, extra, noise = _paired(_embedding_step(tables.plain, batches),
+    hot = hot_rows(inputs, k)
+    batches = Batches.draw(inputs, b, 4, seed)
+    base_s, with_s, extra, noise = paired(_embedding_step(tables.plain, batches),
                                            _embedding_step(tables.replicate(hot, sync), batches), repeats)
     ids, hits, rows = _counts(hot, batches, sync)
     return {"k": k, "batch": b, "ids": ids, "hot": hits, "rows": rows, "base_s": base_s, "with_s": with_s,
@@ -406,10 +205,10 @@ def _collectives(blocks: int = 15, calls: int = 20) -> dict:
     for op, call in ops.items():
         times = []
         for _ in range(blocks + 1):
-            t = _clock()
+            t = clock()
             for _ in range(calls):
                 call()
-            times.append((_clock() - t) / calls)
+            times.append((clock() - t) / calls)
         out[op] = statistics.median(times[1:])
     return out
 
@@ -456,10 +255,10 @@ def _dct_dp(steps: int = 12) -> dict:
 def _timed_hook(hook, log: dict[int, list[float]]):
     """`hook`, timed from its call to its result (the future waited on), per bucket size."""
     def timed(state, bucket):
-        t = _clock()
+        t = clock()
         fut = hook(state, bucket)
         fut.wait()
-        log.setdefault(bucket.buffer().numel(), []).append(_clock() - t)
+        log.setdefault(bucket.buffer().numel(), []).append(clock() - t)
         return fut
     return timed
 
@@ -473,7 +272,7 @@ def _dct_mp(inputs: Inputs, repeats: int) -> dict:
         coded = OutputCodec("fp32", keep)
         for n in (max(1, rows // 2), rows, 2 * rows):
             send, grad = torch.randn(n, dim, generator=gen).requires_grad_(), torch.randn(n, dim, generator=gen)
-            base_s, with_s, extra, noise = _paired(_exchange_step(plain, send, grad),
+            base_s, with_s, extra, noise = paired(_exchange_step(plain, send, grad),
                                                    _exchange_step(coded, send, grad), repeats)
             points.append({"keep_ratio": keep, "rows": n, "values": n * dim, "kept": n * coded.keep(dim),
                            "base_s": base_s, "with_s": with_s, "extra_s": extra, "noise_s": noise})
@@ -494,19 +293,19 @@ def _schedule(inputs: Inputs, repeats: int) -> dict:
     """FAE's batching: take (by index) against batch (a slice) on in-memory data, and the hot split."""
     b = inputs.batch
     n = 8 * b
-    batches = _Batches.draw(inputs, n, 1, seed=7)
+    batches = Batches.draw(inputs, n, 1, seed=7)
     lengths, values = batches[0]
     dataset = TabularDataset(dense=torch.randn(n, 13), labels=torch.zeros(n), lengths=lengths,
                              values=list(values.split(lengths.sum(dim=1).tolist())),
                              table_rows=[t.rows for t in inputs.tables], table_names=[t.name for t in inputs.tables])
     gen = torch.Generator().manual_seed(0)
     picks = [torch.sort(torch.randperm(n, generator=gen)[:b])[0] for _ in range(4)]
-    _, _, extra, noise = _paired(lambda i: dataset.batch((i % 7) * b, (i % 7 + 1) * b),
+    _, _, extra, noise = paired(lambda i: dataset.batch((i % 7) * b, (i % 7 + 1) * b),
                                  lambda i: dataset.take(picks[i % 4]), repeats)
-    hot = _hot_rows(inputs, max(1, sum(t.rows for t in inputs.tables) // 20))
-    t = _clock()
+    hot = hot_rows(inputs, max(1, sum(t.rows for t in inputs.tables) // 20))
+    t = clock()
     hot_samples(dataset, n, hot)
-    setup = (_clock() - t) / n
+    setup = (clock() - t) / n
     return {"c_sample_s": max(0.0, extra / b), "noise_s": noise / b, "setup_s_per_sample": setup,
             "note": "batches are built on the prefetch thread, beside the step: they cost step time only where "
                     "the cores are saturated; synthetic data builds every batch by index, so c_sample_s is 0 there"}
@@ -575,31 +374,3 @@ def _notes(inputs: Inputs) -> list[str]:
     if inputs.id_source != "accesses":
         notes.append(f"ids drawn from {inputs.id_source}, not from the run's counts")
     return notes
-
-
-def write(run_dir: str | os.PathLike, result: dict) -> Path:
-    """Write `result` to RUN/analysis/calibration.json atomically (temporary file, then rename)."""
-    return write_text(Path(run_dir) / CALIBRATION_PATH, json.dumps(result, indent=1))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tracekit.dlrm.calibrate", description=__doc__.split("\n")[0])
-    parser.add_argument("--run", required=True, help="the recorded run whose sizes are calibrated")
-    parser.add_argument("--json", action="store_true", help="print the JSON on stdout")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="timings per point (medians)")
-    parser.add_argument("--row-totals", help="the rows' counts analyze keeps (RUN/analysis/increments/"
-                                             "row_totals.parquet), read instead of the accesses")
-    args = parser.parse_args(argv)
-    try:
-        result = calibrate(read_inputs(args.run, args.row_totals), repeats=args.repeats,
-                           progress=lambda what: print(f"calibrating: {what}", file=sys.stderr, flush=True))
-    except TracekitError as err:
-        print(f"calibrate: error: {err}", file=sys.stderr)
-        return 1
-    path = write(args.run, result)
-    print(json.dumps(result) if args.json else f"wrote {path} in {result['seconds']:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

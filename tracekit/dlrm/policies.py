@@ -41,7 +41,7 @@ import torch
 
 from tracekit.dlrm.compression import DctDp
 from tracekit.dlrm.replicas import SYNCS
-from tracekit.dlrm.sharding import TableSpec
+from tracekit.dlrm.tables import TableSpec
 from tracekit.policy import (INFERENCE_ONLY, DctDp as DctDpSection, Policy, PolicyError, Tiers,
                              check_model, read_policy, row_path)
 

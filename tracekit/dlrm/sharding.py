@@ -46,6 +46,7 @@ import tracekit
 from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import Replicas
+from tracekit.dlrm.tables import TableSpec, init_shard
 
 
 class Tier(Protocol):
@@ -57,17 +58,6 @@ class Tier(Protocol):
               batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def synchronise(self) -> None: ...
-
-
-_INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    name: str
-    rows: int
-    dim: int
-    pooled: bool = True
 
 
 @dataclass(frozen=True)
@@ -119,35 +109,6 @@ class Routing:
     values_splits: list[int]  # per dest
     rows_back: list[int]  # embedding rows each owner returns in the output dist
     slots_back: torch.Tensor  # for each returned row: sample * T + table, its slot in [b, T]
-
-
-def _init_chunk(spec: TableSpec, t: int, chunk: int, seed: int) -> torch.Tensor:
-    """Rows of init chunk `chunk` of table t, uniform(±sqrt(1/rows)), seeded by (seed, t, chunk)."""
-    lo = chunk * _INIT_CHUNK_ROWS
-    hi = min(spec.rows, lo + _INIT_CHUNK_ROWS)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + t) * 1_000_003 + chunk)
-    bound = math.sqrt(1.0 / spec.rows)
-    return torch.empty(hi - lo, spec.dim).uniform_(-bound, bound, generator=gen)
-
-
-def _init_shard(spec: TableSpec, t: int, start: int, stop: int, seed: int) -> torch.Tensor:
-    """Rows [start, stop) of table t, the same at any world size."""
-    pieces = []
-    for chunk in range(start // _INIT_CHUNK_ROWS, math.ceil(stop / _INIT_CHUNK_ROWS)):
-        lo = chunk * _INIT_CHUNK_ROWS
-        block = _init_chunk(spec, t, chunk, seed)
-        pieces.append(block[max(start, lo) - lo : min(stop, lo + block.shape[0]) - lo])
-    return torch.cat(pieces) if pieces else torch.empty(0, spec.dim)
-
-
-def init_rows(spec: TableSpec, t: int, rows: torch.Tensor, seed: int) -> torch.Tensor:
-    """Initial values of the given rows of table t (any order): those its shard starts from."""
-    out = torch.empty(rows.numel(), spec.dim)
-    chunks = torch.div(rows, _INIT_CHUNK_ROWS, rounding_mode="floor")
-    for chunk in torch.unique(chunks).tolist():
-        where = (chunks == chunk).nonzero().flatten()
-        out[where] = _init_chunk(spec, t, chunk, seed)[rows[where] - chunk * _INIT_CHUNK_ROWS]
-    return out
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -227,7 +188,7 @@ class ShardedEmbeddings(nn.Module):
         for t in self.local_tables:
             spec = plan.tables[t]
             start, stop = plan.row_range(t, rank)
-            weight = _init_shard(spec, t, start, stop, seed).to(device)
+            weight = init_shard(spec, t, start, stop, seed).to(device)
             module = (nn.EmbeddingBag.from_pretrained(weight, mode="sum", freeze=True) if spec.pooled
                       else nn.Embedding.from_pretrained(weight, freeze=True))
             self.shards[spec.name] = tracekit.shard(module, table=spec.name, first_row=start, num_rows=spec.rows)

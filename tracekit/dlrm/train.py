@@ -43,7 +43,8 @@ from tracekit.dlrm.node_tier import NodeTier, node_groups
 from tracekit.dlrm.replicas import Replicas
 from tracekit.dlrm.runtime import avx512_gemm_on_amd, keep_freed_memory, pin_to_cores
 from tracekit.dlrm.schedule import make_schedule, prefetched
-from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan, TableSpec, init_rows
+from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan
+from tracekit.dlrm.tables import TableSpec, init_rows
 from tracekit.errors import TracekitError
 
 
