@@ -89,7 +89,7 @@ def planner(path: str | os.PathLike) -> dict[str, Any]:
 def phases(ctx: Context) -> dict[str, float]:
     """The phases `analyze` goes through on this run after opening it, in order, with the seconds each
     is expected to take (analyses.time_left; 0 where the run lacks the tables it needs)."""
-    written = ctx.manifest.get("written_rows") or {}  # the recorder's count: no scan of the trace
+    written = ctx.manifest.written_rows or {}  # the recorder's count: no scan of the trace
     rows = int(written.get("accesses", 0)) + int(written.get("lookups", 0))
     needs = {name: needs for name, (_, needs) in ANALYSES.items()}
     needs.update({f"policy: {name}": () for name in POLICIES if name in ctx.options.policies})
@@ -108,18 +108,18 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
     started = time.perf_counter()
     with open_context(path, options, memory_limit=options.memory_limit) as ctx:
         clock = TimeLeft(phases(ctx), started)
-        summary: dict[str, Any] = {"run": str(ctx.path), "status": ctx.manifest.get("status"), "warnings": [],
+        summary: dict[str, Any] = {"run": str(ctx.path), "status": ctx.manifest.status, "warnings": [],
                                    "analyses": {}, "policies": {}, "not_derived": {}, "notes": [], "written": []}
-        if ctx.manifest.get("status") != "completed":
-            summary["warnings"].append(f"the run is {ctx.manifest.get('status')} (exit code "
-                                       f"{ctx.manifest.get('exit_code')}): figures cover what was recorded")
+        if ctx.manifest.status != "completed":
+            summary["warnings"].append(f"the run is {ctx.manifest.status} (exit code "
+                                       f"{ctx.manifest.exit_code}): figures cover what was recorded")
         if ctx.truncated_at is not None:
             summary["warnings"].append(f"the trace is incomplete (manifest `truncated_at`: a write failed, e.g. a full "
                                        f"disk): only steps up to {ctx.truncated_at}, which every rank wrote whole, "
                                        "are analysed")
         lost = lost_rows(ctx.manifest)
         if lost and ctx.truncated_at is None:
-            summary["warnings"].append(loss_warning(lost, ctx.manifest.get("lost_lookups")))
+            summary["warnings"].append(loss_warning(lost, ctx.manifest.lost_lookups))
         if not ctx.window.everything:
             summary["warnings"].append(f"accesses, lookups and comms were recorded on {ctx.window.describe()} "
                                        "(record --steps/--every): every figure is over those steps")

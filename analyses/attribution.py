@@ -62,8 +62,9 @@ from dataclasses import dataclass, field
 import duckdb
 import polars as pl
 
-from analyses.context import DTYPE_BYTES, Context
+from analyses.context import Context
 from tracekit.tags import TORCHREC_SPLITS
+from tracekit.manifest import DTYPE_BYTES, dtype_bytes
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Attribution:
 
 def elem_bytes(dtype: str) -> int:
     """Bytes per element of a comms `dtype` ('torch.int32') or a manifest dtype ('float32')."""
-    return DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
+    return dtype_bytes(dtype)
 
 
 def table_ids(ctx: Context) -> pl.DataFrame:
@@ -103,7 +104,7 @@ def features(ctx: Context) -> dict[str, int]:
     torchrec_tables.py), and since schema 1.4 carry the feature's order among them (`feature`).
     Before, the most ids at one (step, rank, sample, pos) is how many features fed it: a lower
     bound, exact once one sample had an id at one position in every feature."""
-    torchrec = [t["name"] for t in ctx.manifest.get("tables") or [] if t.get("sharding_type")]
+    torchrec = [t.name for t in ctx.manifest.tables or () if t.sharding_type]
     if not torchrec or not ctx.has("lookups"):
         return {}
     names = ", ".join(f"'{name}'" for name in torchrec)
@@ -116,7 +117,7 @@ def features(ctx: Context) -> dict[str, int]:
 
 def shards(ctx: Context) -> pl.DataFrame:
     """One row per (table, rank holding a shard): tid, rank."""
-    rows = [{"tid": i, "rank": int(s["rank"])} for i, t in enumerate(ctx.model.tables) for s in t.shards]
+    rows = [{"tid": i, "rank": s.rank} for i, t in enumerate(ctx.model.tables) for s in t.shards]
     return pl.DataFrame(rows, schema={"tid": pl.Int32, "rank": pl.Int64})
 
 

@@ -65,7 +65,7 @@ def rows_held(ctx: Context, table: str, rank: int, fallback: int) -> int:
         info = ctx.model.table(table)
     except KeyError:
         return fallback
-    mine = sum(int(s["num_rows"]) for s in info.shards if int(s["rank"]) == rank)
+    mine = info.rows_on(rank)
     return mine or info.num_rows or fallback
 
 

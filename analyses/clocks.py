@@ -9,11 +9,13 @@ their wall clocks' synchronisation (NTP: about a millisecond; PTP: microseconds)
 
 from __future__ import annotations
 
+from tracekit.manifest import Manifest
 
-def clock_offsets(manifest: dict) -> tuple[dict[int, int], str]:
+
+def clock_offsets(manifest: Manifest) -> tuple[dict[int, int], str]:
     """{rank: ns to add to its times} and how the clocks were aligned (see the module docstring)."""
-    anchors = {int(rank): a for rank, a in (manifest.get("clock_anchors") or {}).items()}
-    if len(manifest.get("hosts") or []) <= 1:
+    anchors = {int(rank): a for rank, a in (manifest.clock_anchors or {}).items()}
+    if len(manifest.hosts or []) <= 1:
         return {rank: 0 for rank in anchors}, "one host: the ranks' monotonic clocks compared as recorded"
     if not anchors:
         return {}, "several hosts but no clock anchors in the manifest: clocks compared as recorded (unaligned)"

@@ -37,6 +37,7 @@ import polars as pl
 from analyses.quality import Budget
 from tracekit.errors import TracekitError
 from tracekit.files import replacing, write_text
+from tracekit.manifest import Manifest, Table
 from tracekit.policy import Section
 from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
@@ -50,38 +51,11 @@ STREAMED = ("accesses", "lookups")
 """Trace tables every query reads from their Parquet parts; the others (comms, steps, ...), read
 by many queries and a few rows per step, are read once into the connection (a long run writes
 them in thousands of small parts)."""
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2, "int32": 4,
-               "int64": 8}
-"""Bytes of an element of each dtype, as the manifest and `comms` name them (less any `torch.`)."""
-
-
-@dataclass(frozen=True)
-class TableInfo:
-    """One embedding table as the manifest lists it."""
-
-    name: str
-    num_rows: int
-    dim: int
-    dtype: str
-    kind: str  # "pooled" | "sequence"
-    placement: str | None  # "sharded" | "replicated" | "local"
-    shards: tuple[dict, ...]  # {"rank", "first_row", "num_rows"}
-
-    @property
-    def row_bytes(self) -> int:
-        return self.dim * DTYPE_BYTES.get(self.dtype, 4)
-
-    def owner(self, row: int) -> int | None:
-        """The rank holding `row` (the first shard that does), None if no shard does."""
-        for shard in self.shards:
-            if shard["first_row"] <= row < shard["first_row"] + shard["num_rows"]:
-                return shard["rank"]
-        return None
 
 
 @dataclass(frozen=True)
 class Model:
-    tables: tuple[TableInfo, ...]
+    tables: tuple[Table, ...]
     world_size: int
 
     @property
@@ -89,7 +63,7 @@ class Model:
         """Every table's rows, in bytes (one copy)."""
         return sum(t.num_rows * t.row_bytes for t in self.tables)
 
-    def table(self, name: str) -> TableInfo:
+    def table(self, name: str) -> Table:
         for table in self.tables:
             if table.name == name:
                 return table
@@ -175,10 +149,10 @@ class Context:
         self.present = run.tables()
         self.model = model_of(self.manifest)
         # a trace cut short (a full disk): the steps every rank wrote whole, the only ones analysed
-        cut = self.manifest.get("truncated_at") or {}
+        cut = self.manifest.truncated_at or {}
         self.truncated_at: int | None = min(int(step) for step in cut.values()) if cut else None
         # `record --steps/--every`: the steps recorded, the only ones analysed (per-step figures average over them)
-        self.window = Window.of_settings(self.manifest.get("collector_settings"))
+        self.window = Window.of_settings(self.manifest.collector_settings)
         self._memo: dict[Hashable, Any] = {}
         self.calibrating: Background | None = None  # the rank-side calibration running beside the analysis
         self._closed = False
@@ -260,11 +234,8 @@ class Context:
         return target
 
 
-def model_of(manifest: dict) -> Model:
-    tables = tuple(TableInfo(t["name"], int(t["num_rows"]), int(t["dim"]), t.get("dtype", "float32"),
-                             t.get("kind", "pooled"), t.get("placement"), tuple(t.get("shards", ())))
-                   for t in manifest.get("tables") or [])
-    return Model(tables, int(manifest.get("world_size") or 1))
+def model_of(manifest: Manifest) -> Model:
+    return Model(manifest.tables or (), int(manifest.world_size or 1))
 
 
 def open_context(path: str | os.PathLike, options: Options | None = None, *,
@@ -274,7 +245,7 @@ def open_context(path: str | os.PathLike, options: Options | None = None, *,
     trace files."""
     run = open_run(path)
     if not run.tables():
-        raise TracekitError(f"{run.path}: the run holds no trace rows (status {run.manifest.get('status')!r}); "
+        raise TracekitError(f"{run.path}: the run holds no trace rows (status {run.manifest.status!r}); "
                             "nothing to analyse")
     try:
         return Context(run, options or Options(), memory_limit)

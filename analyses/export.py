@@ -86,10 +86,10 @@ def chrome_trace(run_dir: str | os.PathLike) -> dict:
         events.append({"name": f"{r['op']} {r['tag']}".strip(), "cat": "comm", "ph": "X", "pid": r["rank"],
                        "tid": tid, "ts": ts(r["rank"], r["t_start_ns"]),
                        "dur": (r["t_end_ns"] - r["t_start_ns"]) / 1000 if known else 0.0, "args": args})
-    ranks = sorted({*map(int, run.manifest.get("ranks") or []), *(r["rank"] for r in rows)})
+    ranks = sorted({*map(int, run.manifest.ranks or []), *(r["rank"] for r in rows)})
     threads = {(r["rank"], tid) for r, tid in zip(frames.get("comms", []), lanes)}
     return {"traceEvents": _metadata(ranks, threads) + events, "displayTimeUnit": "ms",
-            "otherData": {"run": str(run_dir), "run_id": run.manifest.get("run_id"), "origin_ns": origin,
+            "otherData": {"run": str(run_dir), "run_id": run.manifest.run_id, "origin_ns": origin,
                           "clock": clock, "time_unit": "ts and dur in microseconds from origin_ns"}}
 
 

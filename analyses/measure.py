@@ -60,6 +60,7 @@ from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_B
                               STEP_TIME, SYNC_BYTES)
 from tracekit.tags import DDP_BUCKET, DP_TAGS, SYNC_TAGS
 from tracekit.topology import Topology
+from tracekit.manifest import Manifest
 
 DDP_TAGS = (DDP_BUCKET,)
 EMBEDDING = (A2A_BYTES, A2A_REMOTE_BYTES, SYNC_BYTES, "total_bytes_per_step",
@@ -108,7 +109,7 @@ class Measured:
     """One run's figures (JSON-able) and the per-step frames they come from."""
 
     name: str
-    manifest: dict
+    manifest: Manifest
     figures: dict[str, Any]
     steps: pl.DataFrame  # step, step_time_s, samples (global), loss (mean over ranks), schedule
     calls: pl.DataFrame  # step, op, tag, kind, calls, bytes_out, wire_bytes (training comms)
@@ -129,7 +130,7 @@ def measure(ctx: Context, skip_steps: int | None) -> Measured:
                      "times are over every step")
     samples_known = kept.height > 0 and kept["samples"].null_count() == 0
     figures: dict[str, Any] = {
-        "run": name, "status": manifest.get("status"), "exit_code": manifest.get("exit_code"),
+        "run": name, "status": manifest.status, "exit_code": manifest.exit_code,
         "where": where(manifest), "world_size": ctx.model.world_size, "steps": n, "timed_steps": kept.height,
         "skip_steps": skip_steps,
         STEP_TIME: kept[STEP_TIME].median(),
@@ -140,7 +141,7 @@ def measure(ctx: Context, skip_steps: int | None) -> Measured:
         "timed_makespan_s": timed_makespan(ctx, int(kept["step"].min())) if kept.height else None,
         **bytes_figures(calls, n),
         **node_bytes(ctx, n),
-        "metrics": {k: (manifest.get("metrics") or {}).get(k) for k in METRICS},
+        "metrics": {k: (manifest.metrics or {}).get(k) for k in METRICS},
         "by_op_tag": by_op_tag(calls, n).to_dicts(),
         "schedule": schedule_split(steps, calls).to_dicts() or None,
         "ratios": None, "loss_max_abs_diff": None, "policy": None,
@@ -244,11 +245,11 @@ def schedule_split(steps: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
             .sort("schedule", descending=True))
 
 
-def where(manifest: dict) -> str:
+def where(manifest: Manifest) -> str:
     """Device, backend, world size and cores of a run, as every timing must say (DESIGN.md §7)."""
-    devices = manifest.get("devices") or {}
-    gpus = (manifest.get("gpu") or {}).get("devices") or []
-    used = ", ".join(str(g) for g in gpus) if (manifest.get("gpu") or {}).get("samples") else devices.get("cpu", "?")
-    return (f"{used}, {manifest.get('backend', '?')}, world {manifest.get('world_size', '?')}, "
+    devices = manifest.devices or {}
+    gpus = (manifest.gpu or {}).get("devices") or []
+    used = ", ".join(str(g) for g in gpus) if (manifest.gpu or {}).get("samples") else devices.get("cpu", "?")
+    return (f"{used}, {manifest.backend or '?'}, world {manifest.world_size or '?'}, "
             f"{devices.get('cores', '?')} cores")
 

@@ -200,8 +200,8 @@ def _network(ctx: Context) -> Network:
     notes: list[str] = []
     calibration = _calibration(ctx, notes)
     # nodes: hosts, or the emulated nodes of `tracekit cluster` (one host, a shaped link between them)
-    hosts = max(len(ctx.manifest.get("hosts") or ()), int((ctx.manifest.get("topology") or {}).get("nodes") or 1))
-    cores = int((ctx.manifest.get("devices") or {}).get("cores") or (calibration or {}).get("machine", {}).get("cores")
+    hosts = max(len(ctx.manifest.hosts or ()), int((ctx.manifest.topology or {}).get("nodes") or 1))
+    cores = int((ctx.manifest.devices or {}).get("cores") or (calibration or {}).get("machine", {}).get("cores")
                 or 1)
     return Network(ctx.model.world_size, fit_calls(ctx, notes), step_time(ctx), calibration, notes,
                    ctx.model.world_size / hosts, cores, hosts)

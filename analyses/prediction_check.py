@@ -53,12 +53,12 @@ from tracekit.policy import PolicyError, check_model, load_policy, sections
 def applied_policy(m: Measured) -> tuple[dict | None, dict | None, list[str]]:
     """(the policy file the run applied, or None; what the manifest says of it with a status;
     warnings). A changed file is still used; a missing, invalid or foreign one gives no predictions."""
-    ref = m.manifest.get("policy")
+    ref = m.manifest.policy
     if not ref:
         return None, None, []
     path = Path(ref.get("path") or "")
     if not path.is_absolute():
-        path = Path(m.manifest.get("cwd") or ".") / path
+        path = Path(m.manifest.cwd or ".") / path
     info = {"path": str(path), "sha256": ref.get("sha256"), "status": "verified"}
     if not path.is_file():
         info["status"] = "missing"
@@ -71,8 +71,8 @@ def applied_policy(m: Measured) -> tuple[dict | None, dict | None, list[str]]:
                         f"{digest[:12]}…: it was rewritten after the run; its predictions now are shown")
     try:
         policy = load_policy(path)
-        check_model(policy, tables=m.manifest.get("tables") or [], world_size=int(m.manifest.get("world_size") or 1),
-                    path=path)
+        check_model(policy, tables=[t.to_json() for t in m.manifest.tables or ()],
+                    world_size=int(m.manifest.world_size or 1), path=path)
     except PolicyMismatch as err:
         info["status"] = "another model"
         return None, info, [*warnings, f"{m.name}: {err}"]
@@ -124,7 +124,7 @@ PLAN_FIGURES = (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, STEP_TIME)
 def plan_rows(m: Measured, base: Measured) -> list[dict]:
     """Predicted against measured for a TorchRec plan the run was recorded with (`record --plan`; the
     manifest keeps the plan as it was read, analyses/torchrec_plans.py's predictions in it)."""
-    plan = (m.manifest.get("torchrec_plan") or {}).get("plan") or {}
+    plan = (m.manifest.torchrec_plan or {}).get("plan") or {}
     predicted = plan.get("predicted") or {}
     intervals = plan.get("intervals") or {}
     section = "torchrec_plan.qcomms" if plan.get("qcomms") else "torchrec_plan"

@@ -34,29 +34,29 @@ IGNORED_OPTIONS = {"--policy": True, "-o": True, "--out": True, "--output": True
 
 def check_same_model(base: Measured, ctx: Context) -> None:
     """RunMismatch naming both runs and every difference in tables or world size."""
-    ours = {t["name"]: t for t in base.manifest.get("tables") or []}
-    theirs = {t["name"]: t for t in ctx.manifest.get("tables") or []}
+    ours = {t.name: t for t in base.manifest.tables or ()}
+    theirs = {t.name: t for t in ctx.manifest.tables or ()}
     run = str(ctx.path)
     differences = [f"table {n} only in {base.name}" for n in sorted(set(ours) - set(theirs))]
     differences += [f"table {n} only in {run}" for n in sorted(set(theirs) - set(ours))]
     for name in sorted(set(ours) & set(theirs)):
         for key in ("num_rows", "dim"):
-            if ours[name].get(key) != theirs[name].get(key):
-                differences.append(f"table {name}: {key} {ours[name].get(key)} in {base.name}, "
-                                   f"{theirs[name].get(key)} in {run}")
-    if base.manifest.get("world_size") != ctx.manifest.get("world_size"):
-        differences.append(f"world size {base.manifest.get('world_size')} in {base.name}, "
-                           f"{ctx.manifest.get('world_size')} in {run}")
+            if getattr(ours[name], key) != getattr(theirs[name], key):
+                differences.append(f"table {name}: {key} {getattr(ours[name], key)} in {base.name}, "
+                                   f"{getattr(theirs[name], key)} in {run}")
+    if base.manifest.world_size != ctx.manifest.world_size:
+        differences.append(f"world size {base.manifest.world_size} in {base.name}, "
+                           f"{ctx.manifest.world_size} in {run}")
     if differences:
         raise RunMismatch(f"{run} and {base.name} were recorded from different models: {'; '.join(differences)}; "
                           "compare runs of one model and data (the same tables, rows, dim and world size)")
 
 
 def status_warnings(m: Measured) -> list[str]:
-    status = m.manifest.get("status")
+    status = m.manifest.status
     if status == STATUS_COMPLETED:
         return []
-    return [f"{m.name} is {status} (exit code {m.manifest.get('exit_code')}): its figures cover what was recorded"]
+    return [f"{m.name} is {status} (exit code {m.manifest.exit_code}): its figures cover what was recorded"]
 
 
 def difference_warnings(base: Measured, m: Measured) -> list[str]:
@@ -69,7 +69,7 @@ def difference_warnings(base: Measured, m: Measured) -> list[str]:
     samples, base_samples = m.figures["samples_per_step"], base.figures["samples_per_step"]
     if samples is not None and base_samples is not None and samples != base_samples:
         out.append(f"{m.name} has {samples:g} samples per step, {base.name} {base_samples:g}")
-    changed = command_changes(base.manifest.get("command") or [], m.manifest.get("command") or [])
+    changed = command_changes(base.manifest.command or [], m.manifest.command or [])
     if changed:
         out.append(f"{m.name}'s command differs from {base.name}'s beyond --policy, -o/--out and --json: "
                    + "; ".join(changed))

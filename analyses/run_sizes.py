@@ -5,7 +5,7 @@ the trainer's optimizer and the intra-op threads its ranks ran with. Read with t
 
     sizes = run_sizes("runs/base")                        # the rows' lookups summed from the accesses
     sizes = run_sizes("runs/base", kept_file(ctx))        # or read from analyze's kept totals
-    sizes.tables[0]["num_rows"], sizes.row_counts.num_rows
+    sizes.tables[0].num_rows, sizes.row_counts.num_rows
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tracekit.errors import TracekitError
 from tracekit.phases import TRAIN
 from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
+from tracekit.manifest import Table
 
 
 @dataclass
@@ -29,7 +30,7 @@ class RunSizes:
     """What the calibration takes from a run."""
 
     run: str
-    tables: list[dict]  # the manifest's table entries (name, num_rows, dim, kind, ...)
+    tables: tuple[Table, ...]  # the manifest's tables
     samples: list[int]  # samples of each training step, per rank
     row_counts: pa.Table | None  # (table_name, row, count): each row's training lookups; None: no accesses
     world_size: int
@@ -44,7 +45,7 @@ def run_sizes(run_dir: str | os.PathLike, row_totals: str | os.PathLike | None =
     run_dir = Path(run_dir)
     run = open_run(run_dir)
     manifest = run.manifest
-    entries = manifest.get("tables") or []
+    entries = manifest.tables or ()
     if not entries:
         raise TracekitError(f"{run_dir}: the manifest names no embedding tables; nothing to calibrate")
     present = run.tables()
@@ -57,9 +58,8 @@ def run_sizes(run_dir: str | os.PathLike, row_totals: str | os.PathLike | None =
         counts = _row_counts(run, con, row_totals) if row_totals is not None or "accesses" in present else None
     finally:
         con.close()
-    return RunSizes(str(run_dir), entries, samples, counts, int(manifest.get("world_size") or 1),
-                    _optimizer(manifest.get("command") or []),
-                    int((manifest.get("environment") or {}).get("OMP_NUM_THREADS", 0)))
+    return RunSizes(str(run_dir), entries, samples, counts, int(manifest.world_size or 1),
+                    _optimizer(manifest.command or []), int((manifest.environment or {}).get("OMP_NUM_THREADS", 0)))
 
 
 def _train(run: Run, table: str, con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyRelation:

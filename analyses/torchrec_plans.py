@@ -217,7 +217,7 @@ def torchrec_estimates(ctx: Context, L: Loads, recorded: dict[str, dict], derive
     """What TorchRec's own planner estimates for the recorded and the derived plan (per rank: its
     estimator's forward and backward compute and comms, ms), from tracekit/app/torchrec_estimates.py run
     in the job's own Python; {"error": why} where that cannot be done."""
-    python = _job_python(ctx.manifest.get("command") or [])
+    python = _job_python(ctx.manifest.command or [])
     if python is None:
         return {"error": "the recorded command names no Python to run TorchRec's planner in"}
     from analyses.planner import ids_per_bag
@@ -226,7 +226,7 @@ def torchrec_estimates(ctx: Context, L: Loads, recorded: dict[str, dict], derive
     topology = Topology.of_run(ctx.manifest, L.world)
     request = {"world_size": L.world, "ranks_per_node": topology.ranks_per_node,
                "batch_size": max(1, round(float(L.batch.mean()))),
-               "link_bytes_per_s": (ctx.manifest.get("topology") or {}).get("link_bytes_per_s"),
+               "link_bytes_per_s": (ctx.manifest.topology or {}).get("link_bytes_per_s"),
                "tables": [{"name": name, "num_embeddings": int(L.rows[t]), "embedding_dim": int(L.dims[t]),
                            "features": int(L.features[t]), "pooling_factor": pooling.get(name)}
                           for t, name in enumerate(L.names)],
@@ -254,7 +254,7 @@ def _job_python(command: list[str]) -> str | None:
 def _link_s_per_byte(ctx: Context) -> float | None:
     """Seconds per byte on the link between an emulated cluster's nodes (manifest `topology`, at
     TCP's wire efficiency); None on one host, whose all-to-alls' own prices stand in for it."""
-    rate = (ctx.manifest.get("topology") or {}).get("link_bytes_per_s")
+    rate = (ctx.manifest.topology or {}).get("link_bytes_per_s")
     return 1.0 / (rate * network.WIRE_EFFICIENCY) if rate else None
 
 

@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from tracekit.parts import PARQUET_OPTIONS, write_part  # noqa: E402
 from tracekit.schema import TABLES, file_metadata  # noqa: E402
-from tracekit.store import write_manifest  # noqa: E402
+from tracekit import manifest as run_manifest  # noqa: E402
+from tracekit.manifest import Manifest  # noqa: E402
 
 BATCH_PER_RANK = 4096
 WORLD = 2
@@ -143,7 +144,7 @@ def generate(run_dir: Path, target_rows: int, seed: int = 0) -> dict:
     for writer in writers:
         writer.flush(step - 1)
     write_steps(run_dir, step)
-    write_manifest(run_dir, manifest(step, written))
+    run_manifest.write(run_dir, Manifest.from_json(manifest(step, written)))
     half = run_dir.with_name(run_dir.name + "-half")
     link_half(run_dir, half, writers, written)
     return {"rows": written, "steps": step}
@@ -165,7 +166,7 @@ def link_half(run_dir: Path, half: Path, writers: list[PartWriter], total_rows: 
             target.parent.mkdir(parents=True, exist_ok=True)
             os.link(path, target)
     write_steps(half, steps)
-    write_manifest(half, manifest(steps, rows_before[steps]))
+    run_manifest.write(half, Manifest.from_json(manifest(steps, rows_before[steps])))
 
 
 def ensure(run_dir: Path, target_rows: int) -> None:

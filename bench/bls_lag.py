@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from analyses.context import open_context  # noqa: E402
 from analyses.policies import lag  # noqa: E402
 from analyses.timeline import compute as timeline  # noqa: E402
+from tracekit import manifest  # noqa: E402
 
 
 def main() -> None:
@@ -82,7 +83,7 @@ def main() -> None:
         plain = traced(f"r{r}-balanced-sync", model)
         c_b, x_b = _work(args.out / f"r{r}-balanced-sync", args.steps)
         # the exchange thread overlaps the compute only where a rank has a core (or a GPU) to spare
-        overlap = lag.overlaps(json.loads((args.out / f"r{r}-balanced-sync" / "manifest.json").read_text()))
+        overlap = lag.overlaps(manifest.read(args.out / f"r{r}-balanced-sync"))
         balanced = run(f"r{r}-balanced-bound{largest}", [*model, "--lag-bound", str(largest)])["makespan_s"]
         # 3. stragglers, synchronous collectives: measured, and its trace's compute and transfer
         sync = traced(f"r{r}-sync", stragglers)
@@ -149,7 +150,7 @@ class Runner:
         if done.returncode:
             sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
         if self.record:
-            return json.loads((run_dir / "manifest.json").read_text())["metrics"]
+            return manifest.read(run_dir).metrics
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -151,7 +151,7 @@ def _record(run_dir: Path, command: list[str], reuse: bool, *, default_settings:
     run = open_run(run_dir)
     comms = run.scan("comms").filter((pl.col("phase") == "train") & pl.col("tag").is_in([BASE_TAG, LABEL])).collect()
     steps = run.scan("steps").filter(pl.col("rank") == 0).select(pl.col("step").n_unique()).collect().item()
-    metrics = run.manifest.get("metrics", {})
+    metrics = run.manifest.metrics or {}
     return {"dp_bytes_per_step": comms["bytes_out"].sum() / steps, "calls_per_step": comms.height / steps,
             "ops": dict(comms.group_by("op").len().iter_rows()), "steps": steps,
             "eval_auc": metrics.get("eval_auc"), "samples_per_s": metrics.get("samples_per_s")}

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from analyses import quality  # noqa: E402
-from tracekit.app import recording  # noqa: E402
+from tracekit import manifest  # noqa: E402
 from tracekit.app.cluster import Cluster  # noqa: E402
 from tracekit.figures import AUC_CHANGE  # noqa: E402
 from tracekit.app.optimize import _why_not, _write_sections, record  # noqa: E402
@@ -116,7 +116,7 @@ def measure(w: Workload, folder: Path, say) -> dict:
 
     def metrics(name: str, run_command: list[str]) -> dict | None:
         code = run(folder / name, run_command, folder / f"{name}.log")
-        return recording.read_manifest(folder / name).get("metrics") or {} if code == 0 else None
+        return manifest.read(folder / name).metrics or {} if code == 0 else None
 
     base, row = folder / "base", {"workload": w.name, "status": "ok", "sections": []}
     say("recording the baseline")

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tracekit.parts import PARQUET_OPTIONS, write_part  # noqa: E402
-from tracekit.schema import MANIFEST  # noqa: E402
+from tracekit.run_dir import MANIFEST  # noqa: E402
 
 TIME_COLUMNS = ("t_start_ns", "t_end_ns", "t_ns")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tracekit import manifest  # noqa: E402
 from tracekit.torchrec_plan import from_manifest, read_plan, write_plan  # noqa: E402
 
 TORCHREC_PYTHON = ROOT / "bench" / ".venv-torchrec" / "bin" / "python"
@@ -78,7 +79,7 @@ def main() -> None:
                 raise SystemExit(f"optimize {shape} {link} failed:\n{done.stderr[-3000:]}")
             derived = read_plan(out / "base" / "torchrec_plan.json")
             own = out / "own_plan.json"
-            write_plan(own, from_manifest(json.loads((out / "base" / "manifest.json").read_text())))
+            write_plan(own, from_manifest(manifest.read(out / "base")))
             summary = json.loads(done.stdout) if done.stdout.strip() else {"rows": [], "notes": []}
             checks = {(r["section"], r["figure"]): r for r in summary["rows"]
                       if r["section"] in ("torchrec_plan", "torchrec_plan.qcomms")}

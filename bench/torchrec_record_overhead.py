@@ -79,7 +79,7 @@ def main() -> int:
                 train_ms[name].append(summary.get("train_thread_cpu_ms", math.nan))
                 if name in traced and summary:
                     run = open_run(run_dirs[name])
-                    writer_ms[name].append(1000 * statistics.mean(run.manifest["writer_cpu_s"].values())
+                    writer_ms[name].append(1000 * statistics.mean(run.manifest.writer_cpu_s.values())
                                            / (args.steps + args.warmup))
                     recorded = run.scan("accesses").select("count").collect()["count"].sum()
                     if recorded < expected:

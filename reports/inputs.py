@@ -14,7 +14,10 @@ from typing import Any
 
 import polars as pl
 
+from tracekit import manifest
 from tracekit.errors import RunNotFound, TracekitError
+from tracekit.manifest import Manifest
+from tracekit.run_dir import MANIFEST
 
 SUMMARY = Path("analysis") / "summary.json"
 """What `tracekit analyze` writes last: a run without it has not been analysed."""
@@ -23,7 +26,7 @@ SUMMARY = Path("analysis") / "summary.json"
 @dataclass
 class RunInputs:
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     tables: dict[str, pl.DataFrame]
     policy: dict[str, Any] | None
     summary: dict[str, Any] | None = None  # analyze's summary (analysis/summary.json)
@@ -46,9 +49,8 @@ def load(path: str | os.PathLike, *, analysed: bool = True) -> RunInputs:
     """The run at `path`; with `analysed`, a run `tracekit analyze` has not analysed raises TracekitError
     (a run only compared with another needs no analysis)."""
     path = Path(path)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        raise RunNotFound(f"{path} is not a run: it has no manifest.json (record one with `tracekit record`)")
+    if not (path / MANIFEST).is_file():
+        raise RunNotFound(f"{path} is not a run: it has no {MANIFEST} (record one with `tracekit record`)")
     summary_path = path / SUMMARY
     if analysed and not summary_path.is_file():
         raise NotAnalysed(f"{path} has not been analysed (no {SUMMARY}): run `tracekit analyze "
@@ -61,7 +63,7 @@ def load(path: str | os.PathLike, *, analysed: bool = True) -> RunInputs:
         hot = path / "policy" / "hot_rows.parquet"
         if hot.is_file():
             tables["hot_rows"] = pl.read_parquet(hot)
-    return RunInputs(path, json.loads(manifest_path.read_text()), tables, policy, summary, _gpu(path))
+    return RunInputs(path, manifest.read(path), tables, policy, summary, _gpu(path))
 
 
 def _floats(frame: pl.DataFrame) -> pl.DataFrame:

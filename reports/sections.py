@@ -172,7 +172,7 @@ def timeline(run: RunInputs) -> Section:
         s.charts.append(Chart(fig, "Dips in utilisation line up with communication the GPU waits for."))
     else:
         s.missing.append("NVML metrics: the run has no GPU samples (" +
-                         str((run.manifest.get("gpu") or {}).get("reason") or "no GPU") + ")")
+                         str((run.manifest.gpu or {}).get("reason") or "no GPU") + ")")
     return s
 
 
@@ -222,7 +222,7 @@ def simulate(run: RunInputs) -> Section | None:
         for (name,), part in sweep.sort("inter_bw").group_by("policy", maintain_order=True):
             fig.add_scatter(x=(part["inter_bw"] * 8).to_list(), y=part["speedup"].to_list(), mode="lines+markers",
                             name=esc(name))
-        topology = run.manifest.get("topology") or {}
+        topology = run.manifest.topology or {}
         if topology.get("link_bytes_per_s"):
             fig.add_vline(x=topology["link_bytes_per_s"] * 8, line_dash="dot",
                           annotation_text=esc(f"recorded on {topology.get('link')}"))

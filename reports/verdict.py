@@ -32,8 +32,8 @@ def verdict(runs: list[RunInputs], compare: dict | None) -> list[str]:
         if top["num_rows"]:
             lines.append(f"in table {top['table_name']} (most lookups), {top['rows_for_90pct'] / top['num_rows']:.1%} "
                          f"of rows take 90% of lookups (Zipf α {show('zipf_alpha', top['zipf_alpha'])})")
-    if base.manifest.get("status") != "completed":
-        lines.append(f"the run is {base.manifest.get('status')} (exit code {base.manifest.get('exit_code')}): "
+    if base.manifest.status != "completed":
+        lines.append(f"the run is {base.manifest.status} (exit code {base.manifest.exit_code}): "
                      "figures cover what was recorded")
     return lines or ["no analysis figure to summarise (see the sections for what is missing)"]
 
@@ -59,16 +59,16 @@ def overview(runs: list[RunInputs]) -> Section:
     rows = []
     for run in runs:
         m = run.manifest
-        devices = m.get("devices", {})
-        gpus = (m.get("gpu") or {}).get("devices") or []
+        devices = m.devices or {}
+        gpus = (m.gpu or {}).get("devices") or []
         device = ", ".join(str(g.get("name", g)) if isinstance(g, dict) else str(g) for g in gpus) or \
             f"{devices.get('cpu', '?')}, {devices.get('cores', '?')} cores"
-        steps = m.get("steps")
+        steps = m.steps
         steps = ", ".join(f"{k}: {v}" for k, v in steps.items()) if isinstance(steps, dict) else steps
-        metrics = m.get("metrics") or {}
-        rows.append([run.name, m.get("status"), m.get("exit_code"), len(m.get("ranks") or []), m.get("backend"),
-                     device, len(m.get("tables") or []), steps, show("samples_per_s", metrics.get("samples_per_s"))])
-        s.intro.append(f"<p><code>{esc(run.name)}</code>: <code>{esc(shlex.join(map(str, m.get('command') or [])))}"
+        metrics = m.metrics or {}
+        rows.append([run.name, m.status, m.exit_code, len(m.ranks or []), m.backend,
+                     device, len(m.tables or ()), steps, show("samples_per_s", metrics.get("samples_per_s"))])
+        s.intro.append(f"<p><code>{esc(run.name)}</code>: <code>{esc(shlex.join(map(str, m.command or [])))}"
                        "</code></p>")
     s.intro.insert(0, table(["run", "status", "exit code", "ranks", "backend", "devices", "tables", "steps per rank",
                              "samples/s"], rows, left={0, 1, 4, 5, 7}))
@@ -84,29 +84,29 @@ def warnings(run: RunInputs) -> list[str]:
     """What a reader must know before trusting the figures of `run`."""
     m = run.manifest
     out = []
-    if m.get("status") != "completed":
-        out.append(f"partial run: status {m.get('status')}, exit code {m.get('exit_code')}; the figures cover the "
+    if m.status != "completed":
+        out.append(f"partial run: status {m.status}, exit code {m.exit_code}; the figures cover the "
                    "steps recorded before it ended")
     lost = lost_rows(m)
     if lost:
-        out.append(loss_warning(lost, m.get("lost_lookups")))
-    window = Window.of_settings(m.get("collector_settings"))
+        out.append(loss_warning(lost, m.lost_lookups))
+    window = Window.of_settings(m.collector_settings)
     if not window.everything:
         out.append(f"accesses, lookups and comms were recorded on {window.describe()} (record --steps/--every): "
                    "every figure is over those steps")
-    if m.get("truncated_at"):
+    if m.truncated_at:
         out.append("the trace is incomplete (truncated_at): " + ", ".join(
-            f"rank {r} whole up to step {s}" for r, s in sorted(m["truncated_at"].items())) + "; figures cover those")
-    gpu = m.get("gpu") or {}
+            f"rank {r} whole up to step {s}" for r, s in sorted(m.truncated_at.items())) + "; figures cover those")
+    gpu = m.gpu or {}
     if not gpu.get("samples"):
         out.append(f"no GPU samples: {gpu.get('reason') or 'NVML recorded nothing'}")
-    if not m.get("tables"):
+    if not m.tables:
         out.append("the manifest lists no embedding tables (a user script without nn.Embedding lookups): "
                    "no skew, cache or policy figures")
     if run.summary:
         out.extend(f"policy {k} not derived: {v}" for k, v in run.summary.get("not_derived", {}).items())
         out.extend(run.summary.get("notes", []))
         out.extend(run.summary.get("warnings", []))
-    for error in m.get("finalise_errors") or []:
+    for error in m.finalise_errors or []:
         out.append(f"manifest incomplete: {error}")
     return list(dict.fromkeys(out))  # analyze's summary repeats what the manifest says (the loss)

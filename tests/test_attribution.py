@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.manifests import write_manifest
 from analyses import attribution
 from analyses.context import Options, open_context
 from tests.recorded import REPO, TINY, record
 from tracekit.dlrm.data import open_dataset
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 
 def table(name: str, rows: int, *, dim: int = 4, kind: str = "pooled", owner: int | None = 0,

@@ -54,7 +54,7 @@ def _recorded(tmp_path: Path, *extra: str) -> tuple[dict, dict[int, list[tuple[i
     steps = run.relation("steps").pl().sort("rank", "step")
     ends = {rank: list(zip(part["t_start_ns"].to_list(), part["t_end_ns"].to_list()))
             for (rank,), part in steps.group_by("rank")}
-    return run.manifest, ends
+    return run.manifest.to_json(), ends
 
 
 @pytest.mark.parametrize("bound", [0, 2])

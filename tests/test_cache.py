@@ -14,10 +14,11 @@ import numpy as np
 import polars as pl
 import pytest
 
+from tests.manifests import write_manifest
 from analyses import cache, cache_sim, skew, torchrec_cache_stats
 from analyses.context import open_context
 from tests.test_skew import accesses_of, table_entry, write_run, zipf_ranks, zipf_steps
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 MASK = (1 << 64) - 1
 

@@ -16,13 +16,13 @@ import pytest
 from click.testing import CliRunner
 import torch
 
+from tests.manifests import read_manifest, write_manifest
 from tests.recorded import REPO, TINY, record
 from tracekit.app.calibration import read_inputs
 from tracekit.app.cli import cli
 from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.timing import fit_nonnegative
 from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA
-from tracekit.store import read_manifest, write_manifest
 
 COEFFICIENTS = {  # section -> the coefficients its linear model has (seconds)
     "dct_dp": ("c_bucket_s", "c_elem_s", "c_refresh_elem_s", "residual_s", "refresh_residual_s"),

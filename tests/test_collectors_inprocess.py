@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 import tracekit
+from tests.manifests import write_manifest
 from collectors import counting, embedding, lookups, staging, steps
 from collectors.bootstrap import is_launcher
 from collectors.steps import StepClock
 import tracekit.store
 from tracekit.run import open_run
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 REPO = Path(__file__).resolve().parents[1]
 

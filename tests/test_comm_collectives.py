@@ -27,11 +27,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.manifests import write_manifest
 from collectors import comm
 from collectors.steps import StepClock
 from tests.multiprocess import run_ranks
 from tracekit.run import open_run
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 W = 2
 NO_SPLITS = ("all_reduce", "barrier")  # ops whose exchange per peer depends on the algorithm: splits []

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.manifests import write_manifest
 from analyses.policies.dct_dp import _choose
 from collectors import comm, grads
 from collectors.steps import StepClock
@@ -39,7 +40,7 @@ from tracekit.dlrm.data import open_dataset
 from tracekit.dlrm.train import _sum_allreduce_hook, build_tables, run
 from tracekit.policy import new_policy, validate, write_policy
 from tracekit.run import open_run
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 W = 2
 CFG = TrainConfig(batch_size=32, sharding="table", optimizer="sgd", **SMALL)

@@ -12,12 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from tests.manifests import write_manifest
 from collectors import dct_replay, grads, steps
 from collectors.steps import StepClock
 from tests.test_collectors_inprocess import global_hook_counts, read
 from tracekit.schema import GRAD_QUANTILES, KEEP_RATIOS
 from tracekit.run import open_run
-from tracekit.store import RunWriter, to_batch, write_manifest
+from tracekit.store import RunWriter, to_batch
 
 
 def make_model() -> nn.Sequential:

@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 import tracekit
+from tests.manifests import write_manifest
 from collectors import embedding, phase, steps
 from collectors.steps import StepClock
 from tests.recorded import REPO, TINY, expected_accesses, record, record_gloo, sample_accesses
 from tracekit.parts import write_part
 from tracekit.run import open_run
 from tracekit.schema import file_metadata
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 
 class Doubler(torch.autograd.Function):

@@ -179,7 +179,7 @@ def test_numpy_sizes_keep_the_rank_report_and_the_manifest_whole(tmp_path: Path)
     report = json.loads((run_dir / "ranks" / "rank=1.json").read_text())
     assert report["steps"] == 5 and "tables" not in report and "clock_anchor" not in report
     assert [e.split(":")[0] for e in report["report_errors"]] == ["closing writer", "tables", "clock_anchor"]
-    manifest = recording.finalise(run_dir, 0, False)
+    manifest = recording.finalise(run_dir, 0, False).to_json()
     assert manifest["ranks"] == [0, 1] and manifest["steps"] == {"0": 3, "1": 5}
     assert [(t["num_rows"], t["dim"]) for t in manifest["tables"]] == [(100, 4)]  # rank 0's survive rank 1's failure
     assert [e.split(":")[0] for e in manifest["finalise_errors"]] == [
@@ -193,7 +193,7 @@ def test_a_part_that_raises_is_named_and_the_rest_of_the_manifest_written(tmp_pa
     run_dir = tmp_path / "run"
     report = json.loads((run_dir / "ranks" / "rank=0.json").read_text())
     (run_dir / "ranks" / "rank=0.json").write_text(json.dumps({**report, "tables": "not a list of tables"}))
-    manifest = recording.finalise(run_dir, 0, False)
+    manifest = recording.finalise(run_dir, 0, False).to_json()
     assert manifest["tables"] is None  # unknown, not "no tables"
     assert [e.split(":")[0] for e in manifest["finalise_errors"]] == ["tables"]
     assert (manifest["status"], manifest["ranks"], manifest["steps"]) == ("completed", [0], {"0": 0})

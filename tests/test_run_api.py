@@ -16,12 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 
 import tracekit
+from tests.manifests import write_manifest
 from tests.recorded import record, record_script
 from tracekit.app.rank_reports import merge_policy
 from tracekit.parts import write_part
 from tracekit.run import open_run
 from tracekit.schema import VERSION_KEY
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 ONE_PROCESS = """
 import sys, torch, tracekit

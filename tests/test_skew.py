@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.manifests import write_manifest
 from analyses import skew
 from analyses.context import open_context
 from tracekit.dlrm.presets import fit_zipf_exponent
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 # accesses: (step, rank, table, row, count, phase)
 Access = tuple[int, int, str, int, int, str]

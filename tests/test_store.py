@@ -17,13 +17,15 @@ import pyarrow.parquet as pq
 import pytest
 
 import tracekit.store
+from tests.manifests import read_manifest, write_manifest
 from tests.prerequisites import needs
 from tracekit import thread_priority
 from tracekit.errors import RunNotFound, SchemaVersionError, TracekitError
 from tracekit.parts import write_part
 from tracekit.run import open_run
-from tracekit.schema import MANIFEST, SCHEMA_VERSION, STATUS_COMPLETED, TABLE_KEY, TABLES, VERSION_KEY, file_metadata
-from tracekit.store import RunWriter, read_manifest, write_manifest
+from tracekit.run_dir import MANIFEST
+from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, TABLE_KEY, TABLES, VERSION_KEY, file_metadata
+from tracekit.store import RunWriter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +92,7 @@ def test_round_trip_polars_and_duckdb(tmp_path):
     import polars as pl
 
     run = open_run(make_run(tmp_path))
-    assert run.manifest == {"status": STATUS_COMPLETED, "world_size": 2}
+    assert run.manifest.to_json() == {"status": STATUS_COMPLETED, "world_size": 2}
     assert run.tables() == ["accesses", "comms", "steps"]
 
     acc = run.scan("accesses").collect()

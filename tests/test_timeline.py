@@ -12,6 +12,7 @@ import pytest
 from analyses import timeline
 from analyses.clocks import clock_offsets
 from analyses.context import open_context
+from tracekit.manifest import Manifest
 from tests.test_traffic import MS, bsp_run, comm, make_run
 
 WORK = np.array([[3, 5, 2, 4], [4, 1, 6, 4], [2, 2, 2, 7]]) * MS
@@ -121,10 +122,10 @@ def test_a_run_without_steps_gets_no_timeline(tmp_path: Path) -> None:
 
 
 def test_offsets_are_zero_on_one_host() -> None:
-    manifest = {"hosts": ["h"], "clock_anchors": {"0": {"monotonic_ns": 1, "wall_ns": 50},
-                                                  "1": {"monotonic_ns": 9, "wall_ns": 51}}}
+    manifest = Manifest(hosts=["h"], clock_anchors={"0": {"monotonic_ns": 1, "wall_ns": 50},
+                                                    "1": {"monotonic_ns": 9, "wall_ns": 51}})
     assert clock_offsets(manifest)[0] == {0: 0, 1: 0}
-    manifest["hosts"] = ["h", "g"]
+    manifest = manifest.updated(hosts=["h", "g"])
     assert clock_offsets(manifest)[0] == {0: 7, 1: 0}
 
 

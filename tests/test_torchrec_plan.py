@@ -19,6 +19,7 @@ from analyses.context import open_context
 from tests.recorded import REPO, record
 from tests.torchrec_env import torchrec_python  # noqa: F401
 from tracekit.app.cli import cli
+from tracekit.manifest import Manifest, read
 from tracekit.torchrec_plan import SCHEMA, PlanError, check_model, from_manifest, read_plan, validate, write_plan
 
 JOB = REPO / "tests" / "torchrec_job.py"
@@ -46,8 +47,8 @@ def record_job(python: Path, tmp: Path, plan: Path | None) -> tuple[int, Path, s
     return r.returncode, tmp / "run", r.stderr
 
 
-def manifest(run_dir: Path) -> dict:
-    return json.loads((run_dir / "manifest.json").read_text())
+def manifest(run_dir: Path) -> Manifest:
+    return read(run_dir)
 
 
 @pytest.mark.slow
@@ -61,7 +62,7 @@ def test_its_own_plan_changes_nothing_and_another_is_the_one_it_runs(torchrec_py
     assert code == 0, out
     assert json.loads((tmp_path / "again" / "out" / "losses-rank=0.json").read_text()) == untraced[0]
     assert json.loads((tmp_path / "again" / "out" / "losses-rank=1.json").read_text()) == untraced[1]
-    assert manifest(again)["torchrec_plan"]["applied"] == {"0": 1, "1": 1}
+    assert manifest(again).torchrec_plan["applied"] == {"0": 1, "1": 1}
 
     mixed = from_manifest(manifest(base))
     mixed["tables"]["t0"] |= {"sharding_type": "column_wise", "ranks": [1, 0]}
@@ -72,7 +73,7 @@ def test_its_own_plan_changes_nothing_and_another_is_the_one_it_runs(torchrec_py
     assert code == 0, out
     ran = manifest(moved)
     assert from_manifest(ran)["tables"] == mixed["tables"]  # read back from what the ranks' tables were
-    assert ran["torchrec_plan"]["plan"] == mixed and ran["finalise_errors"] == []
+    assert ran.torchrec_plan["plan"] == mixed and ran.finalise_errors == []
 
     quantized = {**from_manifest(manifest(base)), "qcomms": {"forward": "fp16", "backward": "bf16"}}
     write_plan(tmp_path / "quantized.json", quantized)
@@ -123,7 +124,7 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line(torchrec_python: Path, 
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     code, run_dir, out = record_job(torchrec_python, tmp_path, tmp_path / "plan.json")
     assert code != 0 and f"tracekit: --plan: {tmp_path / 'plan.json'}: {said}" in out, out
-    assert manifest(run_dir)["status"] == "failed"
+    assert manifest(run_dir).status == "failed"
 
 
 def test_a_bad_plan_file_is_refused_before_the_command_runs(tmp_path: Path) -> None:
@@ -148,8 +149,8 @@ def test_a_plan_no_rank_applied_is_named(tmp_path: Path) -> None:
                            options=("--plan", str(tmp_path / "plan.json")))
     assert code == 0
     ran = manifest(run_dir)
-    assert ran["torchrec_plan"]["applied"] == {"0": 0}
-    assert any("no rank built a TorchRec DistributedModelParallel" in e for e in ran["finalise_errors"])
+    assert ran.torchrec_plan["applied"] == {"0": 0}
+    assert any("no rank built a TorchRec DistributedModelParallel" in e for e in ran.finalise_errors)
 
 
 def test_the_plan_files_checks() -> None:
@@ -251,12 +252,12 @@ def test_optimize_reruns_a_torchrec_job_with_its_derived_plan(torchrec_python: P
     assert plan["tables"]["t1"]["ranks"] == plan["tables"]["t2"]["ranks"] != plan["tables"]["t0"]["ranks"]
     ran = manifest(tmp_path / "opt" / "torchrec_plan")
     assert from_manifest(ran)["tables"] == plan["tables"]
-    assert ran["command"] == manifest(tmp_path / "opt" / "base")["command"]  # the job unchanged
+    assert ran.command == manifest(tmp_path / "opt" / "base").command  # the job unchanged
     for section in ("torchrec_plan", "torchrec_plan.qcomms"):  # --check-all: the quantized variant too
         rows = {row["figure"]: row for row in summary["rows"] if row["section"] == section}
         for figure in ("a2a_bytes_per_step", "a2a_remote_bytes_per_step", "allreduce_bytes_per_step"):
             assert rows[figure]["diff"] == 0, (section, rows[figure])
-    quantized = manifest(tmp_path / "opt" / "torchrec_plan_qcomms")["torchrec_plan"]["plan"]
+    quantized = manifest(tmp_path / "opt" / "torchrec_plan_qcomms").torchrec_plan["plan"]
     assert quantized["qcomms"] == {"forward": "fp16", "backward": "bf16"} and quantized["recommended"] is False
     assert any(note.startswith("a TorchRec job: tracekit's policy sections apply") for note in summary["notes"])
     measured = {run["run"]: run for run in summary["runs"]}

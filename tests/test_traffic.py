@@ -15,10 +15,11 @@ import numpy as np
 import polars as pl
 import pytest
 
+from tests.manifests import write_manifest
 from analyses import traffic
 from analyses.context import open_context
 from tracekit.run import open_run
-from tracekit.store import RunWriter, write_manifest
+from tracekit.store import RunWriter
 
 MS = 1_000_000
 

@@ -17,9 +17,10 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
+from tests.manifests import read_manifest, write_manifest
 from tests.recorded import REPO, TINY, record
 from tracekit.app.cli import cli
-from tracekit.store import RunWriter, read_manifest, write_manifest
+from tracekit.store import RunWriter
 from tracekit.app.watch import RunReader, watch
 
 MS = 1_000_000

@@ -5,16 +5,20 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tracekit.manifest import Manifest
 
 
-def lost_rows(manifest: dict) -> dict[str, int]:
+def lost_rows(manifest: Manifest) -> dict[str, int]:
     """Rows lost per trace table, all ranks together: the manifest's `lost_rows`, or for a run recorded
     before it, the sum of `dropped_rows` over ranks. For `accesses`, ids never counted are counted as
     rows (at most one row each); `lost_lookups` has the lookups."""
-    if manifest.get("lost_rows") is not None:
-        return dict(manifest["lost_rows"])
+    if manifest.lost_rows is not None:
+        return dict(manifest.lost_rows)
     total: Counter[str] = Counter()
-    for per_table in (manifest.get("dropped_rows") or {}).values():
+    for per_table in (manifest.dropped_rows or {}).values():
         total.update(per_table)
     return {table: n for table, n in sorted(total.items()) if n}
 

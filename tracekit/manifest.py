@@ -20,18 +20,21 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tracekit.errors import RunNotFound, TracekitError
 from tracekit.files import write_text
-from tracekit.schema import MANIFEST
+from tracekit.run_dir import MANIFEST, RunDir
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
-"""Bytes of one element of an embedding table's dtype (the manifest's `dtype`)."""
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2, "int32": 4,
+               "int64": 8}
+"""Bytes of an element of each dtype, as the manifest and `comms` name them (less any `torch.`)."""
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes of one element of `dtype`, 4 (float32's) for a dtype the table above does not name."""
-    return DTYPE_BYTES.get(dtype, 4)
+    """Bytes of one element of `dtype` (with or without `torch.`), 4 (float32's) for a dtype the
+    table above does not name."""
+    return DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ class Manifest:
     collector_settings: dict = field(default_factory=dict)
     topology: dict | None = None  # written by `tracekit cluster`
     gpu: dict | None = None
-    tables: tuple[Table, ...] = ()
+    tables: tuple[Table, ...] | None = ()  # None: the recording could not say (`finalise_errors` says why)
     torchrec_plan: dict | None = None
     policy: dict | None = None  # {"path", "sha256", "applied", ...}: what the traced program applied
     metrics: dict | None = None
@@ -151,20 +154,30 @@ class Manifest:
     def from_json(cls, body: dict) -> Manifest:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "present"}
         known = {k: v for k, v in body.items() if k in names}
-        if "tables" in known:
-            known["tables"] = tuple(Table.from_json(t) for t in known["tables"] or ())
+        if known.get("tables") is not None:
+            known["tables"] = tuple(Table.from_json(t) for t in known["tables"])
         return cls(**known, extra={k: v for k, v in body.items() if k not in names},
                    present=frozenset(body))
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ("extra", "present") and (self.present is None or f.name in self.present)}
-        if "tables" in out:
+        if out.get("tables") is not None:
             out["tables"] = [t.to_json() for t in self.tables]
         return {**out, **self.extra}
 
+    @classmethod
+    def of(cls, **fields: Any) -> Manifest:
+        """A manifest that writes just `fields` (a run's first manifest, before the ranks report)."""
+        return cls(**fields, present=frozenset(fields))
+
+    def updated(self, **fields: Any) -> Manifest:
+        """This manifest with `fields` set (and written, should the file it was read from lack them)."""
+        present = None if self.present is None else self.present | fields.keys()
+        return dataclasses.replace(self, **fields, present=present)
+
     def table(self, name: str) -> Table:
-        for table in self.tables:
+        for table in self.tables or ():
             if table.name == name:
                 return table
         raise KeyError(name)
@@ -176,7 +189,7 @@ def read(run_dir: str | os.PathLike) -> Manifest:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunNotFound(f"{run_dir} does not exist (a run directory from `tracekit record -o`?)")
-    path = run_dir / MANIFEST
+    path = RunDir(run_dir).manifest
     if not path.is_file():
         raise RunNotFound(f"{run_dir} has no {MANIFEST}; is it a tracekit run directory?")
     try:
@@ -191,9 +204,8 @@ def read(run_dir: str | os.PathLike) -> Manifest:
         raise TracekitError(f"{path}: a table or shard lacks a field or has a bad value ({e!r})") from e
 
 
-def write(run_dir: str | os.PathLike, manifest: Manifest | dict) -> Path:
+def write(run_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write `<run_dir>/manifest.json` atomically: the old manifest stays intact unless the new one is
     complete (data that JSON cannot encode raises TypeError before any file is touched)."""
-    body = manifest.to_json() if isinstance(manifest, Manifest) else manifest
-    text = json.dumps(body, sort_keys=True, indent=2) + "\n"
-    return write_text(Path(run_dir) / MANIFEST, text)
+    text = json.dumps(manifest.to_json(), sort_keys=True, indent=2) + "\n"
+    return write_text(RunDir(run_dir).manifest, text)

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from tracekit.errors import SchemaVersionError, TracekitError
 from tracekit.phases import TRAIN
 from tracekit.schema import SCHEMA_VERSION, TABLES, VERSION_KEY, major
-from tracekit.store import read_manifest
+from tracekit.manifest import read as read_manifest
 
 if TYPE_CHECKING:
     import duckdb
@@ -50,7 +50,7 @@ class Run:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.manifest: dict = read_manifest(path)
+        self.manifest = read_manifest(path)
         self._checked: set[str] = set()
         self._filled: dict[str, list[str]] = {}  # table -> the LATER_COLUMNS its part files predate
 

@@ -1,5 +1,5 @@
 """The trace tables of DESIGN.md §3, defined once as Arrow schemas, with the schema version and the
-manifest's file name and status values.
+manifest's status values (the run directory's file names are tracekit/run_dir.py's).
 
 Writers (collectors, through `tracekit.store`), readers (`tracekit.run`) and tests import these
 names; no other module spells a trace table's columns. Add columns freely; never change a column's
@@ -22,8 +22,6 @@ VERSION_KEY = b"tracekit.schema_version"
 
 TABLE_KEY = b"tracekit.table"
 """Parquet key-value metadata key holding the trace table's name in every part file."""
-
-MANIFEST = "manifest.json"
 
 STATUS_RUNNING = "running"
 STATUS_COMPLETED = "completed"

@@ -1,4 +1,4 @@
-"""The run store's write side: trace rows to Parquet part files, and the run's manifest.json.
+"""The run store's write side: trace rows to Parquet part files.
 
 It runs inside traced processes, so it imports only the standard library, numpy, pyarrow and
 tracekit core (never duckdb or polars). `RunWriter.append` only validates and queues; a daemon thread
@@ -13,12 +13,11 @@ the traced program pays for neither the conversion nor the Parquet encoding on i
     writer = RunWriter("runs/base", rank=0)
     writer.append("steps", {"step": [0], "t_start_ns": [t0], "t_end_ns": [t1], "samples": [512], "loss": [0.69]})
     writer.close()
-    write_manifest("runs/base", {**manifest, "dropped_rows": writer.dropped})
+    writer.dropped                      # rows shed per table, for the manifest (tracekit/manifest.py)
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -30,10 +29,8 @@ from typing import Any, Callable, Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracekit.errors import RunNotFound, TracekitError
-from tracekit.files import write_text
 from tracekit.parts import PARQUET_OPTIONS, prime, write_part
-from tracekit.schema import MANIFEST, TABLES, file_metadata
+from tracekit.schema import TABLES, file_metadata
 from tracekit.thread_priority import may_leave_idle, renice, set_idle
 
 
@@ -403,25 +400,3 @@ def _first_step(batches: list[pa.RecordBatch]) -> int | None:
     """The least `step` among the rows of `batches`, or None where they have no steps."""
     steps = [pc.min(b.column("step")).as_py() for b in batches if "step" in b.schema.names and b.num_rows]
     return min((s for s in steps if s is not None), default=None)
-
-
-def write_manifest(run_dir: str | os.PathLike, data: dict) -> Path:
-    """Write `<run_dir>/manifest.json` atomically: the old manifest stays intact unless the new one is
-    complete (data that JSON cannot encode raises TypeError before any file is touched)."""
-    run_dir = Path(run_dir)
-    text = json.dumps(data, sort_keys=True, indent=2) + "\n"
-    return write_text(run_dir / MANIFEST, text)
-
-
-def read_manifest(run_dir: str | os.PathLike) -> dict:
-    """The manifest of the run at `run_dir`; RunNotFound if the directory or its manifest is missing."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RunNotFound(f"{run_dir} does not exist (a run directory from `tracekit record -o`?)")
-    path = run_dir / MANIFEST
-    if not path.is_file():
-        raise RunNotFound(f"{run_dir} has no {MANIFEST}; is it a tracekit run directory?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TracekitError(f"{path} is not valid JSON ({e})") from e

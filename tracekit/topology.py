@@ -34,10 +34,10 @@ class Topology:
         return cls(int(nodes), int(ranks))
 
     @classmethod
-    def of_run(cls, manifest: dict, world_size: int) -> Topology:
+    def of_run(cls, manifest: Manifest, world_size: int) -> Topology:
         """The cluster a run was recorded on (manifest `topology`, written by `tracekit cluster`),
         else one node of its `world_size` ranks."""
-        recorded = manifest.get("topology") or {}
+        recorded = manifest.topology or {}
         if recorded.get("nodes") and recorded.get("ranks_per_node"):
             return cls(int(recorded["nodes"]), int(recorded["ranks_per_node"]))
         return cls(1, world_size)

@@ -101,20 +101,20 @@ def validate(plan: Any, path: str | os.PathLike = "plan.json") -> None:
         fail("qcomms", f'null or {{"forward": P, "backward": P}} with P one of {", ".join(QCOMM_PRECISIONS)}')
 
 
-def from_manifest(manifest: dict[str, Any], source_run: str | None = None) -> dict[str, Any]:
+def from_manifest(manifest: Manifest, source_run: str | None = None) -> dict[str, Any]:
     """The plan a recorded TorchRec run ran with, from its manifest's `tables`; PlanError if the
     run's tables were not sharded by TorchRec."""
     tables = {}
-    for t in manifest.get("tables") or []:
-        if "sharding_type" not in t:
-            raise PlanError(f"table {t.get('name')!r} of the run has no TorchRec sharding_type: not a TorchRec run")
-        shards = sorted(t["shards"], key=lambda s: (s.get("first_col", 0), s.get("first_row", 0), s["rank"]))
-        tables[t["name"]] = {"sharding_type": t["sharding_type"], "ranks": [s["rank"] for s in shards],
-                             "compute_kernel": t.get("compute_kernel") or "fused",
-                             "num_embeddings": t["num_rows"], "embedding_dim": t["dim"]}
+    for t in manifest.tables or ():
+        if t.sharding_type is None:
+            raise PlanError(f"table {t.name!r} of the run has no TorchRec sharding_type: not a TorchRec run")
+        shards = sorted(t.shards, key=lambda s: (s.first_col or 0, s.first_row, s.rank))
+        tables[t.name] = {"sharding_type": t.sharding_type, "ranks": [s.rank for s in shards],
+                          "compute_kernel": t.compute_kernel or "fused",
+                          "num_embeddings": t.num_rows, "embedding_dim": t.dim}
     if not tables:
         raise PlanError("the run's manifest lists no embedding tables")
-    plan = {"schema": SCHEMA, "world_size": int(manifest.get("world_size") or 1), "tables": tables}
+    plan = {"schema": SCHEMA, "world_size": int(manifest.world_size or 1), "tables": tables}
     if source_run is not None:
         plan["source_run"] = source_run
     validate(plan, "the run's plan")

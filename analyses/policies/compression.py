@@ -67,7 +67,7 @@ from dataclasses import replace
 import polars as pl
 
 from analyses import network, quality, traffic
-from analyses.context import DTYPE_BYTES, Context, PolicyResult
+from analyses.context import Context, PolicyResult
 from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
 from analyses.replay.change import Change
@@ -75,6 +75,7 @@ from analyses.replay.prediction import changes, replay
 from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
 from tracekit.policy import DctDp, DctMp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
+from tracekit.manifest import DTYPE_BYTES
 
 REFRESH_EVERY = 1000
 """Steps a DCT-DP threshold stays in force: the period the grads collector refreshes its thresholds

@@ -37,10 +37,11 @@ import math
 
 import polars as pl
 
-from analyses.context import DTYPE_BYTES, Context, PolicyResult
+from analyses.context import Context, PolicyResult
 from tracekit.figures import DP_BYTES, STEP_TIME
 from tracekit.policy import DctDp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW
+from tracekit.manifest import dtype_bytes
 
 DRIFT_BOUND = 2.0
 BLOCK = 65536  # the hook's int16 offsets are within blocks of this many entries
@@ -117,7 +118,7 @@ def _buckets(ctx: Context, params: pl.DataFrame, dp_rows: str) -> tuple[pl.DataF
     if calls.height == 0:
         return fallback, False
     common = calls.group_by("sizes", "dtype").len().sort("len", "sizes", descending=True).row(0, named=True)
-    value_bytes = DTYPE_BYTES.get(str(common["dtype"]).replace("torch.", ""), 4)
+    value_bytes = dtype_bytes(str(common["dtype"]))
     ends, total = [], 0
     for size in map(int, common["sizes"].split(",")):
         total += size // value_bytes

@@ -51,6 +51,7 @@ from analyses.context import Context, PolicyResult
 from analyses.network import warmup_steps
 from analyses.timeline import compute as timeline
 from tracekit.figures import STEP_TIME
+from tracekit.manifest import Manifest
 from tracekit.policy import Lag, Prediction
 
 MAX_BOUND = 8
@@ -76,13 +77,13 @@ def replay(c: np.ndarray, bound: int | None, x: np.ndarray | float = 0.0, *, ove
     return float(slowest[-1]) if steps else 0.0
 
 
-def overlaps(manifest: dict) -> bool:
+def overlaps(manifest: Manifest) -> bool:
     """Whether a run's ranks could exchange while they compute: NCCL (the GPU's streams), or at least
     two cores a rank on each host."""
-    if manifest.get("backend") == "nccl":
+    if manifest.backend == "nccl":
         return True
-    cores = (manifest.get("devices") or {}).get("cores") or 1
-    per_host = max(1, (manifest.get("world_size") or 1) // max(1, len(manifest.get("hosts") or [None])))
+    cores = (manifest.devices or {}).get("cores") or 1
+    per_host = max(1, (manifest.world_size or 1) // max(1, len(manifest.hosts or [None])))
     return cores // per_host >= 2
 
 

@@ -153,7 +153,7 @@ def coverage(ctx: Context, s: ExchangeBaseline) -> float:
     """The share of the epoch the trainer schedules that the sampled steps hold: their samples over
     the run's `epoch_samples` metric (the reference trainer's training split), at most 1; 0 where the
     run does not say (every sample then counts as unseen: the pessimistic end)."""
-    epoch = (ctx.manifest.get("metrics") or {}).get("epoch_samples")
+    epoch = (ctx.manifest.metrics or {}).get("epoch_samples")
     return min(1.0, s.samples / epoch) if isinstance(epoch, (int, float)) and epoch > 0 else 0.0
 
 

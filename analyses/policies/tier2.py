@@ -158,8 +158,7 @@ def _replay(ctx: Context, order: str, nodes: int, per_node: int) -> Tier2Replay:
 def _order_rows(ctx: Context, order: str, nodes: int, g: int) -> pl.DataFrame:
     """Per row of the order, by position: tid, rb, steps, node_steps (module docstring) and block,
     the local index of its copy (its recorded owner mod G, from the manifest's shards)."""
-    ranges = pl.DataFrame([{"tid": i, "rank": int(sh["rank"]), "first_row": int(sh["first_row"]),
-                            "num_rows": int(sh["num_rows"])}
+    ranges = pl.DataFrame([{"tid": i, "rank": sh.rank, "first_row": sh.first_row, "num_rows": sh.num_rows}
                            for i, t in enumerate(ctx.model.tables) for sh in t.shards],
                           schema={"tid": pl.Int32, "rank": pl.Int64, "first_row": pl.Int64, "num_rows": pl.Int64})
     ctx.con.register("tk_shard_ranges", ranges)

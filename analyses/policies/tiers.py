@@ -210,7 +210,7 @@ def _model(ctx: Context) -> TierModel:
     # across nodes the fitted link is the nodes' (a cluster run's calls cross it); within a node
     # the ranks share memory: free beside it unless --intra-bw says otherwise
     beta_intra = 1 / ctx.options.intra_bw if ctx.options.intra_bw else 0.0
-    recorded = (ctx.manifest.get("topology") or {}).get("link_bytes_per_s")
+    recorded = (ctx.manifest.topology or {}).get("link_bytes_per_s")
     node_link = ctx.options.inter_bw or (recorded * WIRE_EFFICIENCY if recorded else None)
     return TierModel(ctx, nodes, g, s, net, curve, cum_rb, union, inter_base, inter_freed, t2,
                      net.fit.beta_s_per_byte, beta_intra, node_link)

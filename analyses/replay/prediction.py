@@ -141,7 +141,7 @@ def replay(ctx: Context) -> Replay:
 
 def _build(ctx: Context) -> Replay:
     notes: list[str] = []
-    topology = ctx.manifest.get("topology") or {}
+    topology = ctx.manifest.topology or {}
     world = ctx.model.world_size
     node_of = tuple(int(n) for n in topology.get("rank_nodes") or [0] * world)
     if len(node_of) != world:

@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tracekit import manifest
 from tracekit.errors import TracekitError
 from tracekit.files import write_text
 from tracekit.schema import CALIBRATION_PATH
-from tracekit.store import read_manifest
 
 if TYPE_CHECKING:
     from tracekit.dlrm.calibration_inputs import Inputs
@@ -105,7 +105,7 @@ def pending(run_dir: Path) -> Calibration | str | None:
     if (run_dir / CALIBRATION_PATH).is_file():
         return None
     try:
-        hosts = read_manifest(run_dir).get("hosts") or []
+        hosts = manifest.read(run_dir).hosts
     except TracekitError:
         return None
     host = socket.gethostname()

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from tracekit import __version__
+from tracekit import __version__, manifest
 from tracekit.app.cli_options import (ANALYSIS, DCT_REPLAY, JOB, JSON, RUN_DIR, TRACING, Commands, InputError,
                                   RecordCommand, analysis_options, cluster_topology, job_settings, parsed)
 from tracekit.app.cluster import MAX_NODES as CLUSTER_MAX_NODES
@@ -65,7 +65,7 @@ def record(run_dir: Path | None, force: bool, lookup_every: int, grad_every: int
         code = recording.record(command, run_dir, lookup_every=lookup_every, grad_every=grad_every,
                                 flush_interval_s=flush_interval, gpu_interval_s=gpu_interval, dct_replay=dct_replay,
                                 **settings)
-    summary = recording.summary(run_dir, recording.read_manifest(run_dir))
+    summary = recording.summary(run_dir, manifest.read(run_dir))
     click.echo(json.dumps(summary) if as_json else describe_record(summary), err=not as_json)
     sys.exit(code)
 
@@ -339,7 +339,7 @@ def cluster(nodes: int, ranks_per_node: int, link: str, latency: float | None, r
     say(f"recording into {run_dir}")
     code = emulated.record(command, on, run_dir, say=say, lookup_every=lookup_every, grad_every=grad_every,
                            flush_interval_s=flush_interval, **settings)
-    click.echo(describe_record(recording.summary(run_dir, recording.read_manifest(run_dir))), err=True)
+    click.echo(describe_record(recording.summary(run_dir, manifest.read(run_dir))), err=True)
     sys.exit(code)
 
 

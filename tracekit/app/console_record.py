@@ -1,7 +1,7 @@
 """What `tracekit record` says when the command ends (on stderr): how the command ended, what was
 traced per rank, what the trace lost, and why nothing was traced where nothing was.
 
-    print(describe_record(recording.summary(run_dir, read_manifest(run_dir))), file=sys.stderr)
+    print(describe_record(recording.summary(run_dir, manifest.read(run_dir))), file=sys.stderr)
 """
 
 from __future__ import annotations

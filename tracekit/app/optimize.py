@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tracekit.app import cluster as emulated
+from tracekit import manifest
 from tracekit.app import quality_runs, recording
 from tracekit.app.console_record import describe_record
 from tracekit.errors import TracekitError
@@ -86,7 +87,7 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
                         progress=lambda step, left_s=None: progress(f"analysing the baseline again: {step}", left_s))
     progress("analysing the baseline: done")
     if (base / PLAN_FILE).exists():
-        plans, notes = torchrec_reruns(base, from_manifest(recording.read_manifest(base)), checked=check_all)
+        plans, notes = torchrec_reruns(base, from_manifest(manifest.read(base)), checked=check_all)
     else:
         plans, notes = reruns(base / "policy.json", checked=check_all)
     notes = [*calibrated, *notes]
@@ -227,5 +228,5 @@ def record(run_dir: Path, command: list[str], log: Path, *, lookup_every: int,
             code = emulated.record(command, cluster, run_dir, lookup_every=lookup_every, dct_replay=dct_replay,
                                    plan=plan, output=out,
                                    say=lambda line: print(f"tracekit cluster: {line}", file=out, flush=True))
-        print(describe_record(recording.summary(run_dir, recording.read_manifest(run_dir))), file=out)
+        print(describe_record(recording.summary(run_dir, manifest.read(run_dir))), file=out)
     return code

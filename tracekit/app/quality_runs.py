@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from analyses import quality
-from tracekit.app import recording
+from tracekit import manifest
 from tracekit.policy import DctDp, DctMp, Policy, Prediction, read_policy, write_policy
 from tracekit.schema import KEEP_RATIOS
 
@@ -72,7 +72,7 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
     labels = pending(policy) if labels is None else labels
     if not labels:
         return []
-    baselines = {0: (recording.read_manifest(base).get("metrics") or {})}
+    baselines = {0: manifest.read(base).metrics or {}}
     if not any(isinstance(baselines[0].get(k), (int, float)) for k in ("eval_auc", "eval_logloss")):
         return [f"{', '.join(labels)}: model quality not calibrated, the run reports no eval_auc or eval_logloss "
                 "(tracekit.metrics); not recommended"]
@@ -89,7 +89,7 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
         if code != 0:
             notes.append(f"{what}: the run failed (exit code {code}); see {log}")
             return None
-        return recording.read_manifest(out_dir / name).get("metrics") or {}
+        return manifest.read(out_dir / name).metrics or {}
 
     for seed in range(1, seeds):  # the baseline at each further seed, the recorded run being seed 0
         metrics = run(f"quality-baseline-seed{seed}", seeded(seed), f"the baseline at seed {seed}")
@@ -134,6 +134,6 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
 
 def _steps(run: Path) -> int | None:
     """The steps the run's ranks recorded (the manifest's `steps`, by rank), the most of them."""
-    steps = recording.read_manifest(run).get("steps") or {}
+    steps = manifest.read(run).steps or {}
     counts = [n for n in steps.values() if isinstance(n, int)] if isinstance(steps, dict) else []
     return max(counts) if counts else None

@@ -4,7 +4,7 @@ recording.py): the tables and their shards, the policy applied, the metrics, the
 the TorchRec plan applied.
 
     reports = [{**read_rank_report(path), "rank": r} for r, path in ...]
-    manifest["tables"] = merge_tables(reports)
+    merge_tables(reports)      # the manifest's tables
     manifest["policy"] = merge_policy(reports, errors)   # a rank that disagrees is named in `errors`
 """
 

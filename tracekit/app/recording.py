@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 import collectors
-from tracekit import __version__
+from tracekit import __version__, manifest
 from tracekit.errors import TracekitError
 from tracekit.files import Reserve
 from tracekit.app.hang import HangWatch
@@ -41,13 +41,15 @@ from tracekit.app.rank_reports import (gpu_outcome, merge_metrics, merge_policy,
                                        read_rank_report)
 from tracekit.schema import SCHEMA_VERSION, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 from tracekit.losses import lost_rows
-from tracekit.store import read_manifest, write_manifest
+from tracekit.manifest import Manifest, Table
 from tracekit.torchrec_plan import ENV as ENV_PLAN
 from tracekit.torchrec_plan import read_plan
 from tracekit.window import Window
 
 SITE_DIR = Path(collectors.__file__).resolve().parent / "site"
 MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES = ".reserve-manifest", 256 * 1024
+TO_JSON = {"tables": lambda tables: [t.to_json() for t in tables]}
+"""The parts of the manifest `finalise` computes as types, as their JSON."""
 HANG_POLL_S = 1.0  # how often `record` looks at the ranks' heartbeats
 """Disk `record` holds back in the run directory for the final manifest, should the trace fill the disk."""
 ENV_ALLOW = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
@@ -147,18 +149,17 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     settings = {"lookup_every": lookup_every, "grad_every": grad_every, "flush_interval_s": flush_interval_s,
                 "gpu_interval_s": gpu_interval_s, "dct_replay": dct_replay, "max_size": max_size,
                 "window": window.to_json(), "torchrec_plan": None if plan is None else str(plan.resolve())}
-    manifest = {
-        "schema_version": SCHEMA_VERSION, "tracekit_version": __version__, "run_id": uuid.uuid4().hex,
-        "command": command, "cwd": os.getcwd(), "started_at": started.isoformat(), "ended_at": None,
-        "status": STATUS_RUNNING, "exit_code": None, "hosts": [socket.gethostname()],
-        "devices": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "torch_version": _version("torch"), "collector_settings": settings, "gpu": gpu_status(),
-        "environment": {k: v for k, v in os.environ.items() if k in ENV_ALLOW or k.startswith("TRACEKIT_")},
-    }
-    if plan is not None:
-        manifest["torchrec_plan"] = {"path": str(plan.resolve()), "sha256": hashlib.sha256(plan.read_bytes()).hexdigest(),
-                                     "plan": read_plan(plan)}
-    write_manifest(run_dir, {**manifest, **(manifest_extra or {})})
+    started_manifest = Manifest.of(
+        schema_version=SCHEMA_VERSION, tracekit_version=__version__, run_id=uuid.uuid4().hex,
+        command=command, cwd=os.getcwd(), started_at=started.isoformat(), ended_at=None,
+        status=STATUS_RUNNING, exit_code=None, hosts=[socket.gethostname()],
+        devices={"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        torch_version=_version("torch"), collector_settings=settings, gpu=gpu_status(),
+        environment={k: v for k, v in os.environ.items() if k in ENV_ALLOW or k.startswith("TRACEKIT_")},
+        **({} if plan is None else {"torchrec_plan": {"path": str(plan.resolve()), "plan": read_plan(plan),
+                                                      "sha256": hashlib.sha256(plan.read_bytes()).hexdigest()}}),
+    )
+    manifest.write(run_dir, started_manifest.updated(**(manifest_extra or {})))
     Reserve(run_dir / MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES).hold()  # for the final manifest on a full disk
     env = {**os.environ, "TRACEKIT_RUN_DIR": str(run_dir.resolve()), "TRACEKIT_LOOKUP_EVERY": str(lookup_every),
            "TRACEKIT_GRAD_EVERY": str(grad_every), "TRACEKIT_DCT_REPLAY": "1" if dct_replay else "0",
@@ -170,14 +171,14 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     if run is not None:
         with _watching_for_hangs(HangWatch(run_dir, hang_after, out=output)):
             code, interrupted = run(env)
-        return finalise(run_dir, code, interrupted)["record_exit_code"]
+        return finalise(run_dir, code, interrupted).record_exit_code
     try:
         child = subprocess.Popen(command, env=env, stdout=output, stderr=None if output is None else subprocess.STDOUT)
     except OSError as err:  # found and executable, yet the system cannot run it
         hint = (f"; a script needs a #! line, or its interpreter: tracekit record -- {_interpreter(Path(command[0]))} "
                 f"{shlex.join(command)}" if err.errno == errno.ENOEXEC else "")
         reason = f"the command could not start ({err.strerror}: {command[0]}){hint}"
-        return finalise(run_dir, 126, False, not_started=reason)["record_exit_code"]
+        return finalise(run_dir, 126, False, not_started=reason).record_exit_code
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
     interrupted = False
     with _watching_for_hangs(HangWatch(run_dir, hang_after, out=output)):
@@ -188,7 +189,7 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
             except KeyboardInterrupt:  # the child got the same Ctrl-C; wait for it to finish
                 interrupted = True
     signal.signal(signal.SIGTERM, previous)
-    return finalise(run_dir, code, interrupted)["record_exit_code"]
+    return finalise(run_dir, code, interrupted).record_exit_code
 
 
 @contextlib.contextmanager
@@ -213,7 +214,7 @@ def _watching_for_hangs(hangs: HangWatch) -> Iterator[None]:
         thread.join()
 
 
-def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | None = None) -> dict:
+def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | None = None) -> Manifest:
     """Mark the run ended, with its status and what every rank reported.
 
     The status, exit codes and end time are always written. Every other part is computed on its
@@ -222,11 +223,12 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
     written. `not_started` says why the command could not start, if it could not.
     """
     errors: list[str] = []
-    manifest = _part(errors, "manifest.json", lambda: read_manifest(run_dir))
-    manifest = {} if manifest is _FAILED else manifest
+    started = _part(errors, "manifest.json", lambda: manifest.read(run_dir), to_json=Manifest.to_json)
+    started = Manifest.of() if started is _FAILED else started
     status = STATUS_COMPLETED if code == 0 else STATUS_INTERRUPTED if interrupted or code in (130, -2) else STATUS_FAILED
-    manifest.update(ended_at=datetime.datetime.now(datetime.timezone.utc).isoformat(), status=status, exit_code=code,
-                    record_exit_code=130 if status == STATUS_INTERRUPTED else 128 - code if code < 0 else code)
+    ended = started.updated(ended_at=datetime.datetime.now(datetime.timezone.utc).isoformat(), status=status,
+                            exit_code=code,
+                            record_exit_code=130 if status == STATUS_INTERRUPTED else 128 - code if code < 0 else code)
 
     reports: dict[int, dict] = {}
     unreadable = set()
@@ -256,34 +258,34 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
 
     parts = {
         "ranks": lambda: ranks, "world_size": lambda: len(ranks) or None,
-        "hosts": lambda: sorted({manifest["hosts"][0], *each("host").values()}),
+        "hosts": lambda: sorted({started.hosts[0], *each("host").values()}),
         "backend": lambda: next((b for b in each("backend").values() if b), None),
         "steps": lambda: each("steps"), "clock_anchors": lambda: each("clock_anchor"),
         "written_rows": lambda: dict(sum((Counter(rows) for rows in each("written_rows").values()), Counter())),
         "dropped_rows": lambda: {rank: rows for rank, rows in each("dropped_rows").items() if rows},
-        "lost_rows": lambda: lost_rows({"dropped_rows": each("dropped_rows")}),
+        "lost_rows": lambda: lost_rows(Manifest(dropped_rows=each("dropped_rows"))),
         "lost_lookups": lambda: sum(each("lost_lookups").values()),
         "truncated_at": lambda: {rank: step - 1 for rank, step in each("first_lost_step").items() if step is not None},
         "writer_first_errors": lambda: {rank: error for rank, error in each("first_error").items() if error},
         "writer_errors": lambda: sum(each("errors").values()),
         "writer_cpu_s": lambda: each("writer_cpu_s"),
         "writer_scheduling": lambda: each("writer_scheduling"),
-        "tables": lambda: merge_tables(having("tables")),
-        "gpu": lambda: gpu_outcome(manifest["gpu"], having("gpu", "written_rows"),
-                                   manifest["collector_settings"]["gpu_interval_s"]),
+        "tables": lambda: tuple(Table.from_json(t) for t in merge_tables(having("tables"))),
+        "gpu": lambda: gpu_outcome(started.gpu, having("gpu", "written_rows"),
+                                   started.collector_settings["gpu_interval_s"]),
         "policy": lambda: merge_policy(having("policy"), errors),
         "metrics": lambda: merge_metrics(having("metrics")),
-        "torchrec_plan": lambda: plan_applied(manifest.get("torchrec_plan"), each("torchrec_plan_applied"), errors),
+        "torchrec_plan": lambda: plan_applied(started.torchrec_plan, each("torchrec_plan_applied"), errors),
     }
+    finalised = {}
     for name, compute in parts.items():
-        value = _part(errors, name, compute)
+        value = _part(errors, name, compute, to_json=TO_JSON.get(name, lambda value: value))
         if value is not _FAILED:
-            manifest[name] = value
+            finalised[name] = value
         elif name != "gpu":  # gpu keeps what was known at the start; the others are unknown
-            manifest[name] = None
-    manifest["traced"] = bool(ranks)
-    manifest["untraced_reason"] = None if ranks else not_started or _why_untraced(code)
-    manifest["finalise_errors"] = errors
+            finalised[name] = None
+    ended = ended.updated(**finalised, traced=bool(ranks),
+                          untraced_reason=None if ranks else not_started or _why_untraced(code), finalise_errors=errors)
     ranks_dir = run_dir / "ranks"
     # what only a running rank needs, a killed rank's too: its reserve, its heartbeat, a stacks file never written
     left = [*ranks_dir.glob(".reserve-rank=*"), *ranks_dir.glob("heartbeat-rank=*.json"), *ranks_dir.glob(".heartbeat-*"),
@@ -291,21 +293,22 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
     for held in [run_dir / MANIFEST_RESERVE, *left]:
         Reserve(held, 0).release()
     try:
-        write_manifest(run_dir, manifest)
+        manifest.write(run_dir, ended)
     except OSError as err:  # even the reserve did not hold: say so, and keep the command's exit code
         print(f"tracekit: could not write {run_dir / 'manifest.json'} ({err.strerror or err}); it still says "
               f"`{STATUS_RUNNING}`", file=sys.stderr)
-    return manifest
+    return ended
 
 
 _FAILED = object()
 
 
-def _part(errors: list[str], name: str, compute):
-    """compute(), or _FAILED with the error appended to `errors` where it raises or gives what JSON cannot encode."""
+def _part(errors: list[str], name: str, compute, *, to_json=lambda value: value):
+    """compute(), or _FAILED with the error appended to `errors` where it raises or gives what JSON
+    cannot encode (`to_json(value)`, for a value that is not JSON itself)."""
     try:
         value = compute()
-        json.dumps(value)
+        json.dumps(to_json(value))
         return value
     except Exception as err:
         errors.append(f"{name}: {type(err).__name__}: {err}")
@@ -328,30 +331,30 @@ def _why_untraced(code: int) -> str:
     return why + (f"; or it ended (exit code {code}) before any process wrote anything" if code else "")
 
 
-def summary(run_dir: Path, manifest: dict) -> dict:
+def summary(run_dir: Path, m: Manifest) -> dict:
     """What `record` says at the end: status, the command's and record's exit codes, whether anything
     was traced (and why not), ranks, steps per rank, rows written and dropped, trace size, and any
     part of the manifest that could not be written."""
     try:
-        elapsed = (datetime.datetime.fromisoformat(manifest["ended_at"])
-                   - datetime.datetime.fromisoformat(manifest["started_at"])).total_seconds()
-    except (KeyError, TypeError, ValueError):
+        elapsed = (datetime.datetime.fromisoformat(m.ended_at)
+                   - datetime.datetime.fromisoformat(m.started_at)).total_seconds()
+    except (TypeError, ValueError):
         elapsed = None
-    gpu = manifest.get("gpu") or {}
-    return {"run_dir": str(run_dir), "status": manifest["status"], "exit_code": manifest["exit_code"],
-            "record_exit_code": manifest["record_exit_code"],
+    gpu = m.gpu or {}
+    return {"run_dir": str(run_dir), "status": m.status, "exit_code": m.exit_code,
+            "record_exit_code": m.record_exit_code,
             "elapsed_s": None if elapsed is None else round(elapsed, 3),
-            "traced": manifest["traced"], "untraced_reason": manifest["untraced_reason"],
-            "ranks": manifest.get("ranks") or [], "steps": manifest.get("steps") or {},
-            "rows": manifest.get("written_rows") or {}, "dropped_rows": manifest.get("dropped_rows") or {},
-            "lost_rows": lost_rows(manifest), "lost_lookups": manifest.get("lost_lookups") or 0,
+            "traced": m.traced, "untraced_reason": m.untraced_reason,
+            "ranks": m.ranks or [], "steps": m.steps or {},
+            "rows": m.written_rows or {}, "dropped_rows": m.dropped_rows or {},
+            "lost_rows": lost_rows(m), "lost_lookups": m.lost_lookups or 0,
             "bytes": sum(p.stat().st_size for p in run_dir.rglob("*.parquet")),
             "gpu": gpu.get("reason") or ("sampled" if gpu.get("samples") else "unknown"),
-            "writer_cpu_s": manifest.get("writer_cpu_s") or {},
-            "writer_scheduling": manifest.get("writer_scheduling") or {},
-            "truncated_at": manifest.get("truncated_at") or {},
-            "writer_first_errors": manifest.get("writer_first_errors") or {},
-            "finalise_errors": manifest.get("finalise_errors", [])}
+            "writer_cpu_s": m.writer_cpu_s or {},
+            "writer_scheduling": m.writer_scheduling or {},
+            "truncated_at": m.truncated_at or {},
+            "writer_first_errors": m.writer_first_errors or {},
+            "finalise_errors": m.finalise_errors or []}
 
 
 def gpu_status() -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from tracekit import schema
+from tracekit import run_dir, schema
 from tracekit.files import write_text
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "trace-format.md"
@@ -206,7 +206,7 @@ def _preamble(source: _Source) -> list[str]:
         "",
         "```",
         "runs/<name>/",
-        entry(schema.MANIFEST, "run metadata, written at start and finalised at exit"),
+        entry(run_dir.MANIFEST, "run metadata, written at start and finalised at exit"),
         *[entry(f"{table}/rank=R/part-NNNNN.parquet", f"one row per {TABLE_PROSE[table][0]}")
           for table in schema.TABLES],
         entry("ranks/rank=R.json", "each rank's report at exit, merged into the manifest"),

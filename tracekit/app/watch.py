@@ -62,8 +62,10 @@ from tracekit.errors import SchemaVersionError
 from tracekit.app.hang import describe as describe_hang
 from tracekit.app.hang import read_heartbeats
 from tracekit.phases import TRAIN
-from tracekit.schema import MANIFEST, SCHEMA_VERSION, STATUS_RUNNING, VERSION_KEY, major
-from tracekit.store import read_manifest
+from tracekit.run_dir import MANIFEST
+from tracekit.schema import SCHEMA_VERSION, STATUS_RUNNING, VERSION_KEY, major
+from tracekit import manifest
+from tracekit.manifest import Manifest
 from tracekit.units import format_bytes
 from tracekit.window import Window
 
@@ -98,7 +100,7 @@ class RunReader:
     def __init__(self, run_dir: str | os.PathLike, *, window: int = WINDOW) -> None:
         self.run_dir = Path(run_dir)
         self.window = window
-        self.manifest = read_manifest(self.run_dir)
+        self.manifest = manifest.read(self.run_dir)
         self.files: Counter[str] = Counter()
         self.rows: Counter[str] = Counter()
         self._seen: set[str] = set()  # "table/rank=R/part-NNNNN.parquet" of every file read
@@ -113,11 +115,11 @@ class RunReader:
 
     @property
     def running(self) -> bool:
-        return self.manifest.get("status") == STATUS_RUNNING
+        return self.manifest.status == STATUS_RUNNING
 
-    def refresh_manifest(self) -> dict:
+    def refresh_manifest(self) -> Manifest:
         """Re-read manifest.json (it is replaced atomically, so it is always whole)."""
-        self.manifest = read_manifest(self.run_dir)
+        self.manifest = manifest.read(self.run_dir)
         return self.manifest
 
     def poll(self) -> int:
@@ -201,7 +203,7 @@ class RunReader:
     @property
     def recorded(self) -> Window:
         """The steps whose comms and accesses are recorded (record --steps/--every)."""
-        return Window.of_settings(self.manifest.get("collector_settings"))
+        return Window.of_settings(self.manifest.collector_settings)
 
     def _prune(self) -> None:
         """Forget steps older than the recent window needs (step counts stay exact): the last 2 ×
@@ -227,7 +229,7 @@ class RunReader:
             ranks[rank] = {"steps": self._step_count[rank], "last_step": self._last_step[rank],
                            "step_s": statistics.median(steps[s][1] - steps[s][0] for s in recent) / 1e9,
                            "comm_share": comm_ns / step_ns if step_ns > 0 and self.files["comms"] else None}
-        return {"run_dir": str(self.run_dir), "status": self.manifest.get("status"),
+        return {"run_dir": str(self.run_dir), "status": self.manifest.status,
                 "elapsed_s": _elapsed(self.manifest), "window": self.window, "ranks": ranks, "bytes_per_step": self._bytes_per_step(),
                 "tables": self._hot_tables(), "dropped_rows": self._dropped(), "now": self._now(),
                 "hang": self._hang(), "files": dict(self.files), "rows": dict(self.rows),
@@ -266,7 +268,7 @@ class RunReader:
         """The HOT_TABLES most looked-up tables: lookups, their share of all, rows touched, top-1% share."""
         lookups = {name: int(counts.sum()) for name, counts in self._lookups.items()}
         everything = sum(lookups.values())
-        num_rows = {t["name"]: t["num_rows"] for t in self.manifest.get("tables") or [] if "name" in t}
+        num_rows = {t.name: t.num_rows for t in self.manifest.tables or ()}
         hot = []
         for name in sorted(lookups, key=lambda n: (-lookups[n], n))[:HOT_TABLES]:
             if name not in self._skew:
@@ -282,7 +284,7 @@ class RunReader:
 
     def _dropped(self) -> dict[str, int] | None:
         """Dropped rows per table over all ranks, from the manifest or the rank reports; None if neither says."""
-        per_rank = self.manifest.get("dropped_rows")
+        per_rank = self.manifest.dropped_rows
         if per_rank is None:
             for path in (self.run_dir / "ranks").glob("rank=*.json"):
                 if path.name not in self._reports:
@@ -310,13 +312,13 @@ def _union_ns(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
     return covered
 
 
-def _elapsed(manifest: dict) -> float | None:
+def _elapsed(manifest: Manifest) -> float | None:
     try:
-        start = datetime.datetime.fromisoformat(manifest["started_at"])
-        end = (datetime.datetime.fromisoformat(manifest["ended_at"]) if manifest.get("ended_at")
+        start = datetime.datetime.fromisoformat(manifest.started_at)
+        end = (datetime.datetime.fromisoformat(manifest.ended_at) if manifest.ended_at
                else datetime.datetime.now(datetime.timezone.utc))
         return (end - start).total_seconds()
-    except (KeyError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return None
 
 
@@ -390,7 +392,7 @@ def watch(run_dir: str | os.PathLike, *, interval: float = 1.0, once: bool = Fal
     with Live(render(reader.figures()), console=console, auto_refresh=False, transient=False) as live:
         while True:
             stop.wait(interval)
-            ended = reader.refresh_manifest().get("status") != STATUS_RUNNING or stop.is_set()
+            ended = reader.refresh_manifest().status != STATUS_RUNNING or stop.is_set()
             reader.poll()  # after the manifest: every part file of an ended run is on disk by now
             figures = reader.figures()
             live.update(render(figures), refresh=True)

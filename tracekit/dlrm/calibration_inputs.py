@@ -13,6 +13,7 @@ r's reads then fold onto row r mod rows). Without the run's per-row counts the i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import itertools
 import statistics
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import pyarrow.compute as pc
 import torch
 
 from tracekit.dlrm.tables import TableSpec
+from tracekit.manifest import Table
 
 MAX_TABLE_BYTES = 64 << 20  # tables above this in all are scaled down (rows); more than any CPU cache holds
 FALLBACK_ZIPF = 1.05  # ids' skew where the run has no accesses table
@@ -51,16 +53,16 @@ class Inputs:
                            for t, rows, m in zip(self.tables, self.table_rows, self.ids_per_sample)]}
 
 
-def make_inputs(tables: list[dict], samples: list[int], row_counts: pa.Table | None, *, world_size: int,
+def make_inputs(tables: Sequence[Table], samples: list[int], row_counts: pa.Table | None, *, world_size: int,
                 optimizer: str, omp_threads: int, run: str | None = None) -> Inputs:
     """The calibration's inputs from a run's sizes (analyses.run_sizes reads them): `tables` as the
     manifest lists them, the samples of each training step per rank, each row's training lookups
     `row_counts` (table_name, row, count; None: the ids follow a Zipf law), the trainer's optimizer and
     the run's OMP_NUM_THREADS (0: unset)."""
-    dims = [int(e["dim"]) for e in tables]
+    dims = [e.dim for e in tables]
     dim = max(set(dims), key=dims.count)  # the trainer's tables share one dim
-    run_rows = [int(e["num_rows"]) for e in tables]
-    specs = [TableSpec(e["name"], rows, dim, e.get("kind", "pooled") == "pooled")
+    run_rows = [e.num_rows for e in tables]
+    specs = [TableSpec(e.name, rows, dim, e.kind == "pooled")
              for e, rows in zip(tables, _scaled_rows(run_rows, dim))]
     if row_counts is not None and row_counts.num_rows:
         weights, source = [], "accesses"

@@ -1,0 +1,69 @@
+"""The run directory's layout (DESIGN.md §3): every file and folder of a run, named once.
+
+    run = RunDir("runs/base")
+    run.manifest            # runs/base/manifest.json      (tracekit/manifest.py reads and writes it)
+    run.table("comms")      # runs/base/comms/             rank=R/part-NNNNN.parquet below it
+    run.ranks               # runs/base/ranks/             each rank's report at exit, heartbeats
+    run.analysis_table("skew"), run.analysis_json("summary")   # what `analyze` writes
+    run.policy, run.policy_rows                                 # policy.json and the row lists beside it
+    run.report              # runs/base/report.html
+
+Standard library only: the command line and the traced processes import it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+POLICY = "policy.json"
+POLICY_ROWS = "policy"  # the folder of a policy's row lists, beside its file
+ANALYSIS = "analysis"
+RANKS = "ranks"
+REPORT = "report.html"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory; nothing is read or created here."""
+
+    path: Path
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST
+
+    @property
+    def policy(self) -> Path:
+        return self.path / POLICY
+
+    @property
+    def policy_rows(self) -> Path:
+        return self.path / POLICY_ROWS
+
+    @property
+    def analysis(self) -> Path:
+        return self.path / ANALYSIS
+
+    @property
+    def ranks(self) -> Path:
+        return self.path / RANKS
+
+    @property
+    def report(self) -> Path:
+        return self.path / REPORT
+
+    def table(self, name: str) -> Path:
+        """The folder of a trace table's part files (one `rank=R` folder per rank below it)."""
+        return self.path / name
+
+    def analysis_table(self, name: str) -> Path:
+        return self.analysis / f"{name}.parquet"
+
+    def analysis_json(self, name: str) -> Path:
+        return self.analysis / f"{name}.json"
