@@ -1,7 +1,7 @@
 """The report's sections on what tracekit predicts and how it held up: the policies analyze derived
 (with the replication and FAE sweeps), a TorchRec run's recorded plan beside the derived one, and
 compare's measured figures against the baseline and the predictions. Each is a function from the
-run's inputs (reports.inputs) or compare's summary to a Section; every number in a table is shown
+run's inputs (reports.inputs) or compare's summary to a PageSection; every number in a table is shown
 by reports.numbers.show in the unit its name says.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import polars as pl
 
-from reports.html import Chart, Section, esc, figure, table
+from reports.html import Chart, PageSection, esc, figure, table
 from reports.inputs import RunInputs
 from reports.numbers import show
 from tracekit.figures import A2A_BYTES, STEP_TIME, SYNC_BYTES
@@ -27,8 +27,8 @@ def _predicted_saving(run: RunInputs, section: dict) -> float | None:
     return figures.get("saving")
 
 
-def policies(run: RunInputs) -> Section:
-    s = Section("policies", "Policies: what to change, and what it should save")
+def policies(run: RunInputs) -> PageSection:
+    s = PageSection("policies", "Policies: what to change, and what it should save")
     policy = run.policy
     if policy is None:
         s.missing.append("the run has no policy.json (the manifest lists no embedding tables)")
@@ -132,7 +132,7 @@ def _flatten(body: dict, prefix: str = "") -> dict[str, Any]:
 
 # torchrec ---------------------------------------------------------------------------------------
 
-def torchrec(run: RunInputs) -> Section | None:
+def torchrec(run: RunInputs) -> PageSection | None:
     """A TorchRec run's plan: the recorded one beside the derived one (analyze's torchrec_plan.json,
     analyses/torchrec_plans.py) and its quantized-comms variant, table by table, with their
     predicted figures beside the recorded plan's; None for another run."""
@@ -147,7 +147,7 @@ def torchrec(run: RunInputs) -> Section | None:
     derived = plans["derived"]
     if derived is None:
         return None
-    s = Section("torchrec", "TorchRec: the job's plan and the one derived from its trace")
+    s = PageSection("torchrec", "TorchRec: the job's plan and the one derived from its trace")
     own = from_manifest(run.manifest)["tables"]
 
     def where(placed: dict) -> str:
@@ -191,8 +191,8 @@ def torchrec(run: RunInputs) -> Section | None:
 
 # compare ----------------------------------------------------------------------------------------
 
-def compare(summary: dict) -> Section:
-    s = Section("compare", "Compare: measured against the baseline and the predictions")
+def compare(summary: dict) -> PageSection:
+    s = PageSection("compare", "Compare: measured against the baseline and the predictions")
     runs = summary["runs"]
     names = [esc(r["run"]) for r in runs]
     fig = figure(title="Step time per run", x="run", y="step time (ms)")

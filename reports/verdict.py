@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 
-from reports.html import Section, esc, table
+from reports.html import PageSection, esc, table
 from reports.inputs import RunInputs
 from reports.numbers import show
 from reports.sections import train_timeline
@@ -54,8 +54,8 @@ def verdict_table(run: RunInputs, compare: dict | None) -> str:
 
 # overview ---------------------------------------------------------------------------------------
 
-def overview(runs: list[RunInputs]) -> Section:
-    s = Section("overview", "Overview")
+def overview(runs: list[RunInputs]) -> PageSection:
+    s = PageSection("overview", "Overview")
     rows = []
     for run in runs:
         m = run.manifest
