@@ -19,8 +19,8 @@ import torch
 from tests.recorded import REPO, TINY, record
 from tracekit.app.calibration import read_inputs
 from tracekit.app.cli import cli
-from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.timing import fit_nonnegative
+from tracekit.policy import REPLICATION_SYNCS as SYNCS
 from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA
 from tracekit.store import read_manifest, write_manifest
 
