@@ -2,7 +2,7 @@
 (with the replication and FAE sweeps), a TorchRec run's recorded plan beside the derived one, and
 compare's measured figures against the baseline and the predictions. Each is a function from the
 run's inputs (reports.inputs) or compare's summary to a PageSection; every number in a table is shown
-by reports.numbers.show in the unit its name says.
+by tracekit.units.show in the unit its name says.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import polars as pl
 
 from reports.html import Chart, PageSection, esc, figure, table
 from reports.inputs import RunInputs
-from reports.numbers import show
 from tracekit.figures import A2A_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.units import format_diff, show
 
 
 # policies ---------------------------------------------------------------------------------------
@@ -94,18 +94,6 @@ def _interval(row: dict) -> str:
     if row.get("kind") != "estimated" or row.get("predicted_low") is None:
         return "exact" if row.get("kind") == "exact" else "–"
     return f"{show(row['figure'], row['predicted_low'])} – {show(row['figure'], row['predicted_high'])}"
-
-
-def _diff(row: dict) -> str:
-    """Measured against predicted as `tracekit compare` prints it: a share's in points, an AUC change's
-    as a difference, others in %."""
-    if row["unit"] == "auc":
-        return "–" if row["diff"] is None else f"{row['diff']:+.4f}"
-    if row["unit"] == "relative":
-        return "–" if row["diff"] is None else f"{row['diff'] * 100:+.2f} pts"
-    if row["unit"] == "fraction":
-        return "–" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
-    return "–" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"
 
 
 def _decision(body: dict) -> str:
@@ -230,7 +218,7 @@ def compare(summary: dict) -> PageSection:
                                    "its interval."))
     s.intro.append(table(["run", "section", "figure", "predicted", "interval", "measured", "diff"],
                          [[r["run"], r["section"], r["figure"], show(r["figure"], r["predicted"]), _interval(r),
-                           show(r["figure"], r["measured"]), _diff(r)] for r in summary["rows"]], left=3))
+                           show(r["figure"], r["measured"]), format_diff(r, "–")] for r in summary["rows"]], left=3))
     s.intro.extend(f'<p class="warn">{esc(w)}</p>' for w in summary.get("warnings", []))
     s.intro.extend(f'<p class="muted">{esc(n)}</p>' for n in summary.get("notes", []))
     return s

@@ -1,7 +1,7 @@
 """The report's figure sections: skew, traffic, timeline and cache from the base run's analysis
 tables, and simulate's what-if, each a function from the run's inputs (reports.inputs) to a
 PageSection; the figures come from analysis tables as written, only filtered, sorted and thinned for
-drawing; every number in a table is shown by reports.numbers.show in the unit its name says. The
+drawing; every number in a table is shown by tracekit.units.show in the unit its name says. The
 report's head is in reports.verdict, the predictions in reports.predictions.
 """
 
@@ -13,8 +13,8 @@ import polars as pl
 
 from reports.html import Chart, PageSection, esc, figure, table, thin
 from reports.inputs import RunInputs
-from reports.numbers import show
 from tracekit.figures import STEP_TIME
+from tracekit.units import show
 
 TOP_TABLES = 6
 """Tables drawn where one trace per table would crowd a chart (the ones with the most lookups)."""
@@ -24,7 +24,7 @@ SKEW_ROWS = 8
 
 
 def _cells(record: dict[str, Any], columns: tuple[str, ...]) -> list[str]:
-    """The table row of `record`'s `columns`, each shown in the unit its name says (reports.numbers)."""
+    """The table row of `record`'s `columns`, each shown in the unit its name says (tracekit.units)."""
     return [show(c, record[c]) for c in columns]
 
 

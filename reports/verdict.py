@@ -1,6 +1,6 @@
 """The report's head: the verdict (a few sentences and analyses.verdict's table), the overview of the
 runs, and the warnings a reader must know before trusting a run's figures. Like the other sections,
-each is a function from the runs' inputs (reports.inputs); numbers are shown by reports.numbers.show.
+each is a function from the runs' inputs (reports.inputs); numbers are shown by tracekit.units.show.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import shlex
 
 from reports.html import PageSection, esc, table
 from reports.inputs import RunInputs
-from reports.numbers import show
 from reports.sections import train_timeline
 from tracekit.losses import loss_warning, lost_rows
+from tracekit.units import show
 from tracekit.window import Window
 
 
