@@ -51,9 +51,8 @@ from typing import Any
 import duckdb
 import polars as pl
 
-from analyses import attribution, traffic
+from analyses import attribution, network, traffic
 from analyses.context import Context
-from analyses.network import warmup_steps
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.errors import TracekitError
 from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, INTER_BYTES, INTRA_BYTES,
@@ -120,7 +119,7 @@ def measure(ctx: Context, skip_steps: int | None) -> Measured:
     name, manifest, notes = str(ctx.path), ctx.manifest, []
     steps, samples_source = step_frame(ctx, notes)
     if skip_steps is None:
-        skip_steps = warmup_steps(steps.height)
+        skip_steps = network.warmup_steps(steps.height)
     calls = (ctx.frame(_CALLS.format(world=ctx.model.world_size)) if ctx.has("comms")
              else pl.DataFrame(schema=_CALLS_SCHEMA))
     n = traffic.training_steps(ctx)
@@ -161,15 +160,16 @@ def timed_makespan(ctx: Context, first: int) -> float | None:
 
 
 def step_frame(ctx: Context, notes: list[str]) -> tuple[pl.DataFrame, str]:
-    """Per training step: the slowest rank's time, global samples (null where unknown), mean loss and
-    the schedule kind (null where the run has no such column); and where the samples came from."""
+    """Per training step: the slowest rank's time (analyses.network.step_frame) with the global samples
+    (null where unknown), mean loss and schedule kind (null where the run has no such column) over all
+    of the step's rows; and where the samples came from."""
     if not ctx.has("steps"):
         notes.append(f"{ctx.path}: no steps table: no step times, samples or loss")
         return pl.DataFrame(schema=_STEPS_SCHEMA), "steps"
     schedule = "mode(schedule)" if "schedule" in ctx.sql("SELECT * FROM steps LIMIT 0").columns else "NULL"
-    steps = ctx.frame(f"""SELECT step, max(t_end_ns - t_start_ns) / 1e9 AS step_time_s, sum(samples)::BIGINT AS samples,
-                                 avg(loss) AS loss, {schedule}::VARCHAR AS schedule
-                          FROM steps GROUP BY step ORDER BY step""")
+    steps = network.step_frame(ctx).join(ctx.frame(f"""
+        SELECT step, sum(samples)::BIGINT AS samples, avg(loss) AS loss, {schedule}::VARCHAR AS schedule
+        FROM steps GROUP BY step"""), on="step", how="left")
     if steps.height and (steps["samples"] > 0).all():
         return steps, "steps"
     steps = steps.drop("samples").join(input_dist_samples(ctx), on="step", how="left")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 from tests.recorded import TINY, record  # noqa: E402
 from tracekit.app.calibration import read_inputs  # noqa: E402
 from tracekit.dlrm import calibrate  # noqa: E402
-from tracekit.dlrm.replicas import SYNCS  # noqa: E402
+from tracekit.policy import REPLICATION_SYNCS as SYNCS  # noqa: E402
 
 
 def main() -> None:

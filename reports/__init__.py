@@ -6,7 +6,7 @@ One self-contained file: the verdict, then overview, skew, traffic, timeline, ca
 TorchRec run's plan (recorded against derived), the projection of `tracekit simulate` where one was
 made and, with two or more runs, compare (analyses.compare.compare's summary).
 The first run's figures are what `tracekit analyze` wrote (reports.inputs), never computed here; the
-tables show each number in the unit its name says (reports.numbers).
+tables show each number in the unit its name says (tracekit.units.show).
 """
 
 from __future__ import annotations

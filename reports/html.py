@@ -42,7 +42,7 @@ class Chart:
 
 
 @dataclass
-class Section:
+class PageSection:
     """One part of the report: prose (already escaped HTML), charts, and what is missing and why."""
 
     id: str
@@ -90,7 +90,7 @@ PLOTLY_FILE = "plotly.min.js"
 """plotly.js's file name beside a report written with `plotly_js="beside"`."""
 
 
-def render(title: str, verdict: list[str], sections: list[Section], plotly_js: str = "inline",
+def render(title: str, verdict: list[str], sections: list[PageSection], plotly_js: str = "inline",
            verdict_table: str = "") -> str:
     """The whole page: plotly.js once in <head> ("inline"), or a <script src> of PLOTLY_FILE beside
     the page ("beside": the caller writes it there), then the verdict (its table, markup built with

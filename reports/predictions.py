@@ -1,8 +1,8 @@
 """The report's sections on what tracekit predicts and how it held up: the policies analyze derived
 (with the replication and FAE sweeps), a TorchRec run's recorded plan beside the derived one, and
 compare's measured figures against the baseline and the predictions. Each is a function from the
-run's inputs (reports.inputs) or compare's summary to a Section; every number in a table is shown
-by reports.numbers.show in the unit its name says.
+run's inputs (reports.inputs) or compare's summary to a PageSection; every number in a table is shown
+by tracekit.units.show in the unit its name says.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import polars as pl
 
-from reports.html import Chart, Section, esc, figure, table
+from reports.html import Chart, PageSection, esc, figure, table
 from reports.inputs import RunInputs
-from reports.numbers import show
 from tracekit.figures import A2A_BYTES, STEP_TIME, SYNC_BYTES
+from tracekit.units import format_diff, show
 
 
 # policies ---------------------------------------------------------------------------------------
@@ -27,8 +27,8 @@ def _predicted_saving(run: RunInputs, section: dict) -> float | None:
     return figures.get("saving")
 
 
-def policies(run: RunInputs) -> Section:
-    s = Section("policies", "Policies: what to change, and what it should save")
+def policies(run: RunInputs) -> PageSection:
+    s = PageSection("policies", "Policies: what to change, and what it should save")
     policy = run.policy
     if policy is None:
         s.missing.append("the run has no policy.json (the manifest lists no embedding tables)")
@@ -96,18 +96,6 @@ def _interval(row: dict) -> str:
     return f"{show(row['figure'], row['predicted_low'])} – {show(row['figure'], row['predicted_high'])}"
 
 
-def _diff(row: dict) -> str:
-    """Measured against predicted as `tracekit compare` prints it: a share's in points, an AUC change's
-    as a difference, others in %."""
-    if row["unit"] == "auc":
-        return "–" if row["diff"] is None else f"{row['diff']:+.4f}"
-    if row["unit"] == "relative":
-        return "–" if row["diff"] is None else f"{row['diff'] * 100:+.2f} pts"
-    if row["unit"] == "fraction":
-        return "–" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
-    return "–" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"
-
-
 def _decision(body: dict) -> str:
     """The decision of analyses.decision, first in a section's paragraph."""
     if "recommended" not in body:
@@ -132,7 +120,7 @@ def _flatten(body: dict, prefix: str = "") -> dict[str, Any]:
 
 # torchrec ---------------------------------------------------------------------------------------
 
-def torchrec(run: RunInputs) -> Section | None:
+def torchrec(run: RunInputs) -> PageSection | None:
     """A TorchRec run's plan: the recorded one beside the derived one (analyze's torchrec_plan.json,
     analyses/torchrec_plans.py) and its quantized-comms variant, table by table, with their
     predicted figures beside the recorded plan's; None for another run."""
@@ -147,7 +135,7 @@ def torchrec(run: RunInputs) -> Section | None:
     derived = plans["derived"]
     if derived is None:
         return None
-    s = Section("torchrec", "TorchRec: the job's plan and the one derived from its trace")
+    s = PageSection("torchrec", "TorchRec: the job's plan and the one derived from its trace")
     own = from_manifest(run.manifest)["tables"]
 
     def where(placed: dict) -> str:
@@ -191,8 +179,8 @@ def torchrec(run: RunInputs) -> Section | None:
 
 # compare ----------------------------------------------------------------------------------------
 
-def compare(summary: dict) -> Section:
-    s = Section("compare", "Compare: measured against the baseline and the predictions")
+def compare(summary: dict) -> PageSection:
+    s = PageSection("compare", "Compare: measured against the baseline and the predictions")
     runs = summary["runs"]
     names = [esc(r["run"]) for r in runs]
     fig = figure(title="Step time per run", x="run", y="step time (ms)")
@@ -230,7 +218,7 @@ def compare(summary: dict) -> Section:
                                    "its interval."))
     s.intro.append(table(["run", "section", "figure", "predicted", "interval", "measured", "diff"],
                          [[r["run"], r["section"], r["figure"], show(r["figure"], r["predicted"]), _interval(r),
-                           show(r["figure"], r["measured"]), _diff(r)] for r in summary["rows"]], left=3))
+                           show(r["figure"], r["measured"]), format_diff(r, "–")] for r in summary["rows"]], left=3))
     s.intro.extend(f'<p class="warn">{esc(w)}</p>' for w in summary.get("warnings", []))
     s.intro.extend(f'<p class="muted">{esc(n)}</p>' for n in summary.get("notes", []))
     return s

@@ -1,7 +1,7 @@
 """The report's figure sections: skew, traffic, timeline and cache from the base run's analysis
 tables, and simulate's what-if, each a function from the run's inputs (reports.inputs) to a
-Section; the figures come from analysis tables as written, only filtered, sorted and thinned for
-drawing; every number in a table is shown by reports.numbers.show in the unit its name says. The
+PageSection; the figures come from analysis tables as written, only filtered, sorted and thinned for
+drawing; every number in a table is shown by tracekit.units.show in the unit its name says. The
 report's head is in reports.verdict, the predictions in reports.predictions.
 """
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import polars as pl
 
-from reports.html import Chart, Section, esc, figure, table, thin
+from reports.html import Chart, PageSection, esc, figure, table, thin
 from reports.inputs import RunInputs
-from reports.numbers import show
 from tracekit.figures import STEP_TIME
+from tracekit.units import show
 
 TOP_TABLES = 6
 """Tables drawn where one trace per table would crowd a chart (the ones with the most lookups)."""
@@ -24,7 +24,7 @@ SKEW_ROWS = 8
 
 
 def _cells(record: dict[str, Any], columns: tuple[str, ...]) -> list[str]:
-    """The table row of `record`'s `columns`, each shown in the unit its name says (reports.numbers)."""
+    """The table row of `record`'s `columns`, each shown in the unit its name says (tracekit.units)."""
     return [show(c, record[c]) for c in columns]
 
 
@@ -46,8 +46,8 @@ def train_timeline(run: RunInputs) -> pl.DataFrame | None:
 
 # skew -------------------------------------------------------------------------------------------
 
-def skew(run: RunInputs) -> Section:
-    s = Section("skew", "Skew: which rows the lookups hit")
+def skew(run: RunInputs) -> PageSection:
+    s = PageSection("skew", "Skew: which rows the lookups hit")
     coverage, stats = run.table("coverage"), run.table("skew")
     if coverage is None or stats is None:
         s.missing.append("the run has no accesses table (no embedding lookups were recorded), so there is no skew")
@@ -90,8 +90,8 @@ def skew(run: RunInputs) -> Section:
 
 # traffic ----------------------------------------------------------------------------------------
 
-def traffic(run: RunInputs) -> Section:
-    s = Section("traffic", "Traffic: bytes between ranks")
+def traffic(run: RunInputs) -> PageSection:
+    s = PageSection("traffic", "Traffic: bytes between ranks")
     matrix, by_op, bw = run.table("traffic_matrix"), run.table("traffic_by_op"), run.table("bandwidth")
     if by_op is None:
         s.missing.append("the run has no comms table (one rank, or no torch.distributed collective)")
@@ -126,10 +126,10 @@ def traffic(run: RunInputs) -> Section:
 
 # timeline ---------------------------------------------------------------------------------------
 
-def timeline(run: RunInputs) -> Section:
+def timeline(run: RunInputs) -> PageSection:
     from plotly.subplots import make_subplots
 
-    s = Section("timeline", "Timeline: compute, communication and waiting")
+    s = PageSection("timeline", "Timeline: compute, communication and waiting")
     frame = train_timeline(run)
     if frame is None:
         s.missing.append("the run has no steps table (no optimizer step or tracekit.step() was seen)")
@@ -178,8 +178,8 @@ def timeline(run: RunInputs) -> Section:
 
 # cache ------------------------------------------------------------------------------------------
 
-def cache(run: RunInputs) -> Section:
-    s = Section("cache", "Cache: miss ratio against cache size")
+def cache(run: RunInputs) -> PageSection:
+    s = PageSection("cache", "Cache: miss ratio against cache size")
     mrc = run.table("cache_mrc")
     if mrc is None:
         s.missing.append("the run has no accesses table, so no cache was simulated")
@@ -199,14 +199,14 @@ def cache(run: RunInputs) -> Section:
 
 # simulate ---------------------------------------------------------------------------------------
 
-def simulate(run: RunInputs) -> Section | None:
+def simulate(run: RunInputs) -> PageSection | None:
     """`tracekit simulate`'s projection of the run, where one was made: the table and step time and
     speedup against the inter-node link rate."""
     rows, sweep = run.table("simulate"), run.table("simulate_sweep")
     if rows is None:
         return None
     first = rows.row(0, named=True)
-    s = Section("simulate", f"What-if: this run on {first['topology']} ({first['world']} ranks)")
+    s = PageSection("simulate", f"What-if: this run on {first['topology']} ({first['world']} ranks)")
     s.intro.append(f"<p>Projected from the run's traffic, its compute time and the cost model (bytes "
                    f"{'as recorded and replayed' if first['method'] == 'replay' else 'scaled per sample'}); "
                    f"{esc(show('inter_bw', first['inter_bw']))} between nodes, "

@@ -1,17 +1,17 @@
 """The report's head: the verdict (a few sentences and analyses.verdict's table), the overview of the
 runs, and the warnings a reader must know before trusting a run's figures. Like the other sections,
-each is a function from the runs' inputs (reports.inputs); numbers are shown by reports.numbers.show.
+each is a function from the runs' inputs (reports.inputs); numbers are shown by tracekit.units.show.
 """
 
 from __future__ import annotations
 
 import shlex
 
-from reports.html import Section, esc, table
+from reports.html import PageSection, esc, table
 from reports.inputs import RunInputs
-from reports.numbers import show
 from reports.sections import train_timeline
 from tracekit.losses import loss_warning, lost_rows
+from tracekit.units import show
 from tracekit.window import Window
 
 
@@ -54,8 +54,8 @@ def verdict_table(run: RunInputs, compare: dict | None) -> str:
 
 # overview ---------------------------------------------------------------------------------------
 
-def overview(runs: list[RunInputs]) -> Section:
-    s = Section("overview", "Overview")
+def overview(runs: list[RunInputs]) -> PageSection:
+    s = PageSection("overview", "Overview")
     rows = []
     for run in runs:
         m = run.manifest

@@ -20,8 +20,8 @@ from tests.manifests import read_manifest, write_manifest
 from tests.recorded import REPO, TINY, record
 from tracekit.app.calibration import read_inputs
 from tracekit.app.cli import cli
-from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.timing import fit_nonnegative
+from tracekit.policy import REPLICATION_SYNCS as SYNCS
 from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA
 
 COEFFICIENTS = {  # section -> the coefficients its linear model has (seconds)

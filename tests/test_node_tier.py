@@ -30,8 +30,8 @@ from tests.test_replication import SCENARIOS as REPLICATION_SCENARIOS
 from tests.test_replication import _config, _dataset, assert_same_training, rows_moved
 from tracekit.dlrm import policies
 from tracekit.dlrm.node_tier import NodeTier
-from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.train import build_tables, run
+from tracekit.policy import REPLICATION_SYNCS as SYNCS
 from tracekit.policy import new_policy, write_policy
 
 SCENARIOS = [name for name in REPLICATION_SCENARIOS if name != "ragged-tail"]

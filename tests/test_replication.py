@@ -39,9 +39,10 @@ from tests.test_trainer_equivalence import SMALL
 from tracekit.dlrm import policies
 from tracekit.dlrm.config import TrainConfig
 from tracekit.dlrm.data import open_dataset
-from tracekit.dlrm.replicas import SYNC_LABEL, SYNCS
+from tracekit.dlrm.replicas import SYNC_LABEL
 from tracekit.dlrm.tables import init_rows
 from tracekit.dlrm.train import build_tables, run
+from tracekit.policy import REPLICATION_SYNCS as SYNCS
 from tracekit.policy import new_policy, write_policy
 
 SCENARIOS = {name: EQUIVALENCE_SCENARIOS[name] for name in

@@ -25,13 +25,13 @@ from analyses.context import Options
 from analyses.simulate import Target, project
 from reports import sections
 from reports.inputs import load
-from reports.numbers import show
 from tests.prerequisites import missing
 from tests.recorded import REPO, TINY, record
 from tracekit.app.cli import cli
 from tracekit.errors import TracekitError
 from tracekit.app.optimize import reruns
 from tracekit.store import RunWriter
+from tracekit.units import show
 
 CHROMIUM = Path("/usr/bin/chromium")
 EVIL = "<img src=x onerror=alert(1)>"

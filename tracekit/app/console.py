@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tracekit.units import format_cell, format_duration
+
 # 120 columns where no terminal says otherwise (a pipe, a file, the README): the tables stay whole
 terminal = Console(width=shutil.get_terminal_size((120, 24)).columns)
 
@@ -57,15 +59,6 @@ def progress_lines(enabled: bool = True, *, keep: bool = True,
             bar.update(tasks[-1], completed=1, total=1)
 
 
-def format_duration(seconds: float) -> str:
-    """A rough duration for a person: "5 s", "40 s", "3 min"."""
-    if seconds < 10:
-        return f"{max(1, round(seconds))} s"
-    if seconds < 90:
-        return f"{round(seconds / 5) * 5} s"
-    return f"{round(seconds / 60)} min"
-
-
 def analysis_progress(enabled: bool) -> contextlib.AbstractContextManager[Callable[..., None]]:
     """analyze's phase, one line that changes (`analysing skew`, ...), gone at the end."""
     return progress_lines(enabled, keep=False, prefix="analysing ")
@@ -80,16 +73,8 @@ def print_frame(frame: Any) -> None:
     """A Polars DataFrame as a rich table."""
     table = Table(*frame.columns, show_lines=False)
     for row in frame.iter_rows():
-        table.add_row(*(_cell(v) for v in row))
+        table.add_row(*(format_cell(v) for v in row))
     terminal.print(table)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    return "" if value is None else str(value)
 
 
 def show(summary: dict, as_json: bool, render: Callable[[dict], None], report: bool = False) -> None:

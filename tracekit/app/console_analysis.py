@@ -8,13 +8,13 @@ models and the TorchRec planner's inputs.
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.table import Table
 
-from tracekit.app.console import _cell, terminal
+from tracekit.app.console import terminal
 from tracekit.figures import SHOWN, STEP_TIME
-from tracekit.units import format_bytes
+from tracekit.units import (format_bytes, format_cell, format_decimal, format_ms, format_ns, format_rate, format_us,
+                            show)
+
 
 def print_analysis(summary: dict) -> None:
     """The summary a person reads in a minute: warnings, skew, traffic, timeline, cache, the cost
@@ -43,9 +43,9 @@ def _skew(summary: dict) -> None:
     table = Table("table", "rows", "touched", "lookups", "top 1%", "top 10%", "gini", "zipf α", "rows for 90%",
                   "hot-set jaccard", title="skew: share of lookups taken by the most-read rows", title_justify="left")
     for name, t in summary["tables"].items():
-        table.add_row(name, _cell(t["num_rows"]), _cell(t["rows_touched"]), _cell(t["lookups"]),
+        table.add_row(name, format_cell(t["num_rows"]), format_cell(t["rows_touched"]), format_cell(t["lookups"]),
                       f"{t['top_1pct_share']:.1%}", f"{t['top_10pct_share']:.1%}", f"{t['gini']:.2f}",
-                      f"{t['zipf_alpha']:.2f}", _cell(t["rows_for_90pct"]), _ratio(t.get("hot_set_jaccard")))
+                      f"{t['zipf_alpha']:.2f}", format_cell(t["rows_for_90pct"]), _ratio(t.get("hot_set_jaccard")))
     terminal.print(table)
 
 
@@ -81,7 +81,7 @@ def _cache(summary: dict) -> None:
     table = Table("table", "distinct rows / step", *columns,
                   title="cache: miss ratio at cache load factors (FBGEMM TBE semantics)", title_justify="left")
     for name, t in summary["tables"].items():
-        table.add_row(name, _cell(t["expected_lookups"]),
+        table.add_row(name, format_cell(t["expected_lookups"]),
                       *(f"{t['miss_ratio'][policy][f]:.1%}" for f in factors for policy in ("lru", "lfu", "oracle")))
     terminal.print(table)
 
@@ -178,37 +178,21 @@ def _figures(predicted: dict, keys: tuple[str, ...], intervals: dict | None = No
     for k, v in shown:
         name = k.removesuffix('_per_step').removesuffix('_s').replace('_', ' ')
         span = (intervals or {}).get(k)
-        lines.append(f"{name} ~{_value(k, v)} [{_value(k, span[0])}, {_value(k, span[1])}]" if span
-                     else f"{name} {_value(k, v)}")
+        lines.append(f"{name} ~{show(k, v, ms=True)} [{show(k, span[0], ms=True)}, {show(k, span[1], ms=True)}]"
+                     if span else f"{name} {show(k, v, ms=True)}")
     return "\n".join(lines)
 
 
-def _value(key: str, value: Any) -> str:
-    if "bytes" in key:
-        return format_bytes(value)
-    if key.endswith("_s"):
-        return f"{value * 1e3:.1f} ms"
-    if key.endswith("rel_change"):
-        return f"{value:+.2%}"
-    if key.endswith("_change"):
-        return f"{value:+.4f}"
-    if "fraction" in key or key == "gain":
-        return f"{value:.1%}"
-    return _cell(value)
-
-
 def _ratio(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}"
+    return "" if value is None else format_decimal(value, 2)
 
 
 def print_simulate(summary: dict) -> None:
     """`tracekit simulate`: the target, then one row per policy with its bytes and time per step."""
-    from tracekit.units import format_rate
-
     target, source = summary["target"], summary["source"]
     terminal.print(f"projected onto {target['topology']} ({target['world']} ranks, batch "
                   f"{target['batch_per_device']:g} per rank): {format_rate(target['inter_bw'])} between nodes, "
-                  f"{format_rate(target['intra_bw'])} within; latency {target['latency_s'] * 1e6:,.0f} µs per "
+                  f"{format_rate(target['intra_bw'])} within; latency {format_us(target['latency_s'], 0)} per "
                   f"collective; from {summary['run']} ({source['world']} ranks, compute "
                   f"{_seconds(source['compute_s'])} per step of {_seconds(source['step_time_s'])} measured)")
     table = Table("policy", "bytes / step", "between nodes / step", "compute", "communication", "step time",
@@ -225,17 +209,11 @@ def print_simulate(summary: dict) -> None:
 
 
 def _seconds(value: float | None) -> str:
-    return "?" if value is None else f"{value * 1e3:,.1f} ms"
+    return "?" if value is None else format_ms(value)
 
 
 def print_calibration(c: dict) -> None:
     """`tracekit calibrate`'s table: each model's coefficients and residual, in µs (ns per element)."""
-    def us(seconds: float) -> str:
-        return f"{seconds * 1e6:,.1f} µs"
-
-    def ns(seconds: float) -> str:
-        return f"{seconds * 1e9:,.1f} ns"
-
     m, i = c["machine"], c["inputs"]
     say = print  # plain lines, as they are: no wrapping or markup
     say(f"calibration of {i['run']} ({i['world_size']} rank(s), batch {i['batch_per_rank']} per rank, "
@@ -246,17 +224,18 @@ def print_calibration(c: dict) -> None:
     say(f"  {'sync':<18}{'c0':>12}{'c_ids':>12}{'c_hot':>12}{'c_rows':>12}{'residual':>12}  collectives")
     for sync, r in c["replication"].items():
         calls = ", ".join(f"{n} {op}" for op, n in r["collectives"].items())
-        say(f"  {sync:<18}{us(r['c0_s']):>12}{ns(r['c_ids_s']):>12}{ns(r['c_hot_s']):>12}"
-            f"{ns(r['c_rows_s']):>12}{us(r['residual_s']):>12}  {calls}")
-    say("collective call (world 1, no wire): " + ", ".join(f"{op} {us(s)}" for op, s in c["collective_call_s"].items()))
+        say(f"  {sync:<18}{format_us(r['c0_s']):>12}{format_ns(r['c_ids_s']):>12}{format_ns(r['c_hot_s']):>12}"
+            f"{format_ns(r['c_rows_s']):>12}{format_us(r['residual_s']):>12}  {calls}")
+    say("collective call (world 1, no wire): "
+        + ", ".join(f"{op} {format_us(s)}" for op, s in c["collective_call_s"].items()))
     dp, mp, fae = c["dct_dp"], c["dct_mp"], c["schedule"]
-    say(f"DCT-DP hook over the plain one (keep ratio {dp['keep_ratio']}): {us(dp['c_bucket_s'])} per bucket + "
-        f"{ns(dp['c_elem_s'])} per element (residual {us(dp['residual_s'])}); a refresh adds "
-        f"{ns(dp['c_refresh_elem_s'])} per element (residual {us(dp['refresh_residual_s'])})")
-    say(f"DCT-MP codec (dim {mp['dim']}): {us(mp['c0_s'])} per step + {ns(mp['c_value_s'])} per value sent + "
-        f"{ns(mp['c_kept_s'])} per value kept (residual {us(mp['residual_s'])})")
-    say(f"FAE schedule: {ns(fae['c_sample_s'])} per sample taken by index (in-memory data); hot split "
-        f"{ns(fae['setup_s_per_sample'])} per training sample, once")
+    say(f"DCT-DP hook over the plain one (keep ratio {dp['keep_ratio']}): {format_us(dp['c_bucket_s'])} per bucket + "
+        f"{format_ns(dp['c_elem_s'])} per element (residual {format_us(dp['residual_s'])}); a refresh adds "
+        f"{format_ns(dp['c_refresh_elem_s'])} per element (residual {format_us(dp['refresh_residual_s'])})")
+    say(f"DCT-MP codec (dim {mp['dim']}): {format_us(mp['c0_s'])} per step + {format_ns(mp['c_value_s'])} per value "
+        f"sent + {format_ns(mp['c_kept_s'])} per value kept (residual {format_us(mp['residual_s'])})")
+    say(f"FAE schedule: {format_ns(fae['c_sample_s'])} per sample taken by index (in-memory data); hot split "
+        f"{format_ns(fae['setup_s_per_sample'])} per training sample, once")
     for note in c["notes"]:
         say(f"note: {note}")
 

@@ -11,9 +11,11 @@ from typing import Any
 
 from rich.table import Table
 
-from tracekit.app.console import _cell, terminal
+from tracekit.app.console import terminal
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, STEP_TIME, SYNC_BYTES
-from tracekit.units import format_bytes
+from tracekit.units import (PREDICTION_UNITS, format_bytes, format_cell, format_count, format_decimal, format_diff,
+                            format_general, format_ms)
+
 
 def print_compare(summary: dict) -> None:
     """What `tracekit compare` prints: warnings, the runs side by side (each RUN with its ratio to
@@ -95,8 +97,8 @@ def _compared(run: dict, base: dict, key: str, kind: str, is_base: bool) -> str:
         return "" if is_base else "n/a" if value is None else f"{value:.3g}"
     if value is None:
         return "n/a"
-    shown = {"text": str, "time": lambda v: f"{v * 1e3:,.2f} ms", "rate": lambda v: f"{v:,.0f}",
-             "count": lambda v: f"{v:,.6g}", "bytes": format_bytes, "metric": lambda v: f"{v:.4f}"}[kind](value)
+    shown = {"text": str, "time": lambda v: format_ms(v, 2), "rate": format_count,
+             "count": lambda v: format_general(v, 6), "bytes": format_bytes, "metric": format_decimal}[kind](value)
     if is_base or kind in ("text", "count") or base_value is None:
         return shown
     if kind == "metric":
@@ -138,7 +140,7 @@ def _compare_schedule(runs: list[dict]) -> None:
     table = Table("run", "schedule", "steps", "bytes_out per step", "embedding bytes per step",
                   title="hot/cold schedule (steps.schedule)", title_justify="left")
     for i, s in split:
-        table.add_row("BASE" if i == 0 else f"RUN {i}", s["schedule"], _cell(s["steps"]),
+        table.add_row("BASE" if i == 0 else f"RUN {i}", s["schedule"], format_cell(s["steps"]),
                       format_bytes(s["bytes_per_step"]), format_bytes(s["embedding_bytes_per_step"]))
     terminal.print(table)
 
@@ -153,16 +155,12 @@ def _compare_policies(rows: list[dict], base: str) -> None:
                         f"a figure without an interval is exact)", title_justify="left")
     for r in rows:
         table.add_row(r["run"], r["section"], r["figure"], _policy_predicted(r), _policy_value(r, r["measured"]),
-                      _policy_diff(r))
+                      format_diff(r, "n/a"))
     terminal.print(table)
 
 
 def _policy_value(row: dict, value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    shown = {"bytes": format_bytes, "s": lambda v: f"{v * 1e3:,.2f} ms", "fraction": lambda v: f"{v:.1%}",
-             "auc": lambda v: f"{v:+.4f}", "relative": lambda v: f"{v:+.2%}"}
-    return shown[row["unit"]](value)
+    return "n/a" if value is None else PREDICTION_UNITS[row["unit"]](value)
 
 
 def _policy_predicted(row: dict) -> str:
@@ -171,13 +169,3 @@ def _policy_predicted(row: dict) -> str:
     if row["kind"] == "estimated":
         return f"~{shown} [{_policy_value(row, row['predicted_low'])}, {_policy_value(row, row['predicted_high'])}]"
     return shown
-
-
-def _policy_diff(row: dict) -> str:
-    if row["unit"] == "auc":
-        return "n/a" if row["diff"] is None else f"{row['diff']:+.4f}"
-    if row["unit"] == "relative":
-        return "n/a" if row["diff"] is None else f"{row['diff'] * 100:+.2f} pts"
-    if row["unit"] == "fraction":
-        return "n/a" if row["diff"] is None else f"{row['diff'] * 100:+.1f} pts"
-    return "n/a" if row["diff_pct"] is None else f"{row['diff_pct']:+.1%}"

@@ -30,12 +30,13 @@ import threading
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO, Callable
 
 import collectors
 from tracekit import __version__, manifest
 from tracekit.errors import TracekitError
 from tracekit.files import Reserve
+from tracekit.app.background import in_background
 from tracekit.app.hang import HangWatch
 from tracekit.app.rank_reports import (gpu_outcome, merge_metrics, merge_policy, merge_tables, plan_applied,
                                        read_rank_report)
@@ -192,26 +193,17 @@ def record(command: list[str], run_dir: Path, *, lookup_every: int = 10, grad_ev
     return finalise(run_dir, code, interrupted).record_exit_code
 
 
-@contextlib.contextmanager
-def _watching_for_hangs(hangs: HangWatch) -> Iterator[None]:
+def _watching_for_hangs(hangs: HangWatch) -> contextlib.AbstractContextManager[None]:
     """Check the ranks' heartbeats every HANG_POLL_S on a thread while the command runs, on this
     machine or on an emulated cluster's nodes."""
-    stop = threading.Event()
-
-    def look() -> None:
+    def look(stop: threading.Event) -> None:
         while not stop.wait(HANG_POLL_S):
             try:
                 hangs.check()
             except Exception as err:  # the diagnosis must never cost the run or its record
                 print(f"tracekit: hang check failed ({type(err).__name__}: {err})", file=sys.stderr)
 
-    thread = threading.Thread(target=look, name="tracekit-hang-watch", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    return in_background(look, "tracekit-hang-watch")
 
 
 def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | None = None) -> Manifest:

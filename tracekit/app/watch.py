@@ -47,7 +47,6 @@ import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -59,6 +58,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tracekit.errors import SchemaVersionError
+from tracekit.app.background import in_background
 from tracekit.app.hang import describe as describe_hang
 from tracekit.app.hang import read_heartbeats
 from tracekit.phases import TRAIN
@@ -403,18 +403,17 @@ def watch(run_dir: str | os.PathLike, *, interval: float = 1.0, once: bool = Fal
     return figures
 
 
-@contextlib.contextmanager
 def watching(run_dir: str | os.PathLike, *, enabled: bool = True, interval: float = 1.0,
-             console: Console | None = None) -> Iterator[None]:
+             console: Console | None = None) -> contextlib.AbstractContextManager[None]:
     """`watch` on a thread, beside the run recorded inside the block (it waits for the manifest,
     and ends with the block once the run is finalised). The thread only reads files; an error ends
     the view with one line on the console, never the recording. `enabled` False: nothing."""
     if not enabled:
-        yield
-        return
-    run_dir, stop = Path(run_dir), threading.Event()
+        return contextlib.nullcontext()
+    run_dir = Path(run_dir)
+    console = console or wide_console(stderr=True)
 
-    def run() -> None:
+    def run(stop: threading.Event) -> None:
         try:
             while not (run_dir / MANIFEST).is_file():
                 if stop.wait(0.05) and not (run_dir / MANIFEST).is_file():
@@ -424,11 +423,4 @@ def watching(run_dir: str | os.PathLike, *, enabled: bool = True, interval: floa
         except Exception as err:  # the view must never take the recording down
             console.print(f"tracekit watch: stopped ({type(err).__name__}: {err})")
 
-    console = console or wide_console(stderr=True)
-    thread = threading.Thread(target=run, name="tracekit-watch", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    return in_background(run, "tracekit-watch")

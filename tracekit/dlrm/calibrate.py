@@ -87,13 +87,14 @@ from tracekit.dlrm.compression import DctDp, DctDpState, dct_dp_hook
 from tracekit.dlrm.data import TabularDataset
 from tracekit.dlrm.optim import sparse_optimizer
 from tracekit.dlrm.output_codec import OutputCodec
-from tracekit.dlrm.replicas import SYNCS, Replicas
+from tracekit.dlrm.replicas import Replicas
 from tracekit.dlrm.runtime import keep_freed_memory
 from tracekit.dlrm.schedule import hot_samples
 from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan
 from tracekit.dlrm.tables import init_rows
 from tracekit.dlrm.timing import clock, fit_nonnegative, paired
 from tracekit.errors import TracekitError
+from tracekit.policy import REPLICATION_SYNCS as SYNCS
 from tracekit.schema import CALIBRATION_SCHEMA
 
 REPEATS = 7  # timings per point: their noise stays under the fits' residuals (bench/RESULTS.md §37)

@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 import torch
 
 from tracekit.dlrm.compression import DctDp
-from tracekit.dlrm.replicas import SYNCS
 from tracekit.dlrm.tables import TableSpec
+from tracekit.policy import REPLICATION_SYNCS as SYNCS
 from tracekit.policy import (INFERENCE_ONLY, DctDp as DctDpSection, Policy, PolicyError, Tiers,
                              check_model, read_policy, row_path)
 

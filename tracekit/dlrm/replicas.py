@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 import tracekit
 from tracekit import tags
+from tracekit.policy import REPLICATION_SYNCS as SYNCS
 
-SYNCS = ("sparse_allreduce", "dense_allreduce")
 SYNC_LABEL = tags.REPLICA_SYNC
 
 
