@@ -27,8 +27,9 @@ from analyses.network import network
 from analyses.replay.prediction import replay, together
 from analyses.row_totals import kept_file
 from analyses.time_left import TimeLeft, expected_seconds
-from tracekit.policy import Policy, Section, write_policy
+from tracekit.policy import Policy, Section, row_list, write_policy
 from tracekit.losses import loss_warning, lost_rows
+from tracekit.run_dir import RunDir
 
 ANALYSES: dict[str, tuple[str, tuple[str, ...]]] = {
     # name: (module, trace tables it needs)
@@ -164,9 +165,9 @@ def analyze(path: str | os.PathLike, options: Options | None = None,
             summary["combined"] = as_json["combined"]
         _analysis(ctx, summary, "costmodel", *COSTMODEL, progress, clock, policies=results)
         if ctx.model.tables:
-            target = write_policy(Path(ctx.path) / "policy.json", policy, rows)
+            target = write_policy(RunDir.at(ctx.path).policy, policy, rows)
             summary["written"].append(str(target))
-            summary["written"].extend(str(Path(ctx.path) / "policy" / f"{name}.parquet") for name in rows)
+            summary["written"].extend(str(row_list(target, name)) for name in rows)
         else:
             summary["notes"].append("policy.json: not written, the manifest lists no embedding tables")
         summary["baseline"] = baseline

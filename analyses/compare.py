@@ -32,6 +32,7 @@ from analyses.run_diff import RATIOS, check_same_model, difference_warnings, los
 from analyses.verdict import verdict
 from tracekit.errors import TracekitError
 from tracekit.policy import PolicyError, load_policy
+from tracekit.run_dir import RunDir
 
 
 def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_steps: int | None = None) -> Result:
@@ -73,7 +74,8 @@ def compare(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, skip_
 def _base_policy(run_dir: Path) -> dict | None:
     """BASE's policy.json, where analyze wrote a readable one: the verdict's sections."""
     try:
-        return load_policy(run_dir / "policy.json") if (run_dir / "policy.json").is_file() else None
+        policy = RunDir.at(run_dir).policy
+        return load_policy(policy) if policy.is_file() else None
     except PolicyError:
         return None
 

@@ -43,6 +43,7 @@ from tracekit.run import Run, open_run
 from tracekit.schema import PHASED
 from tracekit.topology import Topology
 from tracekit.window import Window
+from tracekit.run_dir import RunDir
 
 T = TypeVar("T")
 
@@ -224,11 +225,11 @@ class Context:
 
     def write_json(self, name: str, value: Any) -> Path:
         """Write `value` as RUN/analysis/<name>.json (via a temporary file, renamed)."""
-        return write_text(self.path / "analysis" / f"{name}.json", json.dumps(value, default=str, indent=1) + "\n")
+        return write_text(RunDir.at(self.path).analysis_json(name), json.dumps(value, default=str, indent=1) + "\n")
 
     def write(self, name: str, frame: pl.DataFrame) -> Path:
         """Write `frame` as RUN/analysis/<name>.parquet (via a temporary file, renamed)."""
-        target = self.path / "analysis" / f"{name}.parquet"
+        target = RunDir.at(self.path).analysis_table(name)
         with replacing(target) as tmp:
             frame.write_parquet(tmp, compression="zstd")
         return target

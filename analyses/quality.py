@@ -40,6 +40,7 @@ from tracekit.errors import TracekitError
 from tracekit.figures import AUC_CHANGE, LOGLOSS_CHANGE
 from tracekit.files import write_text
 from tracekit.policy import Prediction, Section
+from tracekit.run_dir import RunDir
 
 SCHEMA = "tracekit.quality/1"
 FILE = "quality.json"  # in RUN/analysis/
@@ -210,7 +211,7 @@ def attach(section: S, label: str, calibration: Calibration | None, evidence: di
 
 def load(run: str | Path) -> Calibration | None:
     """RUN/analysis/quality.json, or None where no calibration was run."""
-    path = Path(run) / "analysis" / FILE
+    path = RunDir.at(run).analysis / FILE
     if not path.is_file():
         return None
     try:
@@ -257,6 +258,6 @@ def _finite(value: Any) -> bool:
 
 
 def write(run: str | Path, points: list[dict]) -> Path:
-    path = Path(run) / "analysis" / FILE
+    path = RunDir.at(run).analysis / FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_text(path, json.dumps({"schema": SCHEMA, "points": points}, indent=2) + "\n")

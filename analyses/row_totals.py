@@ -18,9 +18,10 @@ from pathlib import Path
 
 from analyses.context import Context
 from tracekit.files import replacing, write_text
+from tracekit.run_dir import ANALYSIS
 
 TABLE = "tk_row_totals"
-STATE_DIR = Path("analysis") / "increments"
+STATE_DIR = Path(ANALYSIS) / "increments"
 VERSION = 1  # of the kept totals' format: another one is recomputed, never read
 
 

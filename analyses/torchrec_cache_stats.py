@@ -39,6 +39,7 @@ from tracekit.files import write_text
 
 from analyses.context import Context
 from analyses.skew import Sample
+from tracekit.run_dir import RunDir
 
 STATS_FILE = "torchrec_cache_stats.json"
 
@@ -128,7 +129,7 @@ def ids_per_sample(ctx: Context, totals: dict, notes: list[str]) -> tuple[dict[s
 
 def write_stats(ctx: Context, stats: dict) -> os.PathLike:
     """Write `stats` (planner_stats) as RUN/analysis/torchrec_cache_stats.json; its path."""
-    return write_text(ctx.path / "analysis" / STATS_FILE, json.dumps(stats, indent=2, default=_plain) + "\n")
+    return write_text(RunDir.at(ctx.path).analysis / STATS_FILE, json.dumps(stats, indent=2, default=_plain) + "\n")
 
 
 def _plain(value: Any) -> Any:

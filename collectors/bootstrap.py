@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from collectors.imports import ImportWatcher
+from tracekit.run_dir import RunDir
 
 RANK_REPORT_RESERVE = 128 * 1024
 """Bytes of disk a rank holds back from its start for its report (ranks/rank=R.json, a few kB)."""
@@ -170,8 +171,9 @@ def activate(settings: Settings) -> None:
     writer = RunWriter(settings.run_dir, settings.rank, flush_interval_s=settings.flush_interval_s,
                        nice=settings.writer_nice, idle=settings.writer_idle, max_bytes=settings.max_bytes)
     # room for the rank's report, should the trace fill the disk
-    reserve = Reserve(settings.run_dir / "ranks" / f".reserve-rank={settings.rank}", RANK_REPORT_RESERVE)
-    (settings.run_dir / "ranks").mkdir(parents=True, exist_ok=True)
+    ranks = RunDir.at(settings.run_dir).ranks
+    reserve = Reserve(ranks / f".reserve-rank={settings.rank}", RANK_REPORT_RESERVE)
+    ranks.mkdir(parents=True, exist_ok=True)
     reserve.hold()
     anchor = {"monotonic_ns": time.monotonic_ns(), "wall_ns": time.time_ns()}  # read together: aligns ranks' times
     clock = _clock = steps.StepClock()
@@ -212,7 +214,7 @@ def activate(settings: Settings) -> None:
             parts["torchrec_plan_applied"] = lambda: torchrec_plan.applied
         reserve.release()
         try:
-            write_rank_report(settings.run_dir / "ranks" / f"rank={settings.rank}.json", parts,
+            write_rank_report(ranks / f"rank={settings.rank}.json", parts,
                               failures + facts.errors)
         except OSError as err:  # the disk is full even so: `record` names the rank's report as missing
             print(f"tracekit: rank {settings.rank} could not write its report ({err.strerror or err})", file=sys.stderr)

@@ -31,17 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from collectors.steps import StepClock
+from tracekit.run_dir import RunDir
 
 INTERVAL_S = 1.0
 STACKS_SIGNAL = signal.SIGUSR2
 
 
 def path_of(run_dir: Path, rank: int) -> Path:
-    return run_dir / "ranks" / f"heartbeat-rank={rank}.json"
+    return RunDir.at(run_dir).ranks / f"heartbeat-rank={rank}.json"
 
 
 def stacks_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "ranks" / f"stacks-rank={rank}.txt"
+    return RunDir.at(run_dir).ranks / f"stacks-rank={rank}.txt"
 
 
 class Heartbeat:

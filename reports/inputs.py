@@ -17,9 +17,9 @@ import polars as pl
 from tracekit import manifest
 from tracekit.errors import RunNotFound, TracekitError
 from tracekit.manifest import Manifest
-from tracekit.run_dir import MANIFEST
+from tracekit.run_dir import ANALYSIS, MANIFEST, RunDir
 
-SUMMARY = Path("analysis") / "summary.json"
+SUMMARY = Path(ANALYSIS) / "summary.json"
 """What `tracekit analyze` writes last: a run without it has not been analysed."""
 
 
@@ -56,11 +56,12 @@ def load(path: str | os.PathLike, *, analysed: bool = True) -> RunInputs:
         raise NotAnalysed(f"{path} has not been analysed (no {SUMMARY}): run `tracekit analyze "
                             f"{shlex.quote(str(path))}` first")
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    tables = {p.stem: _floats(pl.read_parquet(p)) for p in sorted((path / "analysis").glob("*.parquet"))}
-    policy_path = path / "policy.json"
+    run = RunDir.at(path)
+    tables = {p.stem: _floats(pl.read_parquet(p)) for p in sorted(run.analysis.glob("*.parquet"))}
+    policy_path = run.policy
     policy = json.loads(policy_path.read_text()) if policy_path.is_file() else None
     if policy is not None:
-        hot = path / "policy" / "hot_rows.parquet"
+        hot = run.policy_rows / "hot_rows.parquet"
         if hot.is_file():
             tables["hot_rows"] = pl.read_parquet(hot)
     return RunInputs(path, manifest.read(path), tables, policy, summary, _gpu(path))

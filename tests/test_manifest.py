@@ -64,7 +64,7 @@ def test_a_table_knows_which_rank_holds_a_row():
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("{not json", "is not valid JSON"),
+    ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object, got list"),
     ('{"tables": [{"name": "t0", "dim": 8}]}', "a table or shard lacks a field"),
 ])

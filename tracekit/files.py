@@ -7,15 +7,17 @@ recorders' own Parquet parts (policy files, analysis tables, the manifest, repor
 
 A `Reserve` holds disk space back for what must be written at the end when the disk has filled
 (the manifest, the ranks' reports): a file of real blocks, released just before those writes.
+`read_json` reads a JSON file back, with an error that names the file where it holds no JSON.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @contextmanager
@@ -62,3 +64,11 @@ class Reserve:
             self.path.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def read_json(path: Path, error: type[Exception]) -> Any:
+    """The JSON value in the file at `path`; `error` naming the file where it holds no valid JSON."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not valid JSON ({err})") from None

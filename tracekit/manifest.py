@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tracekit.errors import RunNotFound, TracekitError
-from tracekit.files import write_text
+from tracekit.files import read_json, write_text
 from tracekit.run_dir import MANIFEST, RunDir
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "int16": 2, "int32": 4,
@@ -189,13 +189,10 @@ def read(run_dir: str | os.PathLike) -> Manifest:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunNotFound(f"{run_dir} does not exist (a run directory from `tracekit record -o`?)")
-    path = RunDir(run_dir).manifest
+    path = RunDir.at(run_dir).manifest
     if not path.is_file():
         raise RunNotFound(f"{run_dir} has no {MANIFEST}; is it a tracekit run directory?")
-    try:
-        body = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TracekitError(f"{path} is not valid JSON ({e})") from e
+    body = read_json(path, TracekitError)
     if not isinstance(body, dict):
         raise TracekitError(f"{path}: expected a JSON object, got {type(body).__name__}")
     try:
@@ -208,4 +205,4 @@ def write(run_dir: str | os.PathLike, manifest: Manifest) -> Path:
     """Write `<run_dir>/manifest.json` atomically: the old manifest stays intact unless the new one is
     complete (data that JSON cannot encode raises TypeError before any file is touched)."""
     text = json.dumps(manifest.to_json(), sort_keys=True, indent=2) + "\n"
-    return write_text(RunDir(run_dir).manifest, text)
+    return write_text(RunDir.at(run_dir).manifest, text)

@@ -37,7 +37,8 @@ import pyarrow.parquet as pq
 
 from tracekit import figures
 from tracekit.errors import PolicyMismatch, TracekitError
-from tracekit.files import replacing, write_text
+from tracekit.files import read_json, replacing, write_text
+from tracekit.run_dir import POLICY, POLICY_ROWS
 
 SCHEMA = "tracekit.policy/1"
 SECTIONS = ("replication", "tiers", "schedule", "compression", "lag")
@@ -289,7 +290,7 @@ def write_policy(path: str | os.PathLike, policy: Policy | dict, rows: dict[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     for name, frame in (rows or {}).items():
         table = frame.to_arrow() if hasattr(frame, "to_arrow") else frame
-        with replacing(path.parent / "policy" / f"{name}.parquet") as tmp:
+        with replacing(row_list(path, name)) as tmp:
             pq.write_table(table, tmp, compression="zstd")
     validate(policy, path)
     return write_text(path, json.dumps(policy, indent=2, sort_keys=False) + "\n")
@@ -300,10 +301,7 @@ def load_policy(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise PolicyError(f"{path}: no such policy file (written by `tracekit analyze RUN` as RUN/policy.json)")
-    try:
-        policy = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise PolicyError(f"{path}: not valid JSON ({err})") from None
+    policy = read_json(path, PolicyError)
     validate(policy, path)
     return policy
 
@@ -311,6 +309,11 @@ def load_policy(path: str | os.PathLike) -> dict:
 def row_path(policy_path: str | os.PathLike, relative: str) -> Path:
     """Where a section's row list lives: `relative` to the policy file's folder."""
     return Path(policy_path).parent / relative
+
+
+def row_list(policy_path: str | os.PathLike, name: str) -> Path:
+    """Where `write_policy` writes the row list `name`: policy/<name>.parquet beside the policy file."""
+    return row_path(policy_path, f"{POLICY_ROWS}/{name}.parquet")
 
 
 def validate(policy: Any, path: str | os.PathLike) -> None:
@@ -407,7 +410,7 @@ def _check_prediction(body: dict, where: str, fail: Callable[[str, str], None]) 
 
 
 def check_model(policy: Policy | dict, *, tables: list[dict], world_size: int,
-                path: str | os.PathLike = "policy.json") -> None:
+                path: str | os.PathLike = POLICY) -> None:
     """Refuse (PolicyMismatch) a policy written for another model: every difference in tables (names,
     row counts, dims) or world size is named. A policy that names no model (hand-written) passes."""
     model = policy.model if isinstance(policy, Policy) else policy.get("model")

@@ -1,6 +1,6 @@
 """The run directory's layout (DESIGN.md §3): every file and folder of a run, named once.
 
-    run = RunDir("runs/base")
+    run = RunDir.at("runs/base")
     run.manifest            # runs/base/manifest.json      (tracekit/manifest.py reads and writes it)
     run.table("comms")      # runs/base/comms/             rank=R/part-NNNNN.parquet below it
     run.ranks               # runs/base/ranks/             each rank's report at exit, heartbeats
@@ -27,36 +27,20 @@ REPORT = "report.html"
 
 @dataclass(frozen=True)
 class RunDir:
-    """The paths of one run directory; nothing is read or created here."""
+    """The paths of one run directory (`RunDir.at(path)`); nothing is read or created here."""
 
     path: Path
+    manifest: Path
+    policy: Path
+    policy_rows: Path
+    analysis: Path
+    ranks: Path
+    report: Path
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        object.__setattr__(self, "path", Path(path))
-
-    @property
-    def manifest(self) -> Path:
-        return self.path / MANIFEST
-
-    @property
-    def policy(self) -> Path:
-        return self.path / POLICY
-
-    @property
-    def policy_rows(self) -> Path:
-        return self.path / POLICY_ROWS
-
-    @property
-    def analysis(self) -> Path:
-        return self.path / ANALYSIS
-
-    @property
-    def ranks(self) -> Path:
-        return self.path / RANKS
-
-    @property
-    def report(self) -> Path:
-        return self.path / REPORT
+    @classmethod
+    def at(cls, path: str | os.PathLike) -> RunDir:
+        run = Path(path)
+        return cls(run, run / MANIFEST, run / POLICY, run / POLICY_ROWS, run / ANALYSIS, run / RANKS, run / REPORT)
 
     def table(self, name: str) -> Path:
         """The folder of a trace table's part files (one `rank=R` folder per rank below it)."""

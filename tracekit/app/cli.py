@@ -21,6 +21,7 @@ from tracekit.app.cli_options import (ANALYSIS, DCT_REPLAY, JOB, JSON, RUN_DIR, 
                                   RecordCommand, analysis_options, cluster_topology, job_settings, parsed)
 from tracekit.app.cluster import MAX_NODES as CLUSTER_MAX_NODES
 from tracekit.app.console import show
+from tracekit.run_dir import RunDir
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -242,7 +243,7 @@ def report(runs: tuple[Path, ...], output: Path | None, plotly_js: str) -> None:
     """
     from tracekit.app.loop import write_report
 
-    path = write_report(runs, output or runs[0] / "report.html", plotly_js)
+    path = write_report(runs, output or RunDir.at(runs[0]).report, plotly_js)
     click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

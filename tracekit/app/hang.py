@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from tracekit.files import write_text
+from tracekit.run_dir import RunDir
 
 HANG_FLOOR_S = 60.0
 STEPS_PER_HANG = 100
@@ -39,7 +40,7 @@ STACKS_SIGNAL = signal.SIGUSR2  # collectors/heartbeat.py's
 def read_heartbeats(run_dir: Path) -> dict[int, dict]:
     """Every rank's last heartbeat, by rank (unreadable ones left out)."""
     beats = {}
-    for path in (run_dir / "ranks").glob("heartbeat-rank=*.json"):
+    for path in RunDir.at(run_dir).ranks.glob("heartbeat-rank=*.json"):
         try:
             beat = json.loads(path.read_text())
             beats[int(beat["rank"])] = beat

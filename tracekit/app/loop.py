@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tracekit.errors import TracekitError
+from tracekit.run_dir import RunDir
 
 if TYPE_CHECKING:
     import polars as pl
@@ -73,7 +74,7 @@ def analyze_run(run_dir: str | os.PathLike, options: Options, *, calibrate: bool
         summary["notes"].append(job)
     if report:
         progress("report")
-        summary["report"] = str(write_report([run_dir], run_dir / "report.html"))
+        summary["report"] = str(write_report([run_dir], RunDir.at(run_dir).report))
     return summary
 
 
@@ -96,7 +97,7 @@ def simulate_run(run_dir: str | os.PathLike, target: Target, policy: str = "all"
     from analyses.simulate import project
 
     run_dir = Path(run_dir)
-    policy_path = None if policy == "none" else run_dir / "policy.json" if policy == "all" else Path(policy)
+    policy_path = None if policy == "none" else RunDir.at(run_dir).policy if policy == "all" else Path(policy)
     if policy != "all" and policy_path is not None and not policy_path.is_file():
         raise TracekitError(f"--policy {policy_path}: no such file")
     unwritten = policy == "all" and not policy_path.is_file()
@@ -104,7 +105,7 @@ def simulate_run(run_dir: str | os.PathLike, target: Target, policy: str = "all"
     if unwritten:
         summary["notes"].append(f"no {policy_path}: the baseline only (tracekit analyze writes it)")
     if report:
-        summary["report"] = _report_if_analysed([run_dir], run_dir / "report.html")
+        summary["report"] = _report_if_analysed([run_dir], RunDir.at(run_dir).report)
     return summary
 
 
@@ -115,7 +116,7 @@ def query(run_dir: str | os.PathLike, sql: str) -> pl.DataFrame:
     from analyses.context import open_context
 
     with open_context(run_dir) as ctx:
-        for part in sorted((ctx.path / "analysis").glob("*.parquet")):
+        for part in sorted(RunDir.at(ctx.path).analysis.glob("*.parquet")):
             ctx.con.sql(f"CREATE VIEW \"{part.stem}\" AS SELECT * FROM read_parquet('{part}')")
         try:
             return ctx.frame(sql)

@@ -39,6 +39,7 @@ from tracekit.errors import TracekitError
 from tracekit.app.loop import analyze_run, compare_runs, write_report
 from tracekit.policy import TRAINING, Policy, Section, Tiers, nothing_to_apply, read_policy, write_policy
 from tracekit.torchrec_plan import PLAN_FILE, QCOMMS_PLAN_FILE, from_manifest, read_plan
+from tracekit.run_dir import RunDir
 
 
 class OptimizeError(TracekitError):
@@ -75,7 +76,7 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
         from analyses.simulate import Target, project
 
         progress("analysing the baseline: simulate")
-        project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), base / "policy.json")
+        project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), RunDir.at(base).policy)
     calibrated = []
     if not (base / PLAN_FILE).exists():
         calibrated = quality_runs.calibrate(
@@ -89,7 +90,7 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
     if (base / PLAN_FILE).exists():
         plans, notes = torchrec_reruns(base, from_manifest(manifest.read(base)), checked=check_all)
     else:
-        plans, notes = reruns(base / "policy.json", checked=check_all)
+        plans, notes = reruns(RunDir.at(base).policy, checked=check_all)
     notes = [*calibrated, *notes]
     result = Optimized(base, notes=notes)
     for i, rerun in enumerate(plans, 1):
@@ -110,7 +111,7 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
     summary = compare_runs(base, result.runs)
     summary["notes"] = [*notes, *summary.get("notes", [])]
     try:
-        summary["report"] = str(write_report([base, *result.runs], out_dir / "report.html"))
+        summary["report"] = str(write_report([base, *result.runs], RunDir.at(out_dir).report))
     except Exception as err:  # the runs and the comparison are done; a report bug must not hide them
         summary["report"] = f"not written ({type(err).__name__}: {err})"
     result.summary = summary

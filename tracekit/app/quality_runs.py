@@ -27,6 +27,7 @@ from analyses import quality
 from tracekit import manifest
 from tracekit.policy import DctDp, DctMp, Policy, Prediction, read_policy, write_policy
 from tracekit.schema import KEEP_RATIOS
+from tracekit.run_dir import RunDir
 
 MP_POINTS = 4
 """compression.mp's settings at most (K, 2K, 4K, 8K values a row)."""
@@ -68,7 +69,7 @@ def calibrate(command: list[str], base: Path, out_dir: Path, budget: quality.Bud
     """Run the calibration (module docstring) for BASE's lossy sections `labels` (default: those
     `pending`) at `seeds` seeds and write BASE/analysis/quality.json; the notes on what ran and what
     was found. `record(run_dir, command, log)` records one run and gives its exit code."""
-    policy = read_policy(base / "policy.json")
+    policy = read_policy(RunDir.at(base).policy)
     labels = pending(policy) if labels is None else labels
     if not labels:
         return []

@@ -46,6 +46,7 @@ from tracekit.manifest import Manifest, Table
 from tracekit.torchrec_plan import ENV as ENV_PLAN
 from tracekit.torchrec_plan import read_plan
 from tracekit.window import Window
+from tracekit.run_dir import RunDir
 
 SITE_DIR = Path(collectors.__file__).resolve().parent / "site"
 MANIFEST_RESERVE, MANIFEST_RESERVE_BYTES = ".reserve-manifest", 256 * 1024
@@ -224,7 +225,7 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
 
     reports: dict[int, dict] = {}
     unreadable = set()
-    for path in (run_dir / "ranks").glob("rank=*.json"):
+    for path in RunDir.at(run_dir).ranks.glob("rank=*.json"):
         rank = _rank_of(path.stem)
         if rank is None:
             errors.append(f"ranks/{path.name}: not a rank report's name (rank=N.json); left out")
@@ -278,7 +279,7 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
             finalised[name] = None
     ended = ended.updated(**finalised, traced=bool(ranks),
                           untraced_reason=None if ranks else not_started or _why_untraced(code), finalise_errors=errors)
-    ranks_dir = run_dir / "ranks"
+    ranks_dir = RunDir.at(run_dir).ranks
     # what only a running rank needs, a killed rank's too: its reserve, its heartbeat, a stacks file never written
     left = [*ranks_dir.glob(".reserve-rank=*"), *ranks_dir.glob("heartbeat-rank=*.json"), *ranks_dir.glob(".heartbeat-*"),
             *(p for p in ranks_dir.glob("stacks-rank=*.txt") if p.stat().st_size == 0)]

@@ -212,7 +212,7 @@ def _preamble(source: _Source) -> list[str]:
         entry("ranks/rank=R.json", "each rank's report at exit, merged into the manifest"),
         entry("analysis/", "written by tracekit analyze (and calibrate, planner, simulate)"),
         entry("policy.json, policy/*.parquet", "the policy file tracekit analyze derives"),
-        entry("report.html", "tracekit report"),
+        entry(run_dir.REPORT, "tracekit report"),
         "```",
         "",
         LAYOUT_PROSE,

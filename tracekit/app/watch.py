@@ -62,7 +62,7 @@ from tracekit.app.background import in_background
 from tracekit.app.hang import describe as describe_hang
 from tracekit.app.hang import read_heartbeats
 from tracekit.phases import TRAIN
-from tracekit.run_dir import MANIFEST
+from tracekit.run_dir import MANIFEST, RunDir
 from tracekit.schema import SCHEMA_VERSION, STATUS_RUNNING, VERSION_KEY, major
 from tracekit import manifest
 from tracekit.manifest import Manifest
@@ -286,7 +286,7 @@ class RunReader:
         """Dropped rows per table over all ranks, from the manifest or the rank reports; None if neither says."""
         per_rank = self.manifest.dropped_rows
         if per_rank is None:
-            for path in (self.run_dir / "ranks").glob("rank=*.json"):
+            for path in RunDir.at(self.run_dir).ranks.glob("rank=*.json"):
                 if path.name not in self._reports:
                     try:
                         self._reports[path.name] = json.loads(path.read_text())
