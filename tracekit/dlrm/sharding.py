@@ -17,11 +17,12 @@ Sequence (unpooled) tables send every looked-up row back instead of one pooled r
 model sees the same [b, T, D] input either way. Backward mirrors the output dist through
 autograd; the owner applies the sparse optimizer to the rows it looked up, inside backward.
 
-With replicated rows (tracekit/dlrm/replicas.py), an id of a replicated row is looked up where its
-sample is and never sent. A pooled bag whose ids are all replicated leaves the exchange: its
+With replicated rows (tracekit/dlrm/replicas.py), an id of a replicated row is looked up where
+its sample is and never sent. A pooled bag whose ids are all replicated leaves the exchange: its
 lengths entry still travels, as -1, so the owner knows not to return a row for it; a mixed bag
-sends its other ids, the owner pools them and the sum with the local replicated part is the bag's.
-Sequence lookups of replicated rows simply leave. Lengths keep their size, so the exchange needs no extra collective.
+sends its other ids, the owner pools them and the sum with the local replicated part is the
+bag's. Sequence lookups of replicated rows simply leave. Lengths keep their size, so the exchange
+needs no extra collective.
 
 Across nodes, FlexShard's tier 2 (tracekit/dlrm/node_tier.py) takes its ids out of the batch the
 same way, after the replicas, and serves them inside the node; what is left goes to the owners.
