@@ -36,7 +36,7 @@ replay is an average over those sampled steps, with `step_interval` its interval
 sampled (exact where every step was).
 
     s = baseline(ctx)                   # the replay's temp tables and per-run constants (once per context)
-    saved = hot_curve(ctx, order, n)    # bytes freed per collective by every prefix of a row order
+    saved = replication_savings(ctx, order, n)  # bytes freed per collective by every prefix of a row order
     comms_replay(ctx)                   # per (step, rank, collective): replayed and recorded bytes
 
 Temporary tables it creates that other modules read (call `baseline(ctx)` first; the tables of
@@ -325,7 +325,7 @@ def count_exchange(world: int) -> float:
     return float(world * max(world - 1, 0) * COUNT_BYTES)
 
 
-def hot_curve(ctx: Context, order: str, n: int, per_node: int = 1) -> dict[str, np.ndarray]:
+def replication_savings(ctx: Context, order: str, n: int, per_node: int = 1) -> dict[str, np.ndarray]:
     """Bytes per step freed from each collective when the first K rows of the ordering `order`
     (a table: tid, row, pos 0..n-1) are replicated, for K = 0..n, exactly (an item leaves
     at K > maxpos). Keys: '<collective>_out' and '<collective>_rem' cumulative arrays of n + 1;

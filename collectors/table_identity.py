@@ -44,7 +44,7 @@ def table_entry(module: nn.Module, shard: Shard) -> dict:
     """What the manifest lists of a table module, described in the module docstring."""
     padding = module.padding_idx
     return {"table": shard.table, "first_row": int(shard.first_row), "num_rows": int(module.num_embeddings),
-            "table_rows": int(shard.num_rows), "dim": int(module.embedding_dim),
+            "table_rows": int(shard.table_rows), "dim": int(module.embedding_dim),
             "dtype": str(module.weight.dtype).removeprefix("torch."),
             "kind": "pooled" if isinstance(module, nn.EmbeddingBag) else "sequence",
             "padding_idx": None if padding is None else int(shard.first_row + padding)}
@@ -84,6 +84,6 @@ class TableIdentity:
             rank, world_size = _rank_and_world()
             if placement == "local" and world_size > 1:
                 name = f"{name}@rank{rank}"
-            shard = Shard(name, 0, rows)
+            shard = Shard(name, 0, table_rows=rows)
         entry = {**table_entry(module, shard), "placement": placement}
         return self.add_table(entry, num_rows=rows, first_row=shard.first_row, padding_idx=module.padding_idx)

@@ -38,7 +38,7 @@ def test_items_leave_the_exchange_as_the_layout_says(tmp_path: Path) -> None:
     mixed_run(tmp_path / "run")
     with open_context(tmp_path / "run") as ctx:
         hot_order(ctx, [("a", 1), ("b", 5), ("s", 7)])
-        saved = exchange.hot_curve(ctx, "tk_test_order", 3)
+        saved = exchange.replication_savings(ctx, "tk_test_order", 3)
         remote = sum(saved[f"{c}_rem"][3] for c in exchange.COLLECTIVES)
         everything = sum(saved[f"{c}_out"][3] for c in exchange.COLLECTIVES)
         # remote: rank 1's two bags [1] of a (8 + 2·16 each); rank 0's all-hot bag [5, 5] of b (16 + 32)
@@ -59,7 +59,7 @@ def test_a_row_wise_bag_leaves_with_all_its_partial_bags(tmp_path: Path) -> None
     with open_context(tmp_path / "run") as ctx:
         s = exchange.baseline(ctx)
         hot_order(ctx, [("r", 1), ("r", 2), ("r", 3), ("r", 7), ("r", 8), ("r", 9)])
-        saved = exchange.hot_curve(ctx, "tk_test_order", 6)
+        saved = exchange.replication_savings(ctx, "tk_test_order", 6)
         # every bag hot: the whole recorded exchange leaves, empty partial bags included, but the
         # lengths (2 ranks × 2 owners × 2 samples × 4 bytes)
         assert s.base_out == 336

@@ -145,7 +145,7 @@ def test_nothing_recommended_runs_with_nothing_applied(tmp_path: Path) -> None:
     path = write_policy(tmp_path / "policy.json", policy)
     for inference in (False, True):
         applied = policies.load(path, TABLES, world_size=2, local_world_size=2, inference=inference)
-        assert (applied.sections, applied.hot_rows, applied.dct_dp, applied.lag_bound) == ((), None, None, None)
+        assert (applied.sections, applied.replicated_rows, applied.dct_dp, applied.lag_bound) == ((), None, None, None)
         assert applied.lines()[0] == f"policy {path}: no section applies; the run goes on as it would without --policy"
         assert len(applied.skipped) == 6
 
@@ -163,7 +163,7 @@ def corrupt_rows(folder: Path, *, recommended: bool) -> Path:
 
 def test_a_corrupt_row_list_of_a_section_not_recommended_is_never_read(tmp_path: Path) -> None:
     applied = policies.load(corrupt_rows(tmp_path, recommended=False), TABLES, world_size=2, local_world_size=2)
-    assert applied.sections == ("compression.dp",) and applied.hot_rows is None
+    assert applied.sections == ("compression.dp",) and applied.replicated_rows is None
     assert applied.skipped["replication"] == "not recommended (set by the test)"
     with pytest.raises(PolicyError, match="hot_rows.parquet: not a row list"):
         policies.load(corrupt_rows(tmp_path, recommended=True), TABLES, world_size=2, local_world_size=2)

@@ -56,7 +56,7 @@ def exact_remote(run: Path, hot: pl.DataFrame) -> float:
         ctx.con.register("hot_frame", hot.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
         ctx.sql("""CREATE TEMP TABLE tk_hot_order AS SELECT n.tid, h."row", (row_number() OVER () - 1)::BIGINT AS pos
                    FROM hot_frame h JOIN tk_names n USING (table_name)""")
-        saved = exchange.hot_curve(ctx, "tk_hot_order", hot.height)
+        saved = exchange.replication_savings(ctx, "tk_hot_order", hot.height)
         return exchange.curve_totals(s, saved, hot.height)[1]
 
 

@@ -23,7 +23,7 @@ ATTR = "tracekit_shard"
 class Shard:
     table: str  # the logical table's name, as the trace names it
     first_row: int  # the table's row that the module's row 0 holds
-    num_rows: int  # rows of the whole table, every shard together
+    table_rows: int  # rows of the whole table, every shard together (`shard()`'s `num_rows`)
 
 
 M = TypeVar("M")

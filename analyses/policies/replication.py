@@ -15,16 +15,17 @@ score is not positive follow, by all-to-all bytes freed per replica byte alone):
 The rows' figures come from EVERY training step's `accesses` (exact counts; `estimated_rows`), each
 row's bytes per lookup from the sampled `lookups`: choosing the hot set on the sampled steps that
 then evaluate it would be optimistic by construction (a row seen once in a few sampled steps looks
-hot). Every prefix K of that order is replayed over the recorded lookups (exchange.hot_curve: an
-item leaves at K > its last position), with both syncs per step: dense 2(W−1)·Σ rb over the K
-rows, sparse over the union of hot rows touched that step. Where lookups were sampled, the bytes
-at the chosen K are estimates with an interval over the sampled steps (exchange.step_interval);
-with --lookup-every 1 they are exact. The sync is exchange_timing.sync_choice's; the K is the one of
-least predicted step time (exchange_timing.timing: the measured step less the baseline exchange's time,
-plus the policy's exchange, sync collectives and calibrated rank-side work, analyses.network),
-with Σ rb ≤ the budget per rank (Options.budget_bytes, or budget_fraction of all embedding bytes;
-without one, the unconstrained optimum). Its step time carries the model's error as an interval;
-analyses.decision recommends it only when the gain exceeds that error.
+hot). Every prefix K of that order is replayed over the recorded lookups
+(exchange.replication_savings: an item leaves at K > its last position), with both syncs per step:
+dense 2(W−1)·Σ rb over the K rows, sparse over the union of hot rows touched that step. Where
+lookups were sampled, the bytes at the chosen K are estimates with an interval over the sampled
+steps (exchange.step_interval); with --lookup-every 1 they are exact. The sync is
+exchange_timing.sync_choice's; the K is the one of least predicted step time
+(exchange_timing.timing: the measured step less the baseline exchange's time, plus the policy's
+exchange, sync collectives and calibrated rank-side work, analyses.network), with Σ rb ≤ the budget
+per rank (Options.budget_bytes, or budget_fraction of all embedding bytes; without one, the
+unconstrained optimum). Its step time carries the model's error as an interval; analyses.decision
+recommends it only when the gain exceeds that error.
 
 HugeCTR's frequent set is computed beside it (calibration_data.cu, papers B.3): over the I sampled
 steps with global batch B and per-rank batch M = B/W, a row is frequent if its count ≥
@@ -85,7 +86,7 @@ class Curve:
     work: np.ndarray  # rank-side seconds per step (analyses.network's calibration; 0 without one)
     step_time: np.ndarray | None
     error: np.ndarray  # the model's error on step_time, seconds
-    saved: dict[str, np.ndarray]  # '<collective>_out' / '_rem': bytes per step freed, exchange.hot_curve
+    saved: dict[str, np.ndarray]  # '<collective>_out'/'_rem': bytes freed per step, exchange.replication_savings
 
     def collectives(self, s: ExchangeBaseline, k: int) -> dict[str, dict[str, float]]:
         """Per collective of the exchange: bytes_out and remote bytes per step left at K = k."""
@@ -210,7 +211,7 @@ def curve(ctx: Context, s: ExchangeBaseline, name: str, order_by: str) -> Curve:
     """Replay every prefix of the order `order_by` (module docstring)."""
     order = order_table(ctx, name, order_by)
     n = order.height
-    saved = exchange.hot_curve(ctx, name, n)
+    saved = exchange.replication_savings(ctx, name, n)
     a2a_out, a2a_rem = exchange.curve_totals(s, saved, np.arange(n + 1))
     rb, steps, src_steps = (order[c].to_numpy().astype(np.float64) for c in ("rb", "steps", "src_steps"))
     dense, sparse = exchange.sync_bytes(s.world, s.id_bytes, rb, steps, src_steps, s.sampled_steps)
@@ -329,8 +330,8 @@ def _derive(ctx: Context) -> PolicyResult:
     table = pl.concat([sweep(s, c, points, "benefit"), sweep(s, by_count, {"hugectr": h["rows"]}, "count")])
     table = table.with_columns(pl.col("point").str.replace(r"^sweep \d+$", "sweep"),
                                (pl.col("point") == ("budget" if limit is not None else "optimum")).alias("chosen"))
-    hot = c.order.head(k)
-    rows = hot.select("table_name", "row", pl.col("lookups").alias("count"),
+    replicated = c.order.head(k)
+    rows = replicated.select("table_name", "row", pl.col("lookups").alias("count"),
                       pl.col("benefit_rem").alias("benefit_bytes"))
     sync = c.sync_kind(k)
     predicted = {A2A_BYTES: float(c.a2a_out[k]), A2A_REMOTE_BYTES: float(c.a2a_rem[k]),

@@ -129,7 +129,7 @@ def hot_batch_sync(ctx: Context, s: ExchangeBaseline, hot_bytes: float, hot_rows
 
 
 @dataclass
-class HotCurve:
+class HotSampleCurve:
     """Per hot-set size K = 0..n along the count order (arrays of n + 1): the samples all-hot, and
     the a2a bytes (all, remote) those samples send, summed over the sampled steps; and the samples
     all-hot when each fold of the sampled steps is classified by the top K rows on the others
@@ -157,13 +157,13 @@ def coverage(ctx: Context, s: ExchangeBaseline) -> float:
     return min(1.0, s.samples / epoch) if isinstance(epoch, (int, float)) and epoch > 0 else 0.0
 
 
-def hot_curve(ctx: Context) -> HotCurve:
+def hot_sample_curve(ctx: Context) -> HotSampleCurve:
     """The hot samples of every hot-set size, in one pass (a sample is hot for K > the last count
     position of its ids); sequence ids not placed in samples are left out. Once per context."""
-    return ctx.memo(hot_curve, lambda: _hot_curve(ctx, exchange.baseline(ctx)))
+    return ctx.memo(hot_sample_curve, lambda: _hot_sample_curve(ctx, exchange.baseline(ctx)))
 
 
-def _hot_curve(ctx: Context, s: ExchangeBaseline) -> HotCurve:
+def _hot_sample_curve(ctx: Context, s: ExchangeBaseline) -> HotSampleCurve:
     attribution.attributed(ctx)  # tk_names
     exchange.baseline(ctx)  # tk_x, tk_tshards
     n = replication.count_curve(ctx).order.height  # its order in tk_order_count
@@ -185,8 +185,8 @@ def _hot_curve(ctx: Context, s: ExchangeBaseline) -> HotCurve:
                sum(p.rem_b + f.rem_b)::DOUBLE AS rem_b
         FROM per_sample p JOIN fixed f USING (src) GROUP BY maxpos""")
 
-    return HotCurve(_cumulative(hist, "samples", n), _cumulative(hist, "out_b", n), _cumulative(hist, "rem_b", n),
-                    _held_out(ctx, n))
+    return HotSampleCurve(_cumulative(hist, "samples", n), _cumulative(hist, "out_b", n),
+                          _cumulative(hist, "rem_b", n), _held_out(ctx, n))
 
 
 def _cumulative(hist: pl.DataFrame, column: str, n: int) -> np.ndarray:
@@ -275,7 +275,7 @@ def own_budget(ctx: Context, s: ExchangeBaseline) -> tuple[float, np.ndarray, bo
     within FAE_HOT_SHARE of the embedding bytes, each K priced as `_derive` prices the chosen one
     (its hot samples' steps skip the exchange). Returns (its replica bytes per rank, the merit per K,
     whether the merit is a step time)."""
-    c, h = replication.count_curve(ctx), hot_curve(ctx)
+    c, h = replication.count_curve(ctx), hot_sample_curve(ctx)
     fraction = h.fraction(np.arange(c.order.height + 1), s.samples, coverage(ctx, s))
     lengths_rem = s.base["input_lengths"][1]
     remote = {col: (1 - fraction) * (s.base[col][1] - c.saved[f"{col}_rem"]) for col in exchange.COLLECTIVES}
@@ -295,7 +295,7 @@ def _hot_cap(ctx: Context) -> float:
 def sweep(ctx: Context, s: ExchangeBaseline, chosen: int, merit: np.ndarray | None) -> pl.DataFrame:
     """Table `schedule_sweep`: per hot-set size K (rows by count) the hot-sample fraction, the a2a
     bytes per step left and the merit the budget was chosen by (where it was)."""
-    order, h = replication.count_curve(ctx).order, hot_curve(ctx)
+    order, h = replication.count_curve(ctx).order, hot_sample_curve(ctx)
     budget = np.concatenate([[0.0], np.cumsum(order["rb"].to_numpy().astype(np.float64))])
     steps = max(s.sampled_steps, 1)
     points = sorted({*exchange.log_points(order.height), chosen})
@@ -332,7 +332,7 @@ def _derive(ctx: Context) -> PolicyResult:
     cold = classify(ctx)
     k = rows.height
     in_sample = 1 - cold / s.samples if s.samples else 0.0
-    held = hot_curve(ctx).held_out_samples
+    held = hot_sample_curve(ctx).held_out_samples
     held = in_sample if held is None else min(in_sample, float(held[k]) / max(s.samples, 1))
     covered = coverage(ctx, s)
     fraction = covered * in_sample + (1 - covered) * held
@@ -406,7 +406,7 @@ def _own_budget_why(ctx: Context, s: ExchangeBaseline, k: int, merit: np.ndarray
     def shown(value: float) -> str:
         return f"{value * 1e3:.2f} ms" if by_time else f"{value:,.0f} network bytes"
 
-    share = hot_curve(ctx).fraction(largest, s.samples, coverage(ctx, s))
+    share = hot_sample_curve(ctx).fraction(largest, s.samples, coverage(ctx, s))
     return (f"its hot set is the one of {'least predicted step time' if by_time else 'fewest network bytes'} "
             f"({shown(merit[k])}) up to {FAE_HOT_SHARE:.1%} of the tables; the largest, {largest} rows, would "
             f"make {share:.0%} of samples all-hot at {shown(merit[largest])}")

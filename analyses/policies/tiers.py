@@ -16,11 +16,11 @@ lookups for any (K1, K2). A source q's ids split three ways:
              K1 + K2 rows (analyses.exchange: a hot id leaves; a pooled bag all of whose ids are in
              H is sent as −1 and leaves the output all-to-all; lengths keep their size)
 
-so a pooled bag may be served in three parts. The main exchange's remote bytes split into
-intra-node and inter-node by its sender's and receiver's nodes (rank // G: exchange.hot_curve with
+so a pooled bag may be served in three parts. The main exchange's remote bytes split into intra-node
+and inter-node by its sender's and receiver's nodes (rank // G: exchange.replication_savings with
 per_node G); the tier-2 exchange's are all intra-node. What a rank hands itself counts only in
-a2a_bytes_per_step (both exchanges: it compares with `comms`); tier2_exchange_bytes_per_step is
-the tier-2 exchange's part. Synchronisation per step (bytes summed over ranks):
+a2a_bytes_per_step (both exchanges: it compares with `comms`); tier2_exchange_bytes_per_step is the
+tier-2 exchange's part. Synchronisation per step (bytes summed over ranks):
 
     tier 1   replication's sync over the W ranks (dense or sparse: exchange.sync_bytes). Its ring
              all-reduce (in rank order) crosses nodes on N of its W links: 1/G of its bytes are
@@ -203,7 +203,7 @@ def _model(ctx: Context) -> TierModel:
     if nodes > 1:
         inter_base.update(ctx.sql(f"""SELECT collective, coalesce(sum(bytes), 0)::DOUBLE / {max(s.sampled_steps, 1)}
                                       FROM tk_pairs WHERE sender // {g} <> receiver // {g} GROUP BY ALL""").fetchall())
-        saved = exchange.hot_curve(ctx, "tk_order_replication", n, per_node=g)
+        saved = exchange.replication_savings(ctx, "tk_order_replication", n, per_node=g)
         inter_freed = {c: saved[f"{c}_rem"] for c in exchange.COLLECTIVES}
         t2 = tier2.replay(ctx, "tk_order_replication", nodes, g)
     net = network.network(ctx)

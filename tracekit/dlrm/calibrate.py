@@ -82,7 +82,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tracekit.dlrm.calibration_inputs import MAX_TABLE_BYTES, Batches, Inputs, hot_rows
+from tracekit.dlrm.calibration_inputs import MAX_TABLE_BYTES, Batches, Inputs, most_read_rows
 from tracekit.dlrm.compression import DctDp, DctDpState, dct_dp_hook
 from tracekit.dlrm.data import TabularDataset
 from tracekit.dlrm.optim import sparse_optimizer
@@ -121,11 +121,11 @@ class Tables:
         plan = ShardingPlan.build(inputs.tables, 1, "table")
         return Tables(*(ShardedEmbeddings(plan, 0, optimizer, seed=0, device=torch.device("cpu")) for _ in range(2)))
 
-    def replicate(self, hot: list[torch.Tensor], sync: str) -> ShardedEmbeddings:
-        """`replicated`, with replicas of the rows `hot` (per table) synchronised by `sync`."""
+    def replicate(self, replicated_rows: list[torch.Tensor], sync: str) -> ShardedEmbeddings:
+        """`replicated`, with replicas of `replicated_rows` (per table) synchronised by `sync`."""
         plan = self.replicated.plan
         self.replicated.replicas = Replicas(
-            hot, [t.rows for t in plan.tables], plan.tables[0].dim, self.replicated.optimizer, sync=sync,
+            replicated_rows, [t.rows for t in plan.tables], plan.tables[0].dim, self.replicated.optimizer, sync=sync,
             init_rows=lambda t, rows: init_rows(plan.tables[t], t, rows, 0), device=torch.device("cpu"), group=None)
         return self.replicated
 
@@ -139,16 +139,17 @@ def _embedding_step(embeddings: ShardedEmbeddings, batches: Batches) -> Callable
     return step
 
 
-def _counts(hot: list[torch.Tensor], batches: Batches, sync: str) -> tuple[float, float, float]:
-    """Mean ids, hot ids and replica rows synchronised per step over the batches."""
+def _counts(replicated_rows: list[torch.Tensor], batches: Batches, sync: str) -> tuple[float, float, float]:
+    """Mean ids, ids served by a replica (`hot` in the file) and replica rows synchronised per step
+    over the batches."""
     ids = hits = rows = 0.0
     for lengths, values in zip(batches.lengths, batches.values):
         per_table = values.split(lengths.sum(dim=1).tolist())
-        touched = [v[torch.isin(v, h)] for v, h in zip(per_table, hot)]
+        touched = [v[torch.isin(v, h)] for v, h in zip(per_table, replicated_rows)]
         ids += values.numel()
         hits += sum(t.numel() for t in touched)
         rows += sum(torch.unique(t).numel() for t in touched) if sync == "sparse_allreduce" else sum(
-            h.numel() for h in hot)
+            h.numel() for h in replicated_rows)
     n = len(batches.values)
     return ids / n, hits / n, rows / n
 
@@ -166,11 +167,12 @@ def measure_replication_point(inputs: Inputs, sync: str, k: int, b: int, *, repe
     """One point: the embedding part's step with replicas of the K hottest rows against without, on
     a few batches of b samples."""
     tables = tables or Tables.build(inputs)
-    hot = hot_rows(inputs, k)
+    replicated_rows = most_read_rows(inputs, k)
     batches = Batches.draw(inputs, b, 4, seed)
     base_s, with_s, extra, noise = paired(_embedding_step(tables.plain, batches),
-                                           _embedding_step(tables.replicate(hot, sync), batches), repeats)
-    ids, hits, rows = _counts(hot, batches, sync)
+                                           _embedding_step(tables.replicate(replicated_rows, sync), batches),
+                                           repeats)
+    ids, hits, rows = _counts(replicated_rows, batches, sync)
     return {"k": k, "batch": b, "ids": ids, "hot": hits, "rows": rows, "base_s": base_s, "with_s": with_s,
             "extra_s": extra, "noise_s": noise}
 
@@ -303,9 +305,9 @@ def _schedule(inputs: Inputs, repeats: int) -> dict:
     picks = [torch.sort(torch.randperm(n, generator=gen)[:b])[0] for _ in range(4)]
     _, _, extra, noise = paired(lambda i: dataset.batch((i % 7) * b, (i % 7 + 1) * b),
                                  lambda i: dataset.take(picks[i % 4]), repeats)
-    hot = hot_rows(inputs, max(1, sum(t.rows for t in inputs.tables) // 20))
+    fae_rows = most_read_rows(inputs, max(1, sum(t.rows for t in inputs.tables) // 20))
     t = clock()
-    hot_samples(dataset, n, hot)
+    hot_samples(dataset, n, fae_rows)
     setup = (clock() - t) / n
     return {"c_sample_s": max(0.0, extra / b), "noise_s": noise / b, "setup_s_per_sample": setup,
             "note": "batches are built on the prefetch thread, beside the step: they cost step time only where "
@@ -369,7 +371,7 @@ def _notes(inputs: Inputs) -> list[str]:
              "model's, fitted from the run's recorded calls, whose latency already holds each call's overhead",
              f"DCT-DP at keep ratio {DCT_DP_KEEP_RATIO} only; its encoding (chosen per bucket from the counts) "
              "may differ at another ratio"]
-    if any(t.rows < rows for t, rows in zip(inputs.tables, inputs.table_rows)):
+    if any(t.rows < rows for t, rows in zip(inputs.tables, inputs.run_rows)):
         notes.append(f"tables scaled down to {MAX_TABLE_BYTES >> 20} MiB in all (rows_calibrated): a lookup in "
                      "the run's larger tables misses caches more often than here")
     if inputs.id_source != "accesses":

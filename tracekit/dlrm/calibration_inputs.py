@@ -5,7 +5,7 @@ the local batches drawn from it.
     inputs = make_inputs(sizes.tables, sizes.samples, sizes.row_counts, world_size=sizes.world_size,
                          optimizer=sizes.optimizer, omp_threads=sizes.omp_threads, run=sizes.run)
     batches = Batches.draw(inputs, b=32, count=4, seed=0)   # lengths, values = batches[i]
-    hot = hot_rows(inputs, k=100)                           # the k most read rows, per table
+    replicated = most_read_rows(inputs, k=100)              # the k most read rows, per table
 
 Tables whose fp32 rows exceed MAX_TABLE_BYTES in all are scaled down (the same share of each; row
 r's reads then fold onto row r mod rows). Without the run's per-row counts the ids follow a Zipf law.
@@ -34,8 +34,8 @@ FALLBACK_ZIPF = 1.05  # ids' skew where the run has no accesses table
 class Inputs:
     """What the calibration takes from a run."""
 
-    tables: list[TableSpec]  # rows possibly scaled down (MAX_TABLE_BYTES)
-    table_rows: list[int]  # the run's rows per table
+    tables: list[TableSpec]  # rows as calibrated: possibly scaled down (MAX_TABLE_BYTES)
+    run_rows: list[int]  # the run's rows per table
     ids_per_sample: list[float]  # per table
     batch: int  # samples per rank per step
     world_size: int
@@ -50,7 +50,7 @@ class Inputs:
                 "optimizer": self.optimizer, "id_source": self.id_source,
                 "tables": [{"name": t.name, "rows": rows, "dim": t.dim, "pooled": t.pooled,
                             "ids_per_sample": round(m, 4), "rows_calibrated": t.rows}
-                           for t, rows, m in zip(self.tables, self.table_rows, self.ids_per_sample)]}
+                           for t, rows, m in zip(self.tables, self.run_rows, self.ids_per_sample)]}
 
 
 def make_inputs(tables: Sequence[Table], samples: list[int], row_counts: pa.Table | None, *, world_size: int,
@@ -113,7 +113,7 @@ class Batches:
         return self.lengths[j], self.values[j]
 
 
-def hot_rows(inputs: Inputs, k: int) -> list[torch.Tensor]:
+def most_read_rows(inputs: Inputs, k: int) -> list[torch.Tensor]:
     """The k most read rows over all tables (as a replication policy picks them), per table."""
     weights = torch.cat(inputs.weights)
     top = torch.topk(weights, k).indices

@@ -6,7 +6,7 @@ them). A tier-2 row x of table t whose recorded owner is o (tracekit/dlrm/shardi
 rank, or the row's block) has its node copy on local index o mod G of every node: node n's rank
 n·G + o mod G holds it (on o's own node that is o itself). Per step, a sample's ids split three ways:
 
-    tier 1  (tracekit/dlrm/replicas.py)  looked up where the sample is
+    tier 1  (tracekit/dlrm/replicas.py)  replicated rows: looked up where the sample is
     tier 2  (here)                       to the node's rank holding the row's copy, over the node's group
     tier 3                               to the recorded owner, in the global exchange
 

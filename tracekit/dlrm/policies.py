@@ -5,11 +5,11 @@ group starts.
     applied.sections      # the labels it applies, e.g. ("replication", "compression.dp")
     applied.skipped       # each other section present, with why: {"lag": "inference-only (...)"}
     applied.lines()       # what the trainer prints once (rank 0): what applies, one line per section skipped
-    applied.hot_rows      # per table: the rows every rank holds a replica of (int64, sorted)
-    applied.sync          # how the replicas' gradients are summed: sparse_allreduce | dense_allreduce
+    applied.replicated_rows  # per table: the rows every rank holds a copy of (int64, sorted), or None
+    applied.sync          # how the replicated rows' gradients are summed: sparse_allreduce | dense_allreduce
     applied.tier2_rows    # per table: tier-2 rows, one copy per node (tiers across nodes), or None
     applied.ranks_per_node, applied.tier2_sync  # the node size and the node copies' sync
-    applied.fae_hot_rows  # per table: the rows that make a sample hot (FAE), or None
+    applied.fae_rows      # per table: FAE's rows, those that make a sample hot (also replicated), or None
     applied.dct_dp        # DCT-DP settings for DDP's comm hook (tracekit/dlrm/compression.py), or None
     applied.mp_keep_ratio # DCT-MP: the share of each embedding output row's values kept, or None
     applied.lag_bound     # BLS: --inference runs' bound, or None (synchronous collectives)
@@ -21,14 +21,14 @@ applies but cannot (a corrupt row list, a topology it does not fit) is refused w
 is a file for another model (PolicyMismatch). Where no section applies, the run goes on as it would
 without `--policy`.
 
-The sections: `replication` (hot rows replicated), `tiers` (tier 1 replicated; tier 2 once per node,
-tracekit/dlrm/node_tier.py, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold minibatches; its hot
-rows are replicated too, and serve cold batches as well). Sections applied together replicate the
-union of their rows, synchronised the way the section with the most rows says. `compression.dp`
-(DCT-DP) hard-thresholds DDP's gradient buckets, whatever else is applied; `compression.mp` (DCT-MP)
-keeps each embedding output row's largest values in the output all-to-all, forward and backward
-(tracekit/dlrm/output_codec.py). `lag` (BLS) bounds how far a rank runs ahead in `--inference` runs
-(tracekit/dlrm/inference.py).
+The sections: `replication` (its rows replicated), `tiers` (tier 1 replicated; tier 2 once per node,
+tracekit/dlrm/node_tier.py, which on one node is the recorded sharding itself), `schedule` (FAE hot/cold
+minibatches; its rows, those that make a sample hot, are replicated too, and serve cold batches as
+well). Sections applied together replicate the union of their rows (`replicated_rows`), synchronised
+the way the section with the most rows says. `compression.dp` (DCT-DP) hard-thresholds DDP's
+gradient buckets, whatever else is applied; `compression.mp` (DCT-MP) keeps each embedding output
+row's largest values in the output all-to-all, forward and backward (tracekit/dlrm/output_codec.py).
+`lag` (BLS) bounds how far a rank runs ahead in `--inference` runs (tracekit/dlrm/inference.py).
 """
 
 from __future__ import annotations
@@ -51,19 +51,17 @@ class AppliedPolicy:
     path: Path
     sections: tuple[str, ...]  # the labels applied (tracekit.policy.LABELS)
     skipped: dict[str, str] = field(default_factory=dict)  # label -> why it is not applied
-    hot_rows: list[torch.Tensor] | None = None  # per table, sorted; None: nothing replicated
-    sync: str = "sparse_allreduce"
-    fae_hot_rows: list[torch.Tensor] | None = None  # per table, sorted; None: no FAE schedule
+    replicated_rows: list[torch.Tensor] | None = None  # per table, sorted; None: nothing replicated
+    sync: str = "sparse_allreduce"  # the replicated rows' sync
+    # per table, sorted: FAE's rows, all of whose ids make a sample hot; they are also in
+    # `replicated_rows`. None: no FAE schedule
+    fae_rows: list[torch.Tensor] | None = None
     dct_dp: DctDp | None = None  # None: DDP's gradients go uncompressed
     mp_keep_ratio: float | None = None  # DCT-MP on the output all-to-all; None: rows go whole
     tier2_rows: list[torch.Tensor] | None = None  # per table, sorted; None: no tier 2 across nodes
     ranks_per_node: int = 1
     tier2_sync: str = "sparse_allreduce"
     lag_bound: int | None = None  # BLS, inference runs only; None: synchronous collectives
-
-    @property
-    def replicated_rows(self) -> int:
-        return sum(r.numel() for r in self.hot_rows) if self.hot_rows else 0
 
     def lines(self) -> list[str]:
         """What applies, then one line per section skipped: for the run's log, printed once."""
@@ -100,34 +98,35 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     chosen = {label: policy.sections[label] for label in applied}
     if inference:
         return AppliedPolicy(path, tuple(applied), skipped, lag_bound=chosen["lag"].bound if "lag" in chosen else None)
-    replicated: list[tuple[torch.Tensor, str, str]] = []  # (keys, sync, where the sync is named)
+    by_section: list[tuple[torch.Tensor, str, str]] = []  # rows to replicate: (keys, sync, where the sync is named)
     if replication := chosen.get("replication"):
-        replicated.append((_rows(path, replication.rows, tables), replication.sync, "replication.sync"))
+        by_section.append((_rows(path, replication.rows, tables), replication.sync, "replication.sync"))
     tier2 = None
     if tiers := chosen.get("tiers"):
         tier1, tier2 = _tier_rows(path, tiers, tables, world_size, local_world_size)
-        replicated.append((tier1, tiers.tier1_sync, "tiers.tier1_sync"))
+        by_section.append((tier1, tiers.tier1_sync, "tiers.tier1_sync"))
         if tiers.tier2_sync not in SYNCS:
             raise PolicyError(f"{path}: tiers.tier2_sync: expected one of {', '.join(SYNCS)}, got {tiers.tier2_sync!r}")
-    fae = None
+    fae_keys = None
     if schedule := chosen.get("schedule"):
         if schedule.kind != "fae":
             raise PolicyError(f"{path}: schedule.kind: expected \"fae\", got {schedule.kind!r}")
-        fae = _rows(path, schedule.hot_rows, tables)
-        replicated.append((fae, schedule.sync, "schedule.sync"))
-    for _, sync, where in replicated:
+        fae_keys = _rows(path, schedule.hot_rows, tables)
+        by_section.append((fae_keys, schedule.sync, "schedule.sync"))
+    for _, sync, where in by_section:
         if sync not in SYNCS:
             raise PolicyError(f"{path}: {where}: expected one of {', '.join(SYNCS)}, got {sync!r}")
-    hot, sync, union = None, "sparse_allreduce", torch.empty(0, dtype=torch.int64)
-    if replicated:
-        union = torch.unique(torch.cat([keys for keys, _, _ in replicated]))
-        hot = _split(union, tables) if union.numel() else None
-        sync = max(replicated, key=lambda r: r[0].numel())[1]
+    replicated, sync, union = None, "sparse_allreduce", torch.empty(0, dtype=torch.int64)
+    if by_section:
+        union = torch.unique(torch.cat([keys for keys, _, _ in by_section]))
+        replicated = _split(union, tables) if union.numel() else None
+        sync = max(by_section, key=lambda r: r[0].numel())[1]
     if tier2 is not None:  # a row replicated by another section is tier 1: served, and kept, by the replicas
         tier2 = _split(tier2[~torch.isin(tier2, union)], tables)
     dct_dp = _dct_dp(path, chosen["compression.dp"]) if "compression.dp" in chosen else None
     mp = chosen.get("compression.mp")
-    return AppliedPolicy(path, tuple(applied), skipped, hot, sync, None if fae is None else _split(fae, tables),
+    return AppliedPolicy(path, tuple(applied), skipped, replicated, sync,
+                         None if fae_keys is None else _split(fae_keys, tables),
                          dct_dp, mp_keep_ratio=None if mp is None else float(mp.keep_ratio), tier2_rows=tier2,
                          ranks_per_node=local_world_size, tier2_sync=tiers.tier2_sync if tiers else "sparse_allreduce")
 
@@ -180,8 +179,8 @@ def _split(keys: torch.Tensor, tables: list[TableSpec]) -> list[torch.Tensor]:
 
 def _tier_rows(path: Path, section: Tiers, tables: list[TableSpec], world_size: int,
                local_world_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tier-1 rows as keys, and tier-2 rows as keys across nodes (None on one node, where tier 2
-    is the recorded sharding itself)."""
+    """Tier-1 rows (replicated on every rank) as keys, and tier-2 rows as keys across nodes (None on
+    one node, where tier 2 is the recorded sharding itself)."""
     nodes, per_node = int(section.topology.get("nodes", 1)), int(section.topology.get("ranks_per_node", world_size))
     if nodes * per_node != world_size or per_node != local_world_size:
         raise PolicyError(f"{path}: tiers.topology is {nodes} node(s) × {per_node} ranks, but this run has "

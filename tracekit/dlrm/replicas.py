@@ -1,14 +1,14 @@
-"""Hot rows replicated on every rank (hybrid replication: SCARS, HugeCTR, FlexShard tier 1).
+"""Replicated rows: a copy on every rank (hybrid replication: SCARS, HugeCTR, FlexShard tier 1).
 
-Every rank holds the same copy of the hot rows of every table, in one [K, D] tensor ordered by
-(table, row). A lookup of a hot row is served from it where the sample is, and leaves the
+Every rank holds the same copy of the replicated rows of every table, in one [K, D] tensor ordered
+by (table, row). A lookup of a replicated row is served from it where the sample is, and leaves the
 all-to-all (tracekit/dlrm/sharding.py decides what still travels). After backward, the gradients
 of the replica rows are summed over the ranks and every rank applies the same optimizer update,
 so the replicas stay identical and equal to what the owner's rows would have become:
 
     dense_allreduce   one all-reduce of the [K, D] gradient block
-    sparse_allreduce  the touched rows only: an all-gather of each rank's count of distinct hot
-                      rows touched, an all-to-all of those ids to the other ranks, then one
+    sparse_allreduce  the touched rows only: an all-gather of each rank's count of distinct
+                      replicated rows touched, an all-to-all of those ids to the other ranks, then one
                       all-reduce over the union of rows touched this step
 
 Both are labelled `replica_sync`, so a trace tells them from the embedding exchange. Bytes per
@@ -50,18 +50,19 @@ class _ReplicaLookup(torch.autograd.Function):
 class Replicas:
     """The replica block, the map from (table, row) to its index, and the step's synchronisation."""
 
-    def __init__(self, hot_rows: list[torch.Tensor], table_rows: list[int], dim: int, optimizer, *,
+    def __init__(self, replicated_rows: list[torch.Tensor], table_rows: list[int], dim: int, optimizer, *,
                  sync: str, init_rows, device: torch.device, group: dist.ProcessGroup | None,
                  label: str = SYNC_LABEL) -> None:
-        """`hot_rows[t]`: table t's replicated rows (any order, no duplicates); `init_rows(t, rows)`
-        gives their initial values, the same the owner's shard starts from. The sync runs over
-        `group` (None: the default group) under the tag `label`."""
+        """`replicated_rows[t]`: table t's rows held here, a copy on every rank of `group` (any order,
+        no duplicates); `table_rows[t]`: the whole table's rows; `init_rows(t, rows)` gives their
+        initial values, the same the owner's shard starts from. The sync runs over `group` (None: the
+        default group) under the tag `label`."""
         if sync not in SYNCS:
             raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
         self.sync_kind, self.optimizer, self.group, self.device = sync, optimizer, group, device
         self.label = label
         self.table_base = torch.tensor([0, *itertools.accumulate(table_rows)][:-1], dtype=torch.int64, device=device)
-        rows = [torch.sort(r.to(torch.int64))[0] for r in hot_rows]
+        rows = [torch.sort(r.to(torch.int64))[0] for r in replicated_rows]
         self.keys = torch.cat([r.to(device) + self.table_base[t] for t, r in enumerate(rows)])
         self.counts = [r.numel() for r in rows]
         self.rows = rows

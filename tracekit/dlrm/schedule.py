@@ -5,10 +5,11 @@ world size), wrapping at the end of an epoch, and rank r takes its contiguous sl
 last batch of an epoch may be short; it is split as evenly as possible (a rank may get none).
 
 Under an FAE policy (papers.md §4) the training split is cut in two pools: hot samples, whose
-every id is a hot (replicated) row, and the rest. Each pool is batched in sample order, and hot
-and cold batches are interleaved evenly over the epoch (hot step k of n_h falls where k/n_h of
-the epoch has passed), so the model sees both throughout and every sample once per epoch. A hot
-batch needs no embedding all-to-all: every id it holds is served from the replicas.
+every id is one of FAE's rows (`fae_rows`, which are replicated), and the rest. Each pool is
+batched in sample order, and hot and cold batches are interleaved evenly over the epoch (hot step
+k of n_h falls where k/n_h of the epoch has passed), so the model sees both throughout and every
+sample once per epoch. A hot batch needs no embedding all-to-all: every id it holds is served from
+the replicas.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class FaeSchedule(Schedule):
             yield index.numel(), sizes, dataset.take(index[lo:lo + sizes[rank]])
 
 
-def hot_samples(dataset: Dataset, num_train: int, hot_rows: list[torch.Tensor], chunk: int = 1 << 16) -> torch.Tensor:
-    """Bool [num_train]: whether every id of each training sample is in `hot_rows[t]` of its table."""
+def hot_samples(dataset: Dataset, num_train: int, fae_rows: list[torch.Tensor], chunk: int = 1 << 16) -> torch.Tensor:
+    """Bool [num_train]: whether each training sample is hot, every id of it in `fae_rows[t]` of its table."""
     hot = torch.empty(num_train, dtype=torch.bool)
     for start in range(0, num_train, chunk):
         stop = min(start + chunk, num_train)
@@ -114,7 +115,7 @@ def hot_samples(dataset: Dataset, num_train: int, hot_rows: list[torch.Tensor], 
             ids = batch.values[offset:offset + n]
             offset += n
             sample = torch.repeat_interleave(torch.arange(b), batch.lengths[t], output_size=n)
-            cold += torch.bincount(sample[~torch.isin(ids, hot_rows[t])], minlength=b)
+            cold += torch.bincount(sample[~torch.isin(ids, fae_rows[t])], minlength=b)
         hot[start:stop] = cold == 0
     return hot
 
@@ -157,18 +158,19 @@ def prefetched(items, depth: int):
 
 
 def make_schedule(cfg: TrainConfig, dataset: Dataset, world_size: int,
-                  fae_hot_rows: list[torch.Tensor] | None = None) -> Schedule:
-    """The plain schedule, or FAE's hot/cold one when the policy names hot rows."""
+                  fae_rows: list[torch.Tensor] | None = None) -> Schedule:
+    """The plain schedule, or FAE's hot/cold one when the policy names FAE's rows (per table: the
+    rows that make a sample hot)."""
     num_eval = int(dataset.num_samples * cfg.eval_fraction)
     num_train = dataset.num_samples - num_eval
     global_batch = cfg.batch_size * world_size
     per_epoch = -(-num_train // global_batch)
-    if fae_hot_rows is not None:
-        hot = hot_samples(dataset, num_train, fae_hot_rows)
+    if fae_rows is not None:
+        hot = hot_samples(dataset, num_train, fae_rows)
         pools = {"hot": hot.nonzero().flatten(), "cold": (~hot).nonzero().flatten()}
         per_epoch = sum(-(-pool.numel() // global_batch) for pool in pools.values())
     steps = cfg.epochs * per_epoch if cfg.steps is None else min(cfg.steps, cfg.epochs * per_epoch)
-    if fae_hot_rows is not None:
+    if fae_rows is not None:
         return FaeSchedule(num_train, global_batch, world_size, steps, **pools)
     return Schedule(num_train, global_batch, world_size, steps)
 

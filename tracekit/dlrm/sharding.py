@@ -17,11 +17,12 @@ Sequence (unpooled) tables send every looked-up row back instead of one pooled r
 model sees the same [b, T, D] input either way. Backward mirrors the output dist through
 autograd; the owner applies the sparse optimizer to the rows it looked up, inside backward.
 
-With replicated hot rows (tracekit/dlrm/replicas.py), a hot id is looked up where its sample is
-and never sent. A pooled bag whose ids are all hot leaves the exchange: its lengths entry still
-travels, as -1, so the owner knows not to return a row for it; a mixed bag sends its cold ids,
-the owner pools them and the sum with the local hot part is the bag's. Sequence lookups of hot
-rows simply leave. Lengths keep their size, so the exchange needs no extra collective.
+With replicated rows (tracekit/dlrm/replicas.py), an id of a replicated row is looked up where
+its sample is and never sent. A pooled bag whose ids are all replicated leaves the exchange: its
+lengths entry still travels, as -1, so the owner knows not to return a row for it; a mixed bag
+sends its other ids, the owner pools them and the sum with the local replicated part is the
+bag's. Sequence lookups of replicated rows simply leave. Lengths keep their size, so the exchange
+needs no extra collective.
 
 Across nodes, FlexShard's tier 2 (tracekit/dlrm/node_tier.py) takes its ids out of the batch the
 same way, after the replicas, and serves them inside the node; what is left goes to the owners.
@@ -88,15 +89,16 @@ class ShardingPlan:
         return [t for t, owner in enumerate(self.owners) if owner == rank]
 
     def block_rows(self, t: int) -> int:
+        """Row-wise: the rows of table t's block on each rank (the last rank's may hold fewer)."""
         return math.ceil(self.tables[t].rows / self.world_size)
 
     def row_range(self, t: int, rank: int) -> tuple[int, int]:
         """Rows [start, stop) of table t held by `rank`."""
-        rows = self.tables[t].rows
+        table_rows = self.tables[t].rows
         if self.kind == "table":
-            return (0, rows) if self.owners[t] == rank else (0, 0)
+            return (0, table_rows) if self.owners[t] == rank else (0, 0)
         block = self.block_rows(t)
-        return min(rows, rank * block), min(rows, (rank + 1) * block)
+        return min(table_rows, rank * block), min(table_rows, (rank + 1) * block)
 
 
 @dataclass
@@ -191,7 +193,8 @@ class ShardedEmbeddings(nn.Module):
             weight = init_shard(spec, t, start, stop, seed).to(device)
             module = (nn.EmbeddingBag.from_pretrained(weight, mode="sum", freeze=True) if spec.pooled
                       else nn.Embedding.from_pretrained(weight, freeze=True))
-            self.shards[spec.name] = tracekit.shard(module, table=spec.name, first_row=start, num_rows=spec.rows)
+            self.shards[spec.name] = tracekit.shard(module, table=spec.name, first_row=start,
+                                                      num_rows=spec.rows)  # the whole table's rows
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.register_buffer("blocks", torch.tensor([plan.block_rows(t) for t in range(len(plan.tables))],
                                                     device=device), persistent=False)
@@ -208,8 +211,8 @@ class ShardedEmbeddings(nn.Module):
         T, b = lengths.shape
         given, served, parts = lengths, None, []  # parts: (slots, rows) served outside the global exchange
         if self.replicas is not None:
-            lengths, values, hot = self._serve_hot(lengths, values)
-            parts.append(hot)
+            lengths, values, replicated = self._serve_replicated(lengths, values)
+            parts.append(replicated)
         if local_only:
             if not parts or values.numel():
                 raise RuntimeError("a local-only batch holds rows that are not replicated")
@@ -259,12 +262,13 @@ class ShardedEmbeddings(nn.Module):
             out[spec.name] = (self.row_start[t], weight)
         return out
 
-    # hot rows -----------------------------------------------------------------------------
+    # replicated rows ----------------------------------------------------------------------
 
-    def _serve_hot(self, lengths: torch.Tensor, values: torch.Tensor):
-        """Split the batch: hot ids looked up in the replicas here, cold ids for the exchange.
+    def _serve_replicated(self, lengths: torch.Tensor, values: torch.Tensor):
+        """Split the batch: ids of replicated rows looked up in the replicas here, the others left
+        for the exchange.
 
-        Returns the cold lengths [T, b], the cold ids and (slots, rows) of the hot lookups.
+        Returns the lengths [T, b] and ids left, and (slots, rows) of the replicated lookups.
         """
         T, b = lengths.shape
         bag = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
@@ -272,11 +276,11 @@ class ShardedEmbeddings(nn.Module):
         table_of = torch.div(bag, b, rounding_mode="floor")
         hit, index = self.replicas.find(values + self.replicas.table_base[table_of])
         where = hit.nonzero().flatten()
-        hot_bag, hot_table = bag[where], table_of[where]
-        cold_lengths = lengths - torch.bincount(hot_bag, minlength=T * b).view(T, b)
-        slots = (hot_bag - hot_table * b) * T + hot_table
+        hit_bag, hit_table = bag[where], table_of[where]
+        left = lengths - torch.bincount(hit_bag, minlength=T * b).view(T, b)
+        slots = (hit_bag - hit_table * b) * T + hit_table
         rows = self.replicas.lookup(self.anchor, index[where])
-        return cold_lengths, values[~hit], (slots, rows)
+        return left, values[~hit], (slots, rows)
 
     # input dist ---------------------------------------------------------------------------
 

@@ -97,7 +97,7 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
     backend = dist.get_backend() if dist.is_initialized() else "none"
     if policy is not None:  # named in the manifest when traced
         tracekit.policy_applied(policy.path, applied=policy.sections, skipped=policy.skipped)
-    schedule = make_schedule(cfg, dataset, world_size, policy.fae_hot_rows if policy is not None else None)
+    schedule = make_schedule(cfg, dataset, world_size, policy.fae_rows if policy is not None else None)
     plan = ShardingPlan.build(build_tables(cfg, dataset), world_size, cfg.sharding)
 
     # model: dense part replicated under DDP, tables sharded over the ranks
@@ -119,8 +119,8 @@ def run(cfg: TrainConfig, dataset: Dataset, *, rank: int, world_size: int,
     group = dist.new_group() if world_size > 1 else None
     sparse = sparse_optimizer(cfg.optimizer, cfg.lr)
     replicas = None
-    if policy is not None and policy.hot_rows:
-        replicas = Replicas(policy.hot_rows, [t.rows for t in plan.tables], cfg.dim, sparse, sync=policy.sync,
+    if policy is not None and policy.replicated_rows:
+        replicas = Replicas(policy.replicated_rows, [t.rows for t in plan.tables], cfg.dim, sparse, sync=policy.sync,
                             init_rows=lambda t, rows: init_rows(plan.tables[t], t, rows, cfg.seed),
                             device=device, group=group)
     node_tier = None
