@@ -47,7 +47,8 @@ from analyses.measure import EMBEDDING, Measured
 from tracekit.errors import PolicyMismatch
 from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, AUC_CHANGE, DP_BYTES, HOT_STEP_FRACTION,
                               INTER_BYTES, INTRA_BYTES, LOGLOSS_CHANGE, STEP_TIME, SYNC_BYTES)
-from tracekit.policy import PolicyError, check_model, load_policy, sections
+from tracekit.policy import PolicyError, load_policy, sections
+from tracekit.policy_model import check_model
 
 
 def applied_policy(m: Measured) -> tuple[dict | None, dict | None, list[str]]:

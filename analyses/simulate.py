@@ -64,7 +64,8 @@ from analyses.replay.simulation import run_steps
 from analyses.step_traffic import Traffic, recorded
 from analyses.traffic import A2A_OPS, GATHER_OPS
 from tracekit.figures import STEP_TIME
-from tracekit.policy import check_model, load_policy, section_part
+from tracekit.policy import load_policy, section_part
+from tracekit.policy_model import check_model
 from tracekit.tags import INPUT_DIST, OUTPUT_BWD, OUTPUT_FWD
 from tracekit.topology import Topology
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 from tests.recorded import TINY, record  # noqa: E402
 from tracekit.app.calibration import read_inputs  # noqa: E402
 from tracekit.dlrm import calibrate  # noqa: E402
-from tracekit.policy import REPLICATION_SYNCS as SYNCS  # noqa: E402
+from tracekit.policy import REPLICATION_SYNCS  # noqa: E402
 
 
 def main() -> None:
@@ -40,10 +40,10 @@ def main() -> None:
         ks, batches = sorted({k for k, _ in grid}), sorted({b for _, b in grid})
         k, b = (ks[1] + ks[2]) // 2, (batches[1] + batches[2]) // 2
         print(f"{platform.processor() or platform.machine()}, grid {len(grid)} points, held-out K {k}, batch {b}")
-        errors: dict[str, list[float]] = {sync: [] for sync in SYNCS}
-        within: dict[str, int] = {sync: 0 for sync in SYNCS}
+        errors: dict[str, list[float]] = {sync: [] for sync in REPLICATION_SYNCS}
+        within: dict[str, int] = {sync: 0 for sync in REPLICATION_SYNCS}
         for r in range(args.runs):
-            for sync in SYNCS:
+            for sync in REPLICATION_SYNCS:
                 points = [calibrate.measure_replication_point(inputs, sync, kk, bb, repeats=args.repeats, seed=i)
                           for i, (kk, bb) in enumerate(grid)]
                 model = calibrate.replication_model(points)
@@ -55,7 +55,7 @@ def main() -> None:
                 errors[sync].append(predicted / held["extra_s"] - 1)
                 print(f"run {r + 1} {sync}: predicted {predicted * 1e6:.1f} µs, measured {held['extra_s'] * 1e6:.1f} µs "
                       f"({errors[sync][-1]:+.1%}), tolerance ±{tolerance * 1e6:.1f} µs: {'within' if ok else 'OUT'}")
-        for sync in SYNCS:
+        for sync in REPLICATION_SYNCS:
             print(f"{sync}: median error {statistics.median(errors[sync]):+.1%}, within tolerance {within[sync]}/{args.runs}")
 
 

@@ -21,7 +21,7 @@ from tests.recorded import REPO, TINY, record
 from tracekit.app.calibration import read_inputs
 from tracekit.app.cli import cli
 from tracekit.dlrm.timing import fit_nonnegative
-from tracekit.policy import REPLICATION_SYNCS as SYNCS
+from tracekit.policy import REPLICATION_SYNCS
 from tracekit.schema import CALIBRATION_PATH, CALIBRATION_SCHEMA
 
 COEFFICIENTS = {  # section -> the coefficients its linear model has (seconds)
@@ -63,8 +63,8 @@ def test_calibrate_prints_the_json_it_writes_into_the_run(run: Path, calibrated:
 
 def test_every_coefficient_is_finite_and_non_negative(calibrated: tuple[str, dict]) -> None:
     _, c = calibrated
-    assert set(c["replication"]) == set(SYNCS)
-    figures = {f"replication.{sync}.{k}": c["replication"][sync][k] for sync in SYNCS for k in REPLICATION}
+    assert set(c["replication"]) == set(REPLICATION_SYNCS)
+    figures = {f"replication.{sync}.{k}": c["replication"][sync][k] for sync in REPLICATION_SYNCS for k in REPLICATION}
     figures |= {f"collective_call_s.{op}": s for op, s in c["collective_call_s"].items()}
     figures |= {f"{section}.{k}": c[section][k] for section, keys in COEFFICIENTS.items() for k in keys}
     assert set(c["collective_call_s"]) == {"all_reduce", "all_to_all_single", "all_gather_single"}

@@ -31,7 +31,7 @@ from tests.test_replication import _config, _dataset, assert_same_training, rows
 from tracekit.dlrm import policies
 from tracekit.dlrm.node_tier import NodeTier
 from tracekit.dlrm.train import build_tables, run
-from tracekit.policy import REPLICATION_SYNCS as SYNCS
+from tracekit.policy import REPLICATION_SYNCS
 from tracekit.policy import new_policy, write_policy
 
 SCENARIOS = [name for name in REPLICATION_SCENARIOS if name != "ragged-tail"]
@@ -88,12 +88,12 @@ def _train_shape(tmp: Path, nodes: int, per_node: int, batch_size: int) -> dict:
         rows = tier_rows(cfg)
         keys.append((name, None))
         jobs.append((cfg, None, False))
-        for sync in SYNCS:
+        for sync in REPLICATION_SYNCS:
             keys.append((name, sync))
             jobs.append((cfg, write_tiers(tmp / name / sync / "policy.json", cfg, nodes, per_node, sync, rows), False))
     name = SCENARIOS[0]  # last: the sync skipped (it patches NodeTier in the spawned ranks)
     keys.append((name, "skipped"))
-    jobs.append((_config(name, batch_size), tmp / name / SYNCS[0] / "policy.json", True))
+    jobs.append((_config(name, batch_size), tmp / name / REPLICATION_SYNCS[0] / "policy.json", True))
     per_rank = run_ranks(nodes * per_node, _train_all, per_node, jobs)
     return {key: [per_rank[r][i] for r in range(nodes * per_node)] for i, key in enumerate(keys)}
 
@@ -109,14 +109,14 @@ def two_by_one(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("sync", REPLICATION_SYNCS)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_2x2_tiers_change_nothing_computed(name: str, sync: str, two_by_two: dict) -> None:
     assert_same_training(two_by_two[(name, None)], two_by_two[(name, sync)], _config(name, 16))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("sync", REPLICATION_SYNCS)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_2x1_tiers_change_nothing_computed(name: str, sync: str, two_by_one: dict) -> None:
     assert_same_training(two_by_one[(name, None)], two_by_one[(name, sync)], _config(name, 32))
@@ -166,7 +166,7 @@ def test_tier2_rows_moved(two_by_two: dict) -> None:
     cfg = _config(name, 16)
     rows = tier_rows(cfg).filter(pl.col("tier") == 2)
     tables = build_tables(cfg, _dataset(cfg))
-    assert rows_moved(tables, rows, two_by_two[(name, SYNCS[0])], cfg.seed) > 0, \
+    assert rows_moved(tables, rows, two_by_two[(name, REPLICATION_SYNCS[0])], cfg.seed) > 0, \
         "training must have updated tier-2 rows"
 
 

@@ -10,7 +10,8 @@ import polars as pl
 import pytest
 
 from tracekit.errors import PolicyMismatch
-from tracekit.policy import Policy, PolicyError, check_model, load_policy, new_policy, recommended, sections, write_policy
+from tracekit.policy import Policy, PolicyError, load_policy, new_policy, recommended, sections, write_policy
+from tracekit.policy_model import check_model
 
 MODEL = {"tables": [{"name": "t0", "num_rows": 1000, "dim": 8}, {"name": "t1", "num_rows": 500, "dim": 8}],
          "world_size": 2}

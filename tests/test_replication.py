@@ -42,7 +42,7 @@ from tracekit.dlrm.data import open_dataset
 from tracekit.dlrm.replicas import SYNC_LABEL
 from tracekit.dlrm.tables import init_rows
 from tracekit.dlrm.train import build_tables, run
-from tracekit.policy import REPLICATION_SYNCS as SYNCS
+from tracekit.policy import REPLICATION_SYNCS
 from tracekit.policy import new_policy, write_policy
 
 SCENARIOS = {name: EQUIVALENCE_SCENARIOS[name] for name in
@@ -110,7 +110,7 @@ def _train_world(tmp: Path, world_size: int, names, batch_size: int) -> dict:
         rows = hot_rows(cfg)
         keys.append((name, None))
         jobs.append((cfg, None))
-        for sync in SYNCS:
+        for sync in REPLICATION_SYNCS:
             keys.append((name, sync))
             jobs.append((cfg, write_replication(tmp / name / sync / "policy.json", cfg, world_size, sync, rows)))
     per_rank = run_ranks(world_size, _train_all, jobs)
@@ -159,7 +159,7 @@ def rows_moved(tables: list, rows: pl.DataFrame, ranks: list, seed: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("sync", REPLICATION_SYNCS)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_world2_replication_changes_nothing_computed(name: str, sync: str, world2: dict) -> None:
     assert_same_training(world2[(name, None)], world2[(name, sync)], _config(name, 32))
@@ -194,18 +194,18 @@ def test_world2_hot_set_is_not_vacuous(name: str, world2: dict) -> None:
         del kinds["hot lookups"], kinds["cold lookups"]
     assert min(kinds.values()) > 0, kinds
 
-    assert rows_moved(tables, rows, world2[(name, SYNCS[0])], cfg.seed) > 0, \
+    assert rows_moved(tables, rows, world2[(name, REPLICATION_SYNCS[0])], cfg.seed) > 0, \
         "training must have updated replicated rows"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("sync", REPLICATION_SYNCS)
 @pytest.mark.parametrize("name", WORLD4)
 def test_world4_replication_changes_nothing_computed(name: str, sync: str, world4: dict) -> None:
     assert_same_training(world4[(name, None)], world4[(name, sync)], _config(name, 16))
 
 
-@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("sync", REPLICATION_SYNCS)
 @pytest.mark.parametrize("name", ["table-sgd-pooled", "row-adagrad-pooled", "table-adagrad-sequence"])
 def test_world1_policy_changes_nothing(name: str, sync: str, tmp_path: Path) -> None:
     """No process group at all, as `python train.py --policy ...` runs."""
@@ -253,7 +253,7 @@ def recorded(tmp_path_factory) -> dict:
     column = {"sparse_allreduce": "sparse_sync_bytes_per_step", "dense_allreduce": "dense_sync_bytes_per_step"}
     assert chosen[column[section["sync"]]][0] == pytest.approx(section["predicted"]["sync_bytes_per_step"], rel=1e-12)
 
-    other = next(s for s in SYNCS if s != section["sync"])
+    other = next(s for s in REPLICATION_SYNCS if s != section["sync"])
     # applied whether this tiny loopback run recommends it or not (as `optimize --check-all` does):
     # beside policy.json, so the same policy/hot_rows.parquet
     applied = {key: value for key, value in section.items() if key != "reason"} | {"recommended": True}

@@ -6,7 +6,7 @@ and neither imports the other.
     policy["replication"] = {...}
     write_policy("runs/base/policy.json", policy, rows={"hot_rows": frame})   # policy/hot_rows.parquet
     policy = load_policy("runs/base/policy.json")                              # validated
-    check_model(policy, tables=[{"name": "t0", "num_rows": 100000, "dim": 32}], world_size=2)
+    check_model(policy, tables=[{"name": "t0", "num_rows": 100000, "dim": 32}], world_size=2)  # policy_model.py
 
 Every section is optional. Each present holds what the trainer applies (`keep_ratio`, `rows`...) and,
 as analyze writes it, a `predicted` object of numbers, a one-line `why`, `recommended` (true or false)
@@ -36,7 +36,7 @@ from typing import Any, Callable, ClassVar
 import pyarrow.parquet as pq
 
 from tracekit import figures
-from tracekit.errors import PolicyMismatch, TracekitError
+from tracekit.errors import TracekitError
 from tracekit.files import read_json, replacing, write_text
 from tracekit.run_dir import POLICY, POLICY_ROWS
 
@@ -407,30 +407,6 @@ def _check_prediction(body: dict, where: str, fail: Callable[[str, str], None]) 
             fail(f"{where}.intervals.{figure}", f"[low, high], two numbers, got {pair!r}")
         if pair[0] > pair[1]:
             fail(f"{where}.intervals.{figure}", f"low <= high, got [{pair[0]}, {pair[1]}]")
-
-
-def check_model(policy: Policy | dict, *, tables: list[dict], world_size: int,
-                path: str | os.PathLike = POLICY) -> None:
-    """Refuse (PolicyMismatch) a policy written for another model: every difference in tables (names,
-    row counts, dims) or world size is named. A policy that names no model (hand-written) passes."""
-    model = policy.model if isinstance(policy, Policy) else policy.get("model")
-    if model is None:
-        return
-    differences = []
-    ours = {t["name"]: t for t in tables}
-    theirs = {t["name"]: t for t in model["tables"]}
-    for name in sorted(set(theirs) - set(ours)):
-        differences.append(f"table {name} is in the policy but not in the model")
-    for name in sorted(set(ours) - set(theirs)):
-        differences.append(f"table {name} is in the model but not in the policy")
-    for name in sorted(set(ours) & set(theirs)):
-        for key in ("num_rows", "dim"):
-            if int(ours[name][key]) != int(theirs[name][key]):
-                differences.append(f"table {name}: {key} {theirs[name][key]} in the policy, {ours[name][key]} in the model")
-    if int(model["world_size"]) != world_size:
-        differences.append(f"world size {model['world_size']} in the policy, {world_size} here")
-    if differences:
-        raise PolicyMismatch(f"{path} was derived for another model: " + "; ".join(differences))
 
 
 def _positive_int(value: Any) -> bool:

@@ -94,7 +94,7 @@ from tracekit.dlrm.sharding import ShardedEmbeddings, ShardingPlan
 from tracekit.dlrm.tables import init_rows
 from tracekit.dlrm.timing import clock, fit_nonnegative, paired
 from tracekit.errors import TracekitError
-from tracekit.policy import REPLICATION_SYNCS as SYNCS
+from tracekit.policy import REPLICATION_SYNCS
 from tracekit.schema import CALIBRATION_SCHEMA
 
 REPEATS = 7  # timings per point: their noise stays under the fits' residuals (bench/RESULTS.md §37)
@@ -331,7 +331,7 @@ def calibrate(inputs: Inputs, *, repeats: int = REPEATS, progress: Callable[[str
         out = {"schema": CALIBRATION_SCHEMA, "machine": _machine(load), "inputs": inputs.describe(),
                "replication": {}}
         tables = Tables.build(inputs)
-        for sync in SYNCS:
+        for sync in REPLICATION_SYNCS:
             progress(f"replication ({sync})")
             out["replication"][sync] = _replication(inputs, sync, tables, repeats)
         del tables  # its memory serves what follows: the calibration's peak stays the replication's

@@ -41,9 +41,9 @@ import torch
 
 from tracekit.dlrm.compression import DctDp
 from tracekit.dlrm.tables import TableSpec
-from tracekit.policy import REPLICATION_SYNCS as SYNCS
-from tracekit.policy import (INFERENCE_ONLY, DctDp as DctDpSection, Policy, PolicyError, Tiers,
-                             check_model, read_policy, row_path)
+from tracekit.policy import (INFERENCE_ONLY, REPLICATION_SYNCS, DctDp as DctDpSection, Policy, PolicyError, Tiers,
+                             read_policy, row_path)
+from tracekit.policy_model import check_model
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,8 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
     if tiers := chosen.get("tiers"):
         tier1, tier2 = _tier_rows(path, tiers, tables, world_size, local_world_size)
         by_section.append((tier1, tiers.tier1_sync, "tiers.tier1_sync"))
-        if tiers.tier2_sync not in SYNCS:
-            raise PolicyError(f"{path}: tiers.tier2_sync: expected one of {', '.join(SYNCS)}, got {tiers.tier2_sync!r}")
+        if tiers.tier2_sync not in REPLICATION_SYNCS:
+            raise PolicyError(f"{path}: tiers.tier2_sync: expected one of {', '.join(REPLICATION_SYNCS)}, got {tiers.tier2_sync!r}")
     fae_keys = None
     if schedule := chosen.get("schedule"):
         if schedule.kind != "fae":
@@ -114,8 +114,8 @@ def load(path: str | Path, tables: list[TableSpec], *, world_size: int, local_wo
         fae_keys = _rows(path, schedule.hot_rows, tables)
         by_section.append((fae_keys, schedule.sync, "schedule.sync"))
     for _, sync, where in by_section:
-        if sync not in SYNCS:
-            raise PolicyError(f"{path}: {where}: expected one of {', '.join(SYNCS)}, got {sync!r}")
+        if sync not in REPLICATION_SYNCS:
+            raise PolicyError(f"{path}: {where}: expected one of {', '.join(REPLICATION_SYNCS)}, got {sync!r}")
     replicated, sync, union = None, "sparse_allreduce", torch.empty(0, dtype=torch.int64)
     if by_section:
         union = torch.unique(torch.cat([keys for keys, _, _ in by_section]))

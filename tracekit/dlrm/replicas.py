@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import tracekit
 from tracekit import tags
-from tracekit.policy import REPLICATION_SYNCS as SYNCS
+from tracekit.policy import REPLICATION_SYNCS
 
 SYNC_LABEL = tags.REPLICA_SYNC
 
@@ -57,8 +57,8 @@ class Replicas:
         no duplicates); `table_rows[t]`: the whole table's rows; `init_rows(t, rows)` gives their
         initial values, the same the owner's shard starts from. The sync runs over `group` (None: the
         default group) under the tag `label`."""
-        if sync not in SYNCS:
-            raise ValueError(f"sync must be one of {SYNCS}, got {sync!r}")
+        if sync not in REPLICATION_SYNCS:
+            raise ValueError(f"sync must be one of {REPLICATION_SYNCS}, got {sync!r}")
         self.sync_kind, self.optimizer, self.group, self.device = sync, optimizer, group, device
         self.label = label
         self.table_base = torch.tensor([0, *itertools.accumulate(table_rows)][:-1], dtype=torch.int64, device=device)
