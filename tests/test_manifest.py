@@ -85,3 +85,12 @@ def test_a_missing_run_or_manifest_says_which(tmp_path):
 def test_a_new_manifest_writes_every_field():
     body = Manifest(status="running", world_size=2).to_json()
     assert body["status"] == "running" and body["tables"] == [] and "extra" not in body and "present" not in body
+
+
+def test_a_first_manifest_writes_its_fields_and_an_update_adds_its_own(tmp_path):
+    started = Manifest.of(status="running", hosts=["vm"], exit_code=None)
+    assert started.to_json() == {"status": "running", "hosts": ["vm"], "exit_code": None}
+    ended = started.updated(status="completed", exit_code=0, tables=None)
+    assert ended.to_json() == {"status": "completed", "hosts": ["vm"], "exit_code": 0, "tables": None}
+    manifest.write(tmp_path, ended)
+    assert manifest.read(tmp_path) == ended and manifest.read(tmp_path).tables is None

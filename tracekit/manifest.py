@@ -10,7 +10,7 @@ recording.py); every reader (the run API, the analyses, the report, `watch`) goe
 
 The file's JSON stays what it always was: `Manifest.from_json` reads every manifest a past version
 wrote (a field it lacks takes its default), `to_json` writes the same keys back, and a key this
-version does not know survives the round trip in `extra`. docs/trace-format.md lists the fields.
+version does not know survives the round trip in `extra`. docs/design.md §3 lists the fields.
 """
 
 from __future__ import annotations
