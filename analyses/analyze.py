@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from pathlib import Path
 import time
 from typing import Any, Protocol
 

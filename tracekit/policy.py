@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from tracekit import figures
 from tracekit.errors import TracekitError
 from tracekit.files import read_json, replacing, write_text
-from tracekit.run_dir import POLICY, POLICY_ROWS
+from tracekit.run_dir import POLICY_ROWS
 
 SCHEMA = "tracekit.policy/1"
 SECTIONS = ("replication", "tiers", "schedule", "compression", "lag")

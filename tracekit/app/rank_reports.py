@@ -4,8 +4,8 @@ recording.py): the tables and their shards, the policy applied, the metrics, the
 the TorchRec plan applied.
 
     reports = [{**read_rank_report(path), "rank": r} for r, path in ...]
-    merge_tables(reports)      # the manifest's tables
-    manifest["policy"] = merge_policy(reports, errors)   # a rank that disagrees is named in `errors`
+    merge_tables(reports)                 # the manifest's `tables`, as JSON
+    merge_policy(reports, errors)         # its `policy`; a rank that disagrees is named in `errors`
 """
 
 from __future__ import annotations

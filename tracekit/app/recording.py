@@ -288,7 +288,7 @@ def finalise(run_dir: Path, code: int, interrupted: bool, *, not_started: str | 
     try:
         manifest.write(run_dir, ended)
     except OSError as err:  # even the reserve did not hold: say so, and keep the command's exit code
-        print(f"tracekit: could not write {run_dir / 'manifest.json'} ({err.strerror or err}); it still says "
+        print(f"tracekit: could not write {RunDir.at(run_dir).manifest} ({err.strerror or err}); it still says "
               f"`{STATUS_RUNNING}`", file=sys.stderr)
     return ended
 
