@@ -36,17 +36,18 @@ the rule's bookkeeping (which tables were attributed how). `batches(ctx)` is eve
 batch at every training step, from the same all-to-all. Lookups of a step without such an
 all-to-all keep `src` null.
 
-Temporary tables it creates that other modules read (call `attributed(ctx)` first):
+The tables it leaves on the context's connection that other modules read, named by
+`attributed(ctx).tables` (`AttributedTables`, field: table):
 
-    tk_names    tid (the table's index in the manifest), table_name, kind, sharded, n_shards,
-                rb (row bytes), n_features
-    tk_shards   tid, rank: each rank holding a shard of the table
-    tk_a2a      rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in, k: the
+    names     tk_names: tid (the table's index in the manifest), table_name, kind, sharded, n_shards,
+                         rb (row bytes), n_features
+    shards    tk_shards: tid, rank: each rank holding a shard of the table
+    a2a       tk_a2a: rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in, k: the
                 training all_to_all_singles with their ordinal k within (rank, step)
-    tk_batches  step, src, b: every rank's local batch at every training step
-    tk_bounds   step, owner, src, b, lo: each source's bag range in each owner's received batch
-    tk_steps    step, si: the sampled steps (with lookups) and their index
-    tk_src      step, owner, tid, seq (a sequence table), sample, pos, row, feature (of a table several
+    batches   tk_batches: step, src, b: every rank's local batch at every training step
+    bounds    tk_bounds: step, owner, src, b, lo: each source's bag range in each owner's received batch
+    steps     tk_steps: step, si: the sampled steps (with lookups) and their index
+    lookups   tk_src: step, owner, tid, seq (a sequence table), sample, pos, row, feature (of a table several
                 features look up, which one: trace-format.md), src, src_sample (null where the sample is
                 unknown), gid: a global sample id `(si · W + src) · max batch + src_sample` naming a
                 sample across tables and owners
@@ -67,6 +68,24 @@ from tracekit.tags import TORCHREC_SPLITS
 from tracekit.manifest import DTYPE_BYTES, dtype_bytes
 
 
+@dataclass(frozen=True)
+class AttributedTables:
+    """The tables `attributed` leaves on the context's connection for other analyses, by what they
+    hold (their columns in the module docstring). A reader takes a name from here, so it cannot
+    read a table without the call that builds it."""
+
+    names: str = "tk_names"
+    shards: str = "tk_shards"
+    a2a: str = "tk_a2a"
+    batches: str = "tk_batches"
+    bounds: str = "tk_bounds"
+    steps: str = "tk_steps"
+    lookups: str = "tk_src"
+
+
+TABLES = AttributedTables()
+
+
 @dataclass
 class Attribution:
     """`tk_src` and `tk_batches` are ready on the context's connection; `relation` is tk_src with
@@ -78,6 +97,7 @@ class Attribution:
     methods: pl.DataFrame
     exact: bool
     notes: list[str] = field(default_factory=list)
+    tables: AttributedTables = TABLES
 
 
 def elem_bytes(dtype: str) -> int:

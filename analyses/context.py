@@ -15,8 +15,9 @@ does the passes over the big tables (`accesses`, `lookups`), Polars the small re
 State lives on the context and nowhere else: `memo` keeps what an analysis derived (the
 attribution, the exchange replay, the network model, each policy), and temporary tables
 (`tk_*`) live on its connection. Each temporary table is created by one module, whose docstring
-lists the ones other modules read, with their columns; a module that reads one first calls the
-owner's memoized function that builds it (`attribution.attributed(ctx)` before `tk_names`).
+lists the ones other modules read, with their columns; a module reads one by the name the owner's
+memoized function returns (`attribution.attributed(ctx).tables.names`), so the call that builds a
+table always comes before a read of it.
 Closing the context (leaving the `with`, or `close()`) closes the connection, removes its spill
 directory and drops the memo.
 """

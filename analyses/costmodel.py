@@ -111,9 +111,8 @@ def _baseline_rows(s: ExchangeBaseline, net: network.Network) -> list[dict]:
 
 def _dedup_rows(ctx: Context, s: ExchangeBaseline, net: network.Network) -> list[dict]:
     """SCARS row fetch (model B): each device fetches each distinct remote row once per step."""
-    exchange.baseline(ctx)  # tk_x
-    measured = ctx.sql("""SELECT count(*)::DOUBLE FROM (SELECT DISTINCT step, src, tid, "row" FROM tk_x
-                          WHERE owner <> src)""").fetchall()[0][0] / max(s.sampled_steps, 1)
+    measured = ctx.sql(f"""SELECT count(*)::DOUBLE FROM (SELECT DISTINCT step, src, tid, "row" FROM {s.tables.x}
+                           WHERE owner <> src)""").fetchall()[0][0] / max(s.sampled_steps, 1)
     expected = _expected_remote_total(ctx, s) * s.world
     rows = []
     for method, per_step in (("replay", measured), ("expected", expected)):
@@ -125,8 +124,8 @@ def _dedup_rows(ctx: Context, s: ExchangeBaseline, net: network.Network) -> list
 
 
 def _mean_rb(ctx: Context) -> float:
-    exchange.baseline(ctx)  # tk_rows
-    rows = ctx.sql("SELECT sum(rb * lookups)::DOUBLE / nullif(sum(lookups), 0) FROM tk_rows").fetchall()
+    table = exchange.baseline(ctx).tables.rows
+    rows = ctx.sql(f"SELECT sum(rb * lookups)::DOUBLE / nullif(sum(lookups), 0) FROM {table}").fetchall()
     return float(rows[0][0] or 0)
 
 
@@ -211,14 +210,13 @@ def _diffs(frame: pl.DataFrame) -> pl.DataFrame:
 
 def inclusion(ctx: Context, s: ExchangeBaseline) -> pl.DataFrame:
     """Per (tid, row): table_name and p, the per-sample inclusion probability (module docstring)."""
-    attribution.attributed(ctx)  # tk_names
-    exchange.baseline(ctx)  # tk_rows
+    rows, names = exchange.baseline(ctx).tables.rows, attribution.attributed(ctx).tables.names
     return ctx.frame(f"""
-        WITH t AS (SELECT tid, sum(lookups)::DOUBLE AS lookups, sum(placed) AS placed FROM tk_rows GROUP BY ALL)
+        WITH t AS (SELECT tid, sum(lookups)::DOUBLE AS lookups, sum(placed) AS placed FROM {rows} GROUP BY ALL)
         SELECT r.tid, n.table_name, r."row",
                CASE WHEN t.placed = t.lookups THEN r.samples::DOUBLE / {max(s.samples, 1)}
                     ELSE 1 - pow(1 - r.lookups / t.lookups, t.lookups / {max(s.samples, 1)}) END AS p
-        FROM tk_rows r JOIN t USING (tid) JOIN tk_names n USING (tid)""")
+        FROM {rows} r JOIN t USING (tid) JOIN {names} n USING (tid)""")
 
 
 def _expected_remote_total(ctx: Context, s: ExchangeBaseline) -> float:
@@ -232,16 +230,15 @@ def _distinct_check(ctx: Context, s: ExchangeBaseline) -> pl.DataFrame:
     """Per table: E[U] and expected remote rows per device batch against the replay's mean."""
     p = inclusion(ctx, s)
     expected = {name: expected_distinct(g["p"].to_numpy(), s.batch) for (name,), g in p.group_by("table_name")}
-    attribution.attributed(ctx)  # tk_batches, tk_steps, tk_names
-    exchange.baseline(ctx)  # tk_x
-    measured = ctx.frame("""
-        WITH per_row AS (SELECT step, src, tid, "row", bool_or(owner <> src) AS remote FROM tk_x GROUP BY ALL),
+    a, x = attribution.attributed(ctx).tables, exchange.baseline(ctx).tables.x
+    measured = ctx.frame(f"""
+        WITH per_row AS (SELECT step, src, tid, "row", bool_or(owner <> src) AS remote FROM {x} GROUP BY ALL),
              u AS (SELECT step, src, tid, count(*) AS u, count(*) FILTER (WHERE remote) AS u_rem
                    FROM per_row GROUP BY ALL),  -- two groupings: faster than two count(DISTINCT)s
-             cells AS (SELECT b.step, b.src, t.tid FROM tk_batches b JOIN tk_steps USING (step)
-                       CROSS JOIN (SELECT DISTINCT tid FROM tk_x) t WHERE b.b > 0)
+             cells AS (SELECT b.step, b.src, t.tid FROM {a.batches} b JOIN {a.steps} USING (step)
+                       CROSS JOIN (SELECT DISTINCT tid FROM {x}) t WHERE b.b > 0)
         SELECT n.table_name, avg(coalesce(u.u, 0)) AS u, avg(coalesce(u.u_rem, 0)) AS u_rem
-        FROM cells c LEFT JOIN u USING (step, src, tid) JOIN tk_names n USING (tid) GROUP BY n.table_name""")
+        FROM cells c LEFT JOIN u USING (step, src, tid) JOIN {a.names} n USING (tid) GROUP BY n.table_name""")
     frac = (s.world - 1) / max(s.world, 1)
     rows = []
     for name, u, u_rem in measured.iter_rows():

@@ -39,17 +39,18 @@ sampled (exact where every step was).
     saved = replication_savings(ctx, order, n)  # bytes freed per collective by every prefix of a row order
     comms_replay(ctx)                   # per (step, rank, collective): replayed and recorded bytes
 
-Temporary tables it creates that other modules read (call `baseline(ctx)` first; the tables of
-analyses.attribution are there too):
+The tables it leaves on the context's connection that other modules read, named by
+`baseline(ctx).tables` (`ExchangeTables`, field: table; the attribution's are
+`baseline(ctx).attribution.tables`):
 
-    tk_x        (a view) step, owner, src, tid, seq, sample, row, gid, onehot (the table's bags are
+    x           tk_x (a view): step, owner, src, tid, seq, sample, row, gid, onehot (the table's bags are
                 one id at position 0), bag (a pooled bag's key, per sample, table and feature; null
                 for sequence lookups): the
                 attributed lookups of sharded tables
-    tk_tshards  tid, src, rb, n_shards, n_remote_shards: per table and source rank, the shards a
+    tshards     tk_tshards: tid, src, rb, n_shards, n_remote_shards: per table and source rank, the shards a
                 bag of its is split over, and those on another rank
-    tk_pairs    step, collective, sender, receiver, bytes: the baseline exchange on sampled steps
-    tk_rows     tid, row, rb, kind, lookups, remote_lookups, steps, src_steps, samples, placed,
+    pairs       tk_pairs: step, collective, sender, receiver, bytes: the baseline exchange on sampled steps
+    rows        tk_rows: tid, row, rb, kind, lookups, remote_lookups, steps, src_steps, samples, placed,
                 benefit_out, benefit_rem: per row, its lookups and the bytes per step they would free
 
 tk_onehot, tk_owner_consts, tk_bags and tk_a2a_k are its own steps.
@@ -76,6 +77,20 @@ TRAINER_TAGS = {"input_lengths": tags.INPUT_DIST, "input_ids": tags.INPUT_DIST,
 COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int64
 
 
+@dataclass(frozen=True)
+class ExchangeTables:
+    """The tables `baseline` leaves on the context's connection for other analyses, by what they
+    hold (their columns in the module docstring)."""
+
+    x: str = "tk_x"
+    tshards: str = "tk_tshards"
+    pairs: str = "tk_pairs"
+    rows: str = "tk_rows"
+
+
+TABLES = ExchangeTables()
+
+
 @dataclass
 class ExchangeBaseline:
     """The recorded exchange, replayed: per-run constants and, per collective, its bytes, its
@@ -95,6 +110,7 @@ class ExchangeBaseline:
     step_time_s: float | None  # measured: analyses.network's baseline rule
     attribution: attribution.Attribution
     notes: list[str] = field(default_factory=list)
+    tables: ExchangeTables = TABLES
 
     @property
     def base_out(self) -> float:

@@ -35,7 +35,7 @@ from dataclasses import replace
 import numpy as np
 import polars as pl
 
-from analyses import attribution, exchange
+from analyses import exchange
 from analyses.context import Context
 from analyses.policies.tiers import TIER1_BYTES, TIER2_BYTES, TIER2_EXCHANGE_BYTES, TIER2_EXCHANGE_REMOTE, TIER2_SYNC_BYTES
 from analyses.step_traffic import Traffic
@@ -139,21 +139,21 @@ def with_compression(t: Traffic, name: str, part: dict) -> Traffic:
 def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
     """Bytes per step, by trainer tag and (sender, receiver), that replicating `rows` (table_name,
     row) takes out of the recorded exchange, replayed over the sampled lookups (module docstring)."""
-    s = exchange.baseline(ctx)  # tk_x
-    attribution.attributed(ctx)  # tk_names, tk_shards
+    s = exchange.baseline(ctx)
+    a = s.attribution.tables
     w = ctx.model.world_size
     ctx.con.register("tk_sim_rows", rows.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_sim_x AS
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_sim_x AS
                SELECT l.step, l.src, l.owner, l.tid, l.seq, l.bag, n.rb, h."row" IS NOT NULL AS hot
-               FROM tk_x l JOIN tk_names n USING (tid)
-               LEFT JOIN (SELECT n.tid, r."row" FROM tk_sim_rows r JOIN tk_names n USING (table_name)) h
+               FROM {s.tables.x} l JOIN {a.names} n USING (tid)
+               LEFT JOIN (SELECT n.tid, r."row" FROM tk_sim_rows r JOIN {a.names} n USING (table_name)) h
                  USING (tid, "row")""")
     flows = ctx.sql(f"""
         WITH bags AS (SELECT any_value(step) AS step, any_value(src) AS src, any_value(tid) AS tid,
                              any_value(rb) AS rb
                       FROM tk_sim_x WHERE NOT seq AND bag IS NOT NULL GROUP BY bag HAVING bool_and(hot)),
         rows_back AS (SELECT b.src, s.rank AS owner, sum(b.rb)::DOUBLE AS bytes
-                      FROM bags b JOIN tk_shards s USING (tid) GROUP BY ALL
+                      FROM bags b JOIN {a.shards} s USING (tid) GROUP BY ALL
                       UNION ALL
                       SELECT src, owner, sum(rb)::DOUBLE FROM tk_sim_x WHERE seq AND hot GROUP BY ALL)
         SELECT 'input_ids' AS collective, src, owner, ({s.id_bytes} * count(*))::DOUBLE AS bytes

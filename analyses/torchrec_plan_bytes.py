@@ -57,16 +57,16 @@ class Loads:
 
 def loads(ctx: Context, len_bytes: int, id_bytes: int) -> Loads:
     """The loads of the run in `ctx` (its lookups attributed to their source ranks)."""
-    attribution.attributed(ctx)
+    a = attribution.attributed(ctx).tables
     world = ctx.model.world_size
-    names = ctx.sql("SELECT tid, table_name, rb, n_features, kind FROM tk_names ORDER BY tid").fetchall()
-    steps = max(ctx.sql("SELECT count(*) FROM tk_steps").fetchall()[0][0], 1)
+    names = ctx.sql(f"SELECT tid, table_name, rb, n_features, kind FROM {a.names} ORDER BY tid").fetchall()
+    steps = max(ctx.sql(f"SELECT count(*) FROM {a.steps}").fetchall()[0][0], 1)
     ids = np.zeros((len(names), world))
-    for tid, src, n in ctx.sql("""SELECT tid, src, count(*) FROM tk_src WHERE src IS NOT NULL
-                                  GROUP BY ALL""").fetchall():
+    for tid, src, n in ctx.sql(f"""SELECT tid, src, count(*) FROM {a.lookups} WHERE src IS NOT NULL
+                                   GROUP BY ALL""").fetchall():
         ids[tid, src] = n / steps
     batch = np.zeros(world)
-    for src, b in ctx.sql("""SELECT src, sum(b) FROM tk_batches JOIN tk_steps USING (step) GROUP BY src""").fetchall():
+    for src, b in ctx.sql(f"SELECT src, sum(b) FROM {a.batches} JOIN {a.steps} USING (step) GROUP BY src").fetchall():
         batch[src] = b / steps
     tables = {t.name: t for t in ctx.model.tables}
     dims = np.array([tables[name].dim for _, name, *_ in names], dtype=np.int64)

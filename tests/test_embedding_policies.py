@@ -74,8 +74,8 @@ def test_replica_sync_follows_the_touched_rows(tmp_path: Path) -> None:
     mixed_run(tmp_path / "run")
     with open_context(tmp_path / "run") as ctx:
         s = exchange.baseline(ctx)
-        rows = ctx.frame("""SELECT n.table_name, r."row", r.rb, r.steps, r.src_steps FROM tk_rows r JOIN tk_names n
-                            USING (tid) ORDER BY n.table_name, r."row" """)
+        rows = ctx.frame(f"""SELECT n.table_name, r."row", r.rb, r.steps, r.src_steps FROM {s.tables.rows} r
+                             JOIN {s.attribution.tables.names} n USING (tid) ORDER BY n.table_name, r."row" """)
         hot = rows.filter(pl.struct("table_name", "row").is_in([{"table_name": "a", "row": 1},
                                                                 {"table_name": "b", "row": 5},
                                                                 {"table_name": "s", "row": 7}]))

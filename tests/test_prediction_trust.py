@@ -54,8 +54,8 @@ def exact_remote(run: Path, hot: pl.DataFrame) -> float:
     with open_context(run) as ctx:
         s = exchange.baseline(ctx)
         ctx.con.register("hot_frame", hot.select("table_name", pl.col("row").cast(pl.Int64)).to_arrow())
-        ctx.sql("""CREATE TEMP TABLE tk_hot_order AS SELECT n.tid, h."row", (row_number() OVER () - 1)::BIGINT AS pos
-                   FROM hot_frame h JOIN tk_names n USING (table_name)""")
+        ctx.sql(f"""CREATE TEMP TABLE tk_hot_order AS SELECT n.tid, h."row", (row_number() OVER () - 1)::BIGINT AS pos
+                    FROM hot_frame h JOIN {s.attribution.tables.names} n USING (table_name)""")
         saved = exchange.replication_savings(ctx, "tk_hot_order", hot.height)
         return exchange.curve_totals(s, saved, hot.height)[1]
 

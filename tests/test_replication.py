@@ -272,17 +272,13 @@ def recorded(tmp_path_factory) -> dict:
 def test_steps_per_row_counted_as_distinct_steps(recorded: dict) -> None:
     """The replication sweep's steps per row, taken from accesses rows where one rank recorded the
     row, equal the distinct steps that read it, counted for every row."""
-    from analyses import attribution
     from analyses.context import open_context
     from analyses.policies.replication import access_rows
 
     with open_context(recorded["base"][0]) as ctx:
-        attribution.attributed(ctx)
-        query = 'SELECT tid, "row", n_all, steps_all FROM tk_access_rows ORDER BY tid, "row"'
-        access_rows(ctx)
-        fast = ctx.frame(query)
-        access_rows(ctx, count_distinct=True)
-        assert fast.height > 0 and fast.equals(ctx.frame(query))
+        query = 'SELECT tid, "row", n_all, steps_all FROM {} ORDER BY tid, "row"'
+        fast = ctx.frame(query.format(access_rows(ctx)))
+        assert fast.height > 0 and fast.equals(ctx.frame(query.format(access_rows(ctx, count_distinct=True))))
 
 
 def _comms(run_dir: Path) -> duckdb.DuckDBPyConnection:

@@ -149,19 +149,17 @@ def estimated_rows(ctx: Context, s: ExchangeBaseline) -> str:
 
 
 def _estimated_rows(ctx: Context, s: ExchangeBaseline) -> str:
-    attribution.attributed(ctx)  # tk_names
-    exchange.baseline(ctx)  # tk_rows
+    names, rows = attribution.attributed(ctx).tables.names, exchange.baseline(ctx).tables.rows
     total = ctx.sql("SELECT count(DISTINCT step) FROM train_accesses").fetchall()[0][0] if ctx.has("accesses") else 0
     if not total:
-        ctx.sql("CREATE OR REPLACE TEMP TABLE tk_rows_est AS SELECT * FROM tk_rows")
+        ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_rows_est AS SELECT * FROM {rows}")
         return "tk_rows_est"
     scale = max(s.sampled_steps, 1) / total
-    access_rows(ctx)
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_rows_est AS
-        WITH a AS (SELECT tid, "row", n_all, steps_all FROM tk_access_rows),
+        WITH a AS (SELECT tid, "row", n_all, steps_all FROM {access_rows(ctx)}),
              per_table AS (SELECT tid, sum(benefit_rem)::DOUBLE / nullif(sum(lookups), 0) AS b,
                                   sum(benefit_out)::DOUBLE / nullif(sum(lookups), 0) AS b_out
-                           FROM tk_rows GROUP BY tid)
+                           FROM {rows} GROUP BY tid)
         SELECT a.tid, a."row", n.rb, n.kind,
                a.n_all * {scale!r} AS lookups, a.n_all * {scale!r} AS remote_lookups,
                a.steps_all * {scale!r} AS steps,
@@ -169,40 +167,42 @@ def _estimated_rows(ctx: Context, s: ExchangeBaseline) -> str:
                a.n_all * {scale!r} AS samples, a.n_all * {scale!r} AS placed,
                a.n_all * {scale!r} * coalesce(t.b_out, 0) AS benefit_out,
                a.n_all * {scale!r} * coalesce(t.b, 0) AS benefit_rem
-        FROM a JOIN tk_names n USING (tid) JOIN per_table t USING (tid) LEFT JOIN tk_rows r USING (tid, "row")""")
+        FROM a JOIN {names} n USING (tid) JOIN per_table t USING (tid) LEFT JOIN {rows} r USING (tid, "row")""")
     return "tk_rows_est"
 
 
-def access_rows(ctx: Context, *, count_distinct: bool = False) -> None:
-    """tk_access_rows: per row of a sharded table, its ids over every training step (n_all) and the
+def access_rows(ctx: Context, *, count_distinct: bool = False) -> str:
+    """A temp table (its name returned): per row of a sharded table, its ids over every training step (n_all) and the
     steps that read it (steps_all). `accesses` holds one row per (step, rank, table, row), so a row
     only one rank recorded was read on exactly as many steps as it has accesses rows; only rows
     several ranks recorded (column-wise shards) need the costlier count of distinct steps (every row
-    with `count_distinct`, which the tests compare)."""
+    with `count_distinct`, which the tests compare): tid, row, n_all, steps_all, one_rank."""
+    names = attribution.attributed(ctx).tables.names
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_access_rows AS
                 SELECT n.tid, x."row", x.lookups AS n_all, x.accesses::DOUBLE AS steps_all,
                        x.min_rank = x.max_rank AS one_rank
-                FROM {row_totals(ctx)} x JOIN tk_names n USING (table_name) WHERE n.sharded""")
+                FROM {row_totals(ctx)} x JOIN {names} n USING (table_name) WHERE n.sharded""")
     several = f"NOT one_rank OR {count_distinct}"
     if ctx.sql(f"SELECT count(*) FROM tk_access_rows WHERE {several}").fetchall()[0][0]:
         ctx.sql(f"""UPDATE tk_access_rows r SET steps_all = m.steps_all
                    FROM (SELECT n.tid, x."row", count(DISTINCT x.step)::DOUBLE AS steps_all
-                         FROM train_accesses x JOIN tk_names n USING (table_name)
+                         FROM train_accesses x JOIN {names} n USING (table_name)
                          SEMI JOIN (SELECT tid, "row" FROM tk_access_rows WHERE {several}) m
                               ON m.tid = n.tid AND m."row" = x."row"
                          GROUP BY ALL) m
                    WHERE r.tid = m.tid AND r."row" = m."row" """)
+    return "tk_access_rows"
 
 
 def order_table(ctx: Context, name: str, order_by: str) -> pl.DataFrame:
     """Write temp table `name` (module docstring) ordering the rows (`estimated_rows`) by the SQL
     `order_by` list, ties by lookups, tid, row; return the ordered rows with their figures."""
-    attribution.attributed(ctx)  # tk_names
+    names = attribution.attributed(ctx).tables.names
     rows = estimated_rows(ctx, exchange.baseline(ctx))
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE {name} AS
                 SELECT r.*, n.table_name,
                        (row_number() OVER (ORDER BY {order_by}, r.lookups DESC, r.tid, r."row") - 1)::BIGINT AS pos
-                FROM {rows} r JOIN (SELECT tid, table_name FROM tk_names) n USING (tid)""")
+                FROM {rows} r JOIN (SELECT tid, table_name FROM {names}) n USING (tid)""")
     return ctx.frame(f"""SELECT tid, table_name, "row", rb, lookups, benefit_rem, steps, src_steps, pos
                          FROM {name} ORDER BY pos""")
 
@@ -280,9 +280,8 @@ def hugectr(ctx: Context, s: ExchangeBaseline) -> dict:
     else:
         threshold = batch * steps * math.sqrt(2 * P_DUP_MAX / max(per_rank * (per_rank - 1), 1e-12))
         rule = "B·I·sqrt(2·p_dup/(M(M−1)))"
-    exchange.baseline(ctx)  # tk_rows
     passing, seen = ctx.sql(f"""SELECT count(*) FILTER (WHERE lookups >= {threshold!r}), count(*)
-                                FROM tk_rows""").fetchall()[0]
+                                FROM {exchange.baseline(ctx).tables.rows}""").fetchall()[0]
     frequent = int(math.ceil(passing / s.world) * s.world)
     if frequent > seen:
         frequent = max(frequent - s.world, 0)

@@ -67,34 +67,32 @@ from tracekit.policy import Prediction, Schedule
 def hot_set(ctx: Context, limit: float) -> pl.DataFrame:
     """Temp table tk_fae_hot (tid, row) and its rows (table_name, row, count, benefit_bytes): the
     most counted rows while their bytes fit `limit`."""
-    attribution.attributed(ctx)  # tk_names
-    exchange.baseline(ctx)  # tk_rows
+    names, rows = attribution.attributed(ctx).tables.names, exchange.baseline(ctx).tables.rows
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_hot AS
                 SELECT tid, "row", lookups, benefit_rem FROM (
                     SELECT *, sum(rb) OVER (ORDER BY lookups DESC, tid, "row"
                                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS used
-                    FROM tk_rows) WHERE used <= {float(limit)!r}""")
-    return ctx.frame("""SELECT n.table_name, h."row", h.lookups AS count, h.benefit_rem AS benefit_bytes
-                        FROM tk_fae_hot h JOIN (SELECT tid, table_name FROM tk_names) n USING (tid)
-                        ORDER BY h.lookups DESC, h.tid, h."row" """)
+                    FROM {rows}) WHERE used <= {float(limit)!r}""")
+    return ctx.frame(f"""SELECT n.table_name, h."row", h.lookups AS count, h.benefit_rem AS benefit_bytes
+                         FROM tk_fae_hot h JOIN (SELECT tid, table_name FROM {names}) n USING (tid)
+                         ORDER BY h.lookups DESC, h.tid, h."row" """)
 
 
 def classify(ctx: Context) -> int:
     """Temp tables tk_fae_cold_batches (step, src: a batch holding an unplaced cold sequence id,
     every sample of it cold), tk_fae_cold (gid, step, src: the other samples holding a cold id)
     and tk_fae_batches (step, src, b, hot: hot samples per sampled batch); returns the cold count."""
-    attribution.attributed(ctx)  # tk_batches, tk_steps
-    exchange.baseline(ctx)  # tk_x
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_cold_batches AS
-               SELECT DISTINCT l.step, l.src FROM tk_x l ANTI JOIN tk_fae_hot h USING (tid, "row")
+    a, x = attribution.attributed(ctx).tables, exchange.baseline(ctx).tables.x
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_cold_batches AS
+               SELECT DISTINCT l.step, l.src FROM {x} l ANTI JOIN tk_fae_hot h USING (tid, "row")
                WHERE l.gid IS NULL""")
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_cold AS
-               SELECT DISTINCT l.gid, l.step, l.src FROM tk_x l ANTI JOIN tk_fae_hot h USING (tid, "row")
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_cold AS
+               SELECT DISTINCT l.gid, l.step, l.src FROM {x} l ANTI JOIN tk_fae_hot h USING (tid, "row")
                ANTI JOIN tk_fae_cold_batches USING (step, src) WHERE l.gid IS NOT NULL""")
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_fae_batches AS
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_batches AS
                SELECT b.step, b.src, b.b,
                       CASE WHEN w.step IS NOT NULL THEN 0 ELSE b.b - coalesce(c.n, 0) END AS hot
-               FROM tk_batches b JOIN tk_steps USING (step)
+               FROM {a.batches} b JOIN {a.steps} USING (step)
                LEFT JOIN tk_fae_cold_batches w USING (step, src)
                LEFT JOIN (SELECT step, src, count(*) AS n FROM tk_fae_cold GROUP BY ALL) c USING (step, src)""")
     return int(ctx.sql("SELECT coalesce(sum(b - hot), 0) FROM tk_fae_batches").fetchall()[0][0])
@@ -103,22 +101,21 @@ def classify(ctx: Context) -> int:
 def hot_batch_sync(ctx: Context, s: ExchangeBaseline, hot_bytes: float, hot_rows: int) -> tuple[float, str, float]:
     """(sync bytes per hot step, kind, hot batches replayed): hot samples in gid order cut into
     global batches of B (module docstring)."""
-    attribution.attributed(ctx)  # tk_names
-    exchange.baseline(ctx)  # tk_x
+    names, x = attribution.attributed(ctx).tables.names, s.tables.x
     batch = max(int(round(s.samples / max(s.sampled_steps, 1))), 1)
     per_rank = max(batch // max(s.world, 1), 1)
     w1 = s.world - 1
     rows = ctx.sql(f"""
-        WITH hot AS (SELECT DISTINCT l.gid FROM tk_x l ANTI JOIN tk_fae_cold c USING (gid)
+        WITH hot AS (SELECT DISTINCT l.gid FROM {x} l ANTI JOIN tk_fae_cold c USING (gid)
                      ANTI JOIN tk_fae_cold_batches USING (step, src) WHERE l.gid IS NOT NULL),
              numbered AS (SELECT gid, (row_number() OVER (ORDER BY gid) - 1) AS i FROM hot),
              full_batches AS (SELECT count(*) // {batch} AS n FROM numbered),
              cut AS (SELECT gid, i // {batch} AS hb, (i % {batch}) // {per_rank} AS r FROM numbered
                      WHERE i < greatest((SELECT n FROM full_batches), 1) * {batch}),
-             touched AS (SELECT DISTINCT c.hb, c.r, l.tid, l."row" FROM tk_x l JOIN cut c USING (gid)),
+             touched AS (SELECT DISTINCT c.hb, c.r, l.tid, l."row" FROM {x} l JOIN cut c USING (gid)),
              per_rank AS (SELECT hb, count(*) AS u_r FROM touched GROUP BY hb),
              per_batch AS (SELECT u.hb, any_value(p.u_r) AS u_r, sum(n.rb) AS union_rb
-                           FROM (SELECT DISTINCT hb, tid, "row" FROM touched) u JOIN tk_names n USING (tid)
+                           FROM (SELECT DISTINCT hb, tid, "row" FROM touched) u JOIN {names} n USING (tid)
                            JOIN per_rank p USING (hb) GROUP BY u.hb)
         SELECT count(*), avg({w1} * {s.id_bytes} * u_r + 2 * {w1} * union_rb) FROM per_batch""").fetchall()[0]
     hot_batches, sparse = rows[0], float(rows[1] or 0.0) + exchange.count_exchange(s.world)
@@ -164,8 +161,7 @@ def hot_sample_curve(ctx: Context) -> HotSampleCurve:
 
 
 def _hot_sample_curve(ctx: Context, s: ExchangeBaseline) -> HotSampleCurve:
-    attribution.attributed(ctx)  # tk_names
-    exchange.baseline(ctx)  # tk_x, tk_tshards
+    names, x, tshards = attribution.attributed(ctx).tables.names, s.tables.x, s.tables.tshards
     n = replication.count_curve(ctx).order.height  # its order in tk_order_count
     hist = ctx.frame(f"""
         WITH per_sample AS (
@@ -173,14 +169,14 @@ def _hot_sample_curve(ctx: Context, s: ExchangeBaseline) -> HotSampleCurve:
                    sum({s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END) AS out_b,
                    sum(CASE WHEN l.owner <> l.src THEN {s.id_bytes} + CASE WHEN l.seq THEN 2 * n.rb ELSE 0 END
                             ELSE 0 END) AS rem_b
-            FROM tk_x l JOIN tk_order_count o USING (tid, "row") JOIN tk_names n USING (tid)
+            FROM {x} l JOIN tk_order_count o USING (tid, "row") JOIN {names} n USING (tid)
             WHERE l.gid IS NOT NULL GROUP BY l.gid),
              fixed AS (
             SELECT t.src, sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
                               * t.n_shards) AS out_b,
                           sum(CASE WHEN n.kind = 'pooled' THEN {s.len_bytes} + 2 * n.rb ELSE {s.len_bytes} END
                               * t.n_remote_shards) AS rem_b
-            FROM tk_tshards t JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY t.src)
+            FROM {tshards} t JOIN {names} n USING (tid) WHERE n.sharded GROUP BY t.src)
         SELECT maxpos, count(*) AS samples, sum(p.out_b + f.out_b)::DOUBLE AS out_b,
                sum(p.rem_b + f.rem_b)::DOUBLE AS rem_b
         FROM per_sample p JOIN fixed f USING (src) GROUP BY maxpos""")
@@ -206,15 +202,17 @@ def held_out_ranks(ctx: Context) -> int:
     """Temp tables tk_fae_folds (step, fold: the sampled steps dealt in turn into min(FOLDS, steps)
     folds) and tk_fae_ranked (tid, row, fold, pos: the rows by count on every other fold, most read
     first); the folds made, 0 from one sampled step. Once per context."""
+    x = exchange.baseline(ctx).tables.x
+
     def build() -> int:
-        folds = min(FOLDS, ctx.sql("SELECT count(DISTINCT step) FROM tk_x").fetchall()[0][0])
+        folds = min(FOLDS, ctx.sql(f"SELECT count(DISTINCT step) FROM {x}").fetchall()[0][0])
         if folds < 2:
             return 0
         ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_folds AS
                     SELECT step, dense_rank() OVER (ORDER BY step) % {folds} AS fold
-                    FROM (SELECT DISTINCT step FROM tk_x)""")
+                    FROM (SELECT DISTINCT step FROM {x})""")
         ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_fae_ranked AS
-            WITH per AS (SELECT tid, "row", fold, count(*) AS c FROM tk_x JOIN tk_fae_folds USING (step)
+            WITH per AS (SELECT tid, "row", fold, count(*) AS c FROM {x} JOIN tk_fae_folds USING (step)
                          GROUP BY ALL),
                  total AS (SELECT tid, "row", sum(c) AS c FROM per GROUP BY ALL),
                  others AS (SELECT t.tid, t."row", f.fold, t.c - coalesce(p.c, 0) AS c
@@ -234,7 +232,7 @@ def _held_out(ctx: Context, n: int) -> np.ndarray | None:
     hist = ctx.frame(f"""
         WITH per_sample AS (
             SELECT l.gid, max(coalesce(least(r.pos, {n}), {n})) AS maxpos
-            FROM tk_x l JOIN tk_fae_folds f USING (step)
+            FROM {exchange.baseline(ctx).tables.x} l JOIN tk_fae_folds f USING (step)
             LEFT JOIN tk_fae_ranked r ON r.tid = l.tid AND r."row" = l."row" AND r.fold = f.fold
             WHERE l.gid IS NOT NULL GROUP BY l.gid)
         SELECT maxpos, count(*) AS samples FROM per_sample GROUP BY maxpos""")
@@ -326,8 +324,8 @@ def _derive(ctx: Context) -> PolicyResult:
     if limit is None:
         limit, merit, by_time = own_budget(ctx, s)
     rows = hot_set(ctx, limit)
-    attribution.attributed(ctx)  # tk_names
-    hot_bytes = float(ctx.sql("SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN tk_names n USING (tid)")
+    names = attribution.attributed(ctx).tables.names
+    hot_bytes = float(ctx.sql(f"SELECT coalesce(sum(n.rb), 0) FROM tk_fae_hot JOIN {names} n USING (tid)")
                       .fetchall()[0][0])
     cold = classify(ctx)
     k = rows.height

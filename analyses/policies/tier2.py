@@ -122,14 +122,15 @@ def replay(ctx: Context, order: str, nodes: int, per_node: int) -> Tier2Replay:
 
 
 def _replay(ctx: Context, order: str, nodes: int, per_node: int) -> Tier2Replay:
-    s = exchange.baseline(ctx)  # tk_x, tk_names, tk_batches, tk_steps
+    s = exchange.baseline(ctx)
+    a, x = s.attribution.tables, s.tables.x
     g = per_node
     n = ctx.sql(f"SELECT count(*) FROM {order}").fetchall()[0][0]
     # units: a pooled bag's ids whose copies sit on one local index; each sequence lookup alone
     lookups = ctx.frame(f"""
         SELECT coalesce(o.pos, {n}) AS pos, l.src % {g} <> l.owner % {g} AS remote, m.rb,
                CASE WHEN l.seq THEN -1 - row_number() OVER () ELSE l.bag * {g} + l.owner % {g} END AS unit
-        FROM tk_x l JOIN tk_names m USING (tid) LEFT JOIN {order} o USING (tid, "row")
+        FROM {x} l JOIN {a.names} m USING (tid) LEFT JOIN {order} o USING (tid, "row")
         ORDER BY unit""")
     unit = lookups["unit"].to_numpy()
     starts = np.flatnonzero(np.concatenate([[True], unit[1:] != unit[:-1]])) if len(unit) else np.zeros(0, np.int64)
@@ -147,7 +148,7 @@ def _replay(ctx: Context, order: str, nodes: int, per_node: int) -> Tier2Replay:
     node_steps = np.concatenate([zero, np.cumsum(rows["node_steps"].to_numpy())])
     key = rows["tid"].to_numpy().astype(np.int64) * g + block
     table_positions = {(int(k) // g, int(k) % g): np.flatnonzero(key == k) for k in np.unique(key)}
-    found = dict(ctx.sql(f"""SELECT b.src % {g}, sum(b.b)::DOUBLE FROM tk_batches b JOIN tk_steps USING (step)
+    found = dict(ctx.sql(f"""SELECT b.src % {g}, sum(b.b)::DOUBLE FROM {a.batches} b JOIN {a.steps} USING (step)
                              GROUP BY ALL""").fetchall())
     samples = np.array([found.get(j, 0.0) for j in range(g)])
     return Tier2Replay(nodes, g, s.len_bytes, s.id_bytes, s.sampled_steps, lookups["pos"].to_numpy(), remote,
@@ -165,7 +166,7 @@ def _order_rows(ctx: Context, order: str, nodes: int, g: int) -> pl.DataFrame:
     return ctx.frame(f"""
         WITH sampled AS (SELECT tid, "row", count(DISTINCT step)::DOUBLE AS steps,
                                 count(DISTINCT step * {nodes} + src // {g})::DOUBLE AS node_steps
-                         FROM tk_x GROUP BY ALL),
+                         FROM {exchange.baseline(ctx).tables.x} GROUP BY ALL),
              owner AS (SELECT o.pos, min(r.rank) AS rank FROM {order} o JOIN tk_shard_ranges r
                        ON r.tid = o.tid AND o."row" >= r.first_row AND o."row" < r.first_row + r.num_rows
                        GROUP BY o.pos)

@@ -202,7 +202,7 @@ def _model(ctx: Context) -> TierModel:
     t2 = None
     if nodes > 1:
         inter_base.update(ctx.sql(f"""SELECT collective, coalesce(sum(bytes), 0)::DOUBLE / {max(s.sampled_steps, 1)}
-                                      FROM tk_pairs WHERE sender // {g} <> receiver // {g} GROUP BY ALL""").fetchall())
+                                      FROM {s.tables.pairs} WHERE sender // {g} <> receiver // {g} GROUP BY ALL""").fetchall())
         saved = exchange.replication_savings(ctx, "tk_order_replication", n, per_node=g)
         inter_freed = {c: saved[f"{c}_rem"] for c in exchange.COLLECTIVES}
         t2 = tier2.replay(ctx, "tk_order_replication", nodes, g)
