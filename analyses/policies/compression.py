@@ -31,8 +31,8 @@ one whose measured model-quality cost keeps the budget (analyses.quality: calibr
 `tracekit optimize` makes); without them it is the paper's (MP_KEEP_RATIO = 5% per sample, its 20×
 fewer elements), with its cost stated as not measured, so not recommended. The boundary tensor is the
 embedding output all-to-all: training all-to-all calls whose dtype is floating point (the input
-dist sends integer lengths and ids; the reference trainer tags the rest `_AllToAll.forward` and
-`.backward`, TorchRec `DefaultAll2AllSingle.__call__` and `All2All_Pooled_Wait.backward`: a tag
+dist sends integer lengths and ids; the reference trainer labels the rest `output_fwd` and
+`output_bwd` (`_AllToAll.forward` and `.backward` in a run recorded before), TorchRec `DefaultAll2AllSingle.__call__` and `All2All_Pooled_Wait.backward`: a tag
 ending in `backward` is the gradients'), n = bytes_out / (value_bytes · D) rows of D values. As the trainer encodes them
 (tracekit/dlrm/output_codec.py), a row keeps K = ⌈keep · D⌉ values (at least 1); forward it
 carries them and their positions, one uint8 each (int16 beyond D = 256) or a D-bit mask when that
@@ -72,6 +72,7 @@ from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
 from analyses.replay.change import Change
 from analyses.replay.prediction import changes, replay
+from tracekit import tags
 from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
 from tracekit.policy import DctDp, DctMp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
@@ -296,7 +297,8 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
     k = max(1, min(dim, math.ceil(keep * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
     rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)
-    forward = ~pl.col("tag").str.ends_with("backward")  # TorchRec's forward is DefaultAll2AllSingle.__call__
+    # TorchRec's forward is DefaultAll2AllSingle.__call__; the reference trainer's backward is labelled output_bwd
+    forward = ~(pl.col("tag").str.ends_with("backward") | (pl.col("tag") == tags.OUTPUT_BWD))
     output = output.with_columns(
         (rows * (k * pl.col("value_bytes") + pl.when(forward).then(positions).otherwise(0)))
         .alias("predicted_bytes_per_step"))
