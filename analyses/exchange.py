@@ -70,8 +70,9 @@ COLLECTIVES = tags.EXCHANGE
 
 
 TRAINER_TAGS = {c: c for c in COLLECTIVES}
-"""The tag the reference trainer gives each collective: its role (a run recorded before carries
-tracekit.tags' LEGACY names instead)."""
+"""The tag the reference trainer gives each collective of its plain exchange: the collective's name
+(through a codec the outputs carry tracekit.tags.OUTPUT_FWD_CODED, OUTPUT_BWD_CODED; a run recorded
+before the trainer labelled them, tags.LEGACY_*: analyses.roles reads each as its role)."""
 
 
 COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int64

@@ -50,7 +50,7 @@ TIER2_TAG = TIER2_INPUT  # the tier-2 exchange's bytes, its three tags as one
 
 def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | None = None) -> Traffic:
     """`base` (the recorded world and batch) under a policy section's predicted exchange and sync;
-    `freed`: the bytes per step, by exchange part (analyses.roles.PART) and rank pair, its replicas
+    `freed`: the bytes per step, by exchange part (analyses.roles.part) and rank pair, its replicas
     take out of the exchange."""
     predicted = section.get("predicted") or {}
     nodes = int((section.get("topology") or {}).get("nodes", 1))
@@ -163,7 +163,7 @@ def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
         UNION ALL SELECT 'output_bwd', src, owner, sum(bytes) FROM rows_back GROUP BY ALL""").fetchall()
     freed: dict[str, np.ndarray] = {}
     for collective, sender, receiver, b in flows:
-        freed.setdefault(roles.PART[collective], np.zeros((w, w)))[sender, receiver] += b / max(s.sampled_steps, 1)
+        freed.setdefault(roles.part(collective), np.zeros((w, w)))[sender, receiver] += b / max(s.sampled_steps, 1)
     return freed
 
 

@@ -63,6 +63,7 @@ from analyses.replay.prediction import replay
 from analyses.replay.simulation import run_steps
 from analyses.step_traffic import Traffic, recorded
 from analyses.traffic import A2A_OPS, GATHER_OPS
+from tracekit import tags
 from tracekit.figures import STEP_TIME
 from tracekit.policy import load_policy, section_part
 from tracekit.policy_model import check_model
@@ -238,7 +239,7 @@ def _projected(steps: list[Step], t: Traffic, source: Traffic, world: int,
 def _projected_flows(c: Call, t: Traffic, source: Traffic, world: int) -> np.ndarray:
     n = len(c.ranks)
     remote = float(c.flows.sum())
-    key = roles.part(c.tag, c.collective)
+    key = roles.part(c.tag)
     if c.op in A2A_OPS and key in t.exchange:
         recorded = source.exchange.get(key)
         share = remote / (recorded.sum() - np.trace(recorded)) if recorded is not None and recorded.sum() else 0.0
@@ -269,7 +270,8 @@ def _change(t: Traffic, base: Traffic) -> Change | None:
     def remote(m: np.ndarray) -> float:
         return float(m.sum() - np.trace(m))
     scale = {}
-    for name, key in roles.PART.items():
+    for name in tags.EXCHANGE:
+        key = roles.part(name)
         if key in base.exchange and remote(base.exchange[key]):
             scale[name] = remote(t.exchange.get(key, np.zeros_like(base.exchange[key]))) / remote(base.exchange[key])
     dense = ((t.ring + t.gather - base.gather) / base.ring) if base.ring else 1.0

@@ -4,7 +4,8 @@ run recorded them: what `tracekit simulate` (analyses.simulate) projects onto an
 From the run, each training step's communication by class of collective (training rows, averaged
 over the N training steps, analyses.traffic.training_steps):
 
-    exchange  the all-to-alls, per tag (the reference trainer's by part: analyses.roles.PART): bytes from rank to rank (Σ splits_out), calls per step
+    exchange  the all-to-alls, per part (analyses.roles.part: the tag, the reference trainer's input
+              dist's two calls as one): bytes from rank to rank (Σ splits_out), calls per step
     ring      the all-reduces: bytes per rank S (DDP's buckets and the rest), calls per step
     gather    the all-gathers: bytes per rank g, calls per step
     other     every other collective: calls per step (latency only)

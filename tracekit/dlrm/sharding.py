@@ -347,7 +347,8 @@ class ShardedEmbeddings(nn.Module):
                        rows_back, torch.cat(slots_back))
 
     def _input_dist(self, routing: Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows."""
+        """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows (labelled
+        tracekit.tags.INPUT_LENGTHS, INPUT_IDS)."""
         if self.plan.world_size == 1:
             return routing.lengths, routing.values
         mine = len(self.local_tables)
