@@ -8,8 +8,8 @@ E[U] is per device batch. The rule (DESIGN.md §4 layout, TorchRec's input dist)
 - The owner's input-lengths all-to-all of a training step (phase 'train'; the call whose
   comms.role is input_lengths, analyses.roles) carries the bag lengths: `F_o × b_q` elements from
   each source q, F_o the features looked up in the tables with a shard on the owner o (manifest
-  `shards`), so `b_q = splits_in[q] / elem_bytes / F_o` is q's local batch. A reference-trainer table is one feature; a TorchRec table may serve
-  several (`features`).
+  `shards`), so `b_q = splits_in[q] / elem_bytes / F_o` is q's local batch. A reference-trainer
+  table is one feature; a TorchRec table may serve several (`features`).
   The owner concatenates each table's bags by source, so a *pooled* bag at owner position
   `sample` came from the q with `B_q <= sample < B_q + b_q`, `B_q = sum_{q' < q} b_q'`, and is
   sample `sample - B_q` of q's batch. Exact.

@@ -149,7 +149,8 @@ def _call(members: list[dict], first: int) -> Call:
     entries = [m["c0"] for m in members]
     exits = [m["c1"] for m in members if m["c1"] is not None]
     last_exit = max(exits) if exits else max(entries)
-    return Call(op, members[0]["tag"] or "", members[0]["role"], tuple(m["rank"] for m in members), flows, bool(members[0]["async"]),
+    return Call(op, members[0]["tag"] or "", members[0]["role"], tuple(m["rank"] for m in members), flows,
+                bool(members[0]["async"]),
                 max(last_exit - max(entries), 0) / 1e9, (max(entries) - first) / 1e9,
                 tuple((e - first) / 1e9 for e in entries))
 
