@@ -5,16 +5,15 @@
 sample lives on (`src`): a bag looked up on its own rank never crossed the network, and SCARS's
 E[U] is per device batch. The rule (DESIGN.md §4 layout, TorchRec's input dist):
 
-- The owner's first `all_to_all_single` of a training step (phase 'train', in `seq` order;
-  TorchRec's `SplitsAllToAll`, which sends the next exchange's split sizes first, not counted)
-  carries the bag lengths: `F_o × b_q` elements from each source q, F_o the features looked up in
-  the tables with a shard on the owner o (manifest `shards`), so `b_q = splits_in[q] / elem_bytes /
-  F_o` is q's local batch. A reference-trainer table is one feature; a TorchRec table may serve
-  several (`features`).
+- The owner's input-lengths all-to-all of a training step (phase 'train'; the call whose
+  comms.role is input_lengths, analyses.roles) carries the bag lengths: `F_o × b_q` elements from
+  each source q, F_o the features looked up in the tables with a shard on the owner o (manifest
+  `shards`), so `b_q = splits_in[q] / elem_bytes / F_o` is q's local batch. A reference-trainer
+  table is one feature; a TorchRec table may serve several (`features`).
   The owner concatenates each table's bags by source, so a *pooled* bag at owner position
   `sample` came from the q with `B_q <= sample < B_q + b_q`, `B_q = sum_{q' < q} b_q'`, and is
   sample `sample - B_q` of q's batch. Exact.
-- The owner's second `all_to_all_single` carries the ids: `n_q = splits_in[q] / id_bytes` from q.
+- The owner's input-ids all-to-all carries the ids: `n_q = splits_in[q] / id_bytes` from q.
   A *sequence* table's `sample` is the i-th id of the owner's call (a 1-D nn.Embedding input),
   concatenated by source, so the sequence ids from q number `S_q = n_q - (pooled ids from q)`.
   With one sequence table on the owner its ids from q are positions [C_q, C_q + S_q), C_q the
@@ -42,8 +41,8 @@ The tables it leaves on the context's connection that other modules read, named 
     names     tk_names: tid (the table's index in the manifest), table_name, kind, sharded, n_shards,
                          rb (row bytes), n_features
     shards    tk_shards: tid, rank: each rank holding a shard of the table
-    a2a       tk_a2a: rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in, k: the
-                training all_to_all_singles with their ordinal k within (rank, step)
+    a2a       tk_a2a: rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in, role: the
+                training all-to-alls of the exchange with their role (analyses.roles)
     batches   tk_batches: step, src, b: every rank's local batch at every training step
     bounds    tk_bounds: step, owner, src, b, lo: each source's bag range in each owner's received batch
     steps     tk_steps: step, si: the sampled steps (with lookups) and their index
@@ -64,7 +63,7 @@ import duckdb
 import polars as pl
 
 from analyses.context import Context
-from tracekit.tags import TORCHREC_SPLITS
+from tracekit import tags
 from tracekit.manifest import DTYPE_BYTES, dtype_bytes
 
 
@@ -200,26 +199,25 @@ def batches(ctx: Context) -> pl.DataFrame:
 
 
 def _a2a(ctx: Context) -> None:
-    """tk_a2a: every training all_to_all_single with its ordinal k (1, 2, ...) within (rank, step)."""
+    """tk_a2a: every training all-to-all of the exchange with its role (comms.role)."""
     if not ctx.has("comms"):
         ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_a2a (rank BIGINT, step BIGINT, seq BIGINT, tag VARCHAR,
                    dtype VARCHAR, bytes_out BIGINT, bytes_in BIGINT, splits_out BIGINT[], splits_in BIGINT[],
-                   k BIGINT)""")
+                   role VARCHAR)""")
         return
-    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_a2a AS
-               SELECT rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in,
-                      row_number() OVER (PARTITION BY rank, step ORDER BY seq) AS k
-               FROM train_comms WHERE op = 'all_to_all_single' AND coalesce(tag, '') NOT LIKE '{TORCHREC_SPLITS}%'""")
+    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_a2a AS
+               SELECT rank, step, seq, tag, dtype, bytes_out, bytes_in, splits_out, splits_in, role
+               FROM train_comms WHERE role IS NOT NULL""")
 
 
-def _split_counts(k: int, per: str) -> str:
-    """SQL: (step, owner, src, n, rest) with n = splits_in[src] / elem / `per` of each owner's k-th a2a."""
+def _split_counts(role: str, per: str) -> str:
+    """SQL: (step, owner, src, n, rest) with n = splits_in[src] / elem / `per` of each owner's `role` a2a."""
     elem = "CASE replace(dtype, 'torch.', '') " + " ".join(
         f"WHEN '{name}' THEN {size}" for name, size in DTYPE_BYTES.items()) + " ELSE 1 END"
     return f"""SELECT step, owner, src, bytes // ({elem}) // {per} AS n, bytes % (({elem}) * {per}) AS rest
                FROM (SELECT a.step, a.rank AS owner, a.dtype, o.n_features,
                             unnest(a.splits_in) AS bytes, unnest(generate_series(0, len(a.splits_in) - 1)) AS src
-                     FROM tk_a2a a JOIN tk_owner_tables o ON o.rank = a.rank WHERE a.k = {k})"""
+                     FROM tk_a2a a JOIN tk_owner_tables o ON o.rank = a.rank WHERE a.role = '{role}')"""
 
 
 def _batches(ctx: Context, notes: list[str]) -> None:
@@ -228,12 +226,12 @@ def _batches(ctx: Context, notes: list[str]) -> None:
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_owner_tables AS
                SELECT s.rank, sum(n.n_features) AS n_features FROM tk_shards s JOIN tk_names n USING (tid)
                WHERE n.sharded GROUP BY s.rank""")
-    ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_lengths AS {_split_counts(1, 'n_features')}")
-    ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_ids AS {_split_counts(2, '1')}")
+    ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_lengths AS {_split_counts(tags.INPUT_LENGTHS, 'n_features')}")
+    ctx.sql(f"CREATE OR REPLACE TEMP TABLE tk_ids AS {_split_counts(tags.INPUT_IDS, '1')}")
     odd = ctx.sql("SELECT count(*) FROM tk_lengths WHERE rest <> 0").fetchall()[0][0]
     if odd:
         notes.append(f"{odd} input-dist splits are not a whole number of bags per table: "
-                     "the first all-to-all of those steps is not the lengths exchange")
+                     "the all-to-all taken for the lengths of those steps is not the lengths exchange")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_bounds AS
                SELECT step, owner, src, n AS b,
                       CAST(coalesce(sum(n) OVER (PARTITION BY step, owner ORDER BY src

@@ -1,5 +1,6 @@
 """What every analysis starts from: a recorded run opened once, a DuckDB connection holding every
-trace table as a view (training rows also as `train_<table>`), the model from the manifest, the
+trace table as a view (training rows also as `train_<table>`; `comms` with each call's `role` in
+the embedding exchange, analyses.roles), the model from the manifest, the
 options of `tracekit analyze`, what analyses derived from it so far, and the shapes they hand back.
 
     with open_context("runs/base", Options(budget_bytes=64 << 20)) as ctx:
@@ -36,6 +37,7 @@ import duckdb
 import polars as pl
 
 from analyses.quality import Budget
+from analyses.roles import with_roles
 from tracekit.errors import TracekitError
 from tracekit.files import replacing, write_text
 from tracekit.manifest import Manifest, Table
@@ -171,7 +173,10 @@ class Context:
                 relation = run.relation(table, self.con)
                 self.con.register(f"{table}_rel", relation)
                 kind = "VIEW" if table in STREAMED else "TEMP TABLE"
-                self.con.sql(f"CREATE {kind} {table} AS SELECT * FROM {table}_rel{self.steps_kept(relation.columns)}")
+                rows = f"SELECT * FROM {table}_rel{self.steps_kept(relation.columns)}"
+                if table == "comms":  # each call's role in the embedding exchange (analyses.roles)
+                    rows = with_roles(f"({rows})")
+                self.con.sql(f"CREATE {kind} {table} AS {rows}")
                 if table in PHASED:
                     self.con.sql(f"CREATE VIEW train_{table} AS SELECT * FROM {table} WHERE phase = 'train'")
         except BaseException:

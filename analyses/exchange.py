@@ -67,11 +67,13 @@ from analyses import attribution, network
 from analyses.context import Context
 from tracekit import tags
 
-COLLECTIVES = ("input_lengths", "input_ids", "output_fwd", "output_bwd")
+COLLECTIVES = tags.EXCHANGE
 
 
-TRAINER_TAGS = {"input_lengths": tags.INPUT_DIST, "input_ids": tags.INPUT_DIST,
-                "output_fwd": tags.OUTPUT_FWD, "output_bwd": tags.OUTPUT_BWD}
+TRAINER_TAGS = {c: c for c in COLLECTIVES}
+"""The tag the reference trainer gives each collective of its plain exchange: the collective's name
+(through a codec the outputs carry tracekit.tags.OUTPUT_FWD_CODED, OUTPUT_BWD_CODED; a run recorded
+before the trainer labelled them, tags.LEGACY_*: analyses.roles reads each as its role)."""
 
 
 COUNT_BYTES = 8  # the sparse sync's per-rank count of touched replica rows, int64
@@ -131,7 +133,7 @@ def baseline(ctx: Context) -> ExchangeBaseline:
 def _replay_baseline(ctx: Context) -> ExchangeBaseline:
     attributed = attribution.attributed(ctx)
     world = ctx.model.world_size
-    len_bytes, id_bytes = _elem(ctx, 1, 4), _elem(ctx, 2, 8)
+    len_bytes, id_bytes = _elem(ctx, tags.INPUT_LENGTHS, 4), _elem(ctx, tags.INPUT_IDS, 8)
     n_tables = max(len(ctx.model.tables), 1)
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_onehot AS
                SELECT tid, max(pos) = 0 AND NOT bool_or(seq) AS onehot FROM tk_src GROUP BY tid""")
@@ -159,8 +161,8 @@ def _replay_baseline(ctx: Context) -> ExchangeBaseline:
                             list(attributed.notes))
 
 
-def _elem(ctx: Context, k: int, default: int) -> int:
-    rows = ctx.sql(f"SELECT mode(dtype) FROM tk_a2a WHERE k = {k}").fetchall()
+def _elem(ctx: Context, role: str, default: int) -> int:
+    rows = ctx.sql(f"SELECT mode(dtype) FROM tk_a2a WHERE role = '{role}'").fetchall()
     return attribution.elem_bytes(rows[0][0]) if rows and rows[0][0] else default
 
 
@@ -294,10 +296,8 @@ def _base_bytes(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
 
 def _cost(ctx: Context) -> dict[str, float]:
     """Per collective of the exchange, the seconds per step it holds the ranks (analyses.network.
-    exposed: waits included), from the k-th all-to-all of each rank's step; empty without timings."""
-    cases = " ".join(f"WHEN {k} THEN '{c}'" for k, c in enumerate(COLLECTIVES, 1))
-    ctx.sql(f"""CREATE OR REPLACE TEMP VIEW tk_a2a_k AS SELECT rank, step, seq, CASE k {cases} END AS collective
-                FROM tk_a2a WHERE k <= {len(COLLECTIVES)}""")
+    exposed: waits included), from each rank's all-to-all of that role; empty without timings."""
+    ctx.sql("CREATE OR REPLACE TEMP VIEW tk_a2a_k AS SELECT rank, step, seq, role AS collective FROM tk_a2a")
     found = network.exposed(ctx, "EXISTS (SELECT 1 FROM tk_a2a_k a WHERE a.rank = train_comms.rank "
                                  "AND a.step = train_comms.step AND a.seq = train_comms.seq)")
     if not found:
@@ -413,7 +413,6 @@ def comms_replay(ctx: Context) -> pl.DataFrame:
     """Per (step, rank, collective) on sampled steps: the replayed baseline beside `comms` —
     bytes_out, bytes_in, splits_out, splits_in of each (`*_pred` and `*_comms`)."""
     baseline(ctx)
-    ordinal = " ".join(f"WHEN {k} THEN '{c}'" for k, c in enumerate(COLLECTIVES, 1))
     return ctx.frame(f"""
         WITH pred AS (
             SELECT p.step, r.rank, p.collective,
@@ -425,7 +424,7 @@ def comms_replay(ctx: Context) -> pl.DataFrame:
               ON p.sender = r.rank OR p.receiver = r.rank
             GROUP BY ALL),
         rec AS (
-            SELECT step, rank, CASE k {ordinal} END AS collective, tag, bytes_out AS bytes_out_comms,
+            SELECT step, rank, role AS collective, tag, bytes_out AS bytes_out_comms,
                    bytes_in AS bytes_in_comms, splits_out AS splits_out_comms, splits_in AS splits_in_comms
-            FROM tk_a2a JOIN tk_steps USING (step) WHERE k <= 4)
+            FROM tk_a2a JOIN tk_steps USING (step))
         SELECT * FROM pred FULL JOIN rec USING (step, rank, collective) ORDER BY step, rank, collective""")

@@ -23,7 +23,7 @@ Per run:
           any other op                     bytes_out
 - embedding bytes per step (what the policies change), comparable with policy.json's `predicted`:
       exchange  training all-to-alls not tagged as sync or as a DDP bucket (the reference trainer's
-                tags are the values of analyses.exchange.TRAINER_TAGS; a user's own labels count as well)
+                exchange calls have a `role`, analyses.roles; its tier-2 exchange and a user's labels count too)
       sync      calls whose tag starts with replica_sync or tier2_sync (tracekit.tags.SYNC_TAGS, the
                 trainer's labels for replica and FlexShard tier-2 synchronisation)
       a2a_bytes_per_step          Σ exchange bytes_out, self splits included

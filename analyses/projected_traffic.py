@@ -35,7 +35,7 @@ from dataclasses import replace
 import numpy as np
 import polars as pl
 
-from analyses import exchange
+from analyses import exchange, roles
 from analyses.context import Context
 from analyses.policies.tiers import TIER1_BYTES, TIER2_BYTES, TIER2_EXCHANGE_BYTES, TIER2_EXCHANGE_REMOTE, TIER2_SYNC_BYTES
 from analyses.step_traffic import Traffic
@@ -50,7 +50,8 @@ TIER2_TAG = TIER2_INPUT  # the tier-2 exchange's bytes, its three tags as one
 
 def with_policy(base: Traffic, section: dict, freed: dict[str, np.ndarray] | None = None) -> Traffic:
     """`base` (the recorded world and batch) under a policy section's predicted exchange and sync;
-    `freed`: the bytes per step, by tag and rank pair, its replicas take out of the exchange."""
+    `freed`: the bytes per step, by exchange part (analyses.roles.part) and rank pair, its replicas
+    take out of the exchange."""
     predicted = section.get("predicted") or {}
     nodes = int((section.get("topology") or {}).get("nodes", 1))
     if nodes > 1:  # tiers across nodes: the main exchange as replication's, plus tier 2's
@@ -162,8 +163,7 @@ def replicated_pairs(ctx: Context, rows: pl.DataFrame) -> dict[str, np.ndarray]:
         UNION ALL SELECT 'output_bwd', src, owner, sum(bytes) FROM rows_back GROUP BY ALL""").fetchall()
     freed: dict[str, np.ndarray] = {}
     for collective, sender, receiver, b in flows:
-        tag = exchange.TRAINER_TAGS[collective]
-        freed.setdefault(tag, np.zeros((w, w)))[sender, receiver] += b / max(s.sampled_steps, 1)
+        freed.setdefault(roles.part(collective), np.zeros((w, w)))[sender, receiver] += b / max(s.sampled_steps, 1)
     return freed
 
 

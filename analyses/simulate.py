@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import polars as pl
 
-from analyses import network
+from analyses import network, roles
 from analyses.context import Context, Result, open_context
 from analyses.exchange_timing import sync_calls
 from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
@@ -63,10 +63,10 @@ from analyses.replay.prediction import replay
 from analyses.replay.simulation import run_steps
 from analyses.step_traffic import Traffic, recorded
 from analyses.traffic import A2A_OPS, GATHER_OPS
+from tracekit import tags
 from tracekit.figures import STEP_TIME
 from tracekit.policy import load_policy, section_part
 from tracekit.policy_model import check_model
-from tracekit.tags import INPUT_DIST, OUTPUT_BWD, OUTPUT_FWD
 from tracekit.topology import Topology
 
 SIMULATED = ("replication", "tiers", "schedule")
@@ -239,10 +239,11 @@ def _projected(steps: list[Step], t: Traffic, source: Traffic, world: int,
 def _projected_flows(c: Call, t: Traffic, source: Traffic, world: int) -> np.ndarray:
     n = len(c.ranks)
     remote = float(c.flows.sum())
-    if c.op in A2A_OPS and c.tag in t.exchange:
-        recorded = source.exchange.get(c.tag)
+    key = roles.part(c.tag)
+    if c.op in A2A_OPS and key in t.exchange:
+        recorded = source.exchange.get(key)
         share = remote / (recorded.sum() - np.trace(recorded)) if recorded is not None and recorded.sum() else 0.0
-        m = t.exchange[c.tag] * share
+        m = t.exchange[key] * share
         return m - np.diag(np.diag(m))
     if c.op == network.ALL_REDUCE and source.ring:
         return ring_flows(world, c.flows[0].sum() * n / (2 * (n - 1)) * t.ring / source.ring)  # S, scaled
@@ -269,11 +270,10 @@ def _change(t: Traffic, base: Traffic) -> Change | None:
     def remote(m: np.ndarray) -> float:
         return float(m.sum() - np.trace(m))
     scale = {}
-    for tag, names in ((INPUT_DIST, ("input_lengths", "input_ids")), (OUTPUT_FWD, ("output_fwd",)),
-                       (OUTPUT_BWD, ("output_bwd",))):
-        if tag in base.exchange and remote(base.exchange[tag]):
-            ratio = remote(t.exchange.get(tag, np.zeros_like(base.exchange[tag]))) / remote(base.exchange[tag])
-            scale.update(dict.fromkeys(names, ratio))
+    for name in tags.EXCHANGE:
+        key = roles.part(name)
+        if key in base.exchange and remote(base.exchange[key]):
+            scale[name] = remote(t.exchange.get(key, np.zeros_like(base.exchange[key]))) / remote(base.exchange[key])
     dense = ((t.ring + t.gather - base.gather) / base.ring) if base.ring else 1.0
     sync = sync_calls(not t.sync_ring, t.sync_wire, t.world) if t.sync_wire else ()
     return Change(scale, 0.0, sync, 0.0, dense)

@@ -4,7 +4,8 @@ run recorded them: what `tracekit simulate` (analyses.simulate) projects onto an
 From the run, each training step's communication by class of collective (training rows, averaged
 over the N training steps, analyses.traffic.training_steps):
 
-    exchange  the all-to-alls, per tag: bytes from rank to rank (Σ splits_out), calls per step
+    exchange  the all-to-alls, per part (analyses.roles.part: the tag, the reference trainer's input
+              dist's two calls as one): bytes from rank to rank (Σ splits_out), calls per step
     ring      the all-reduces: bytes per rank S (DDP's buckets and the rest), calls per step
     gather    the all-gathers: bytes per rank g, calls per step
     other     every other collective: calls per step (latency only)
@@ -22,6 +23,7 @@ import polars as pl
 
 from analyses import attribution, network, traffic
 from analyses.context import Context
+from analyses.roles import part_sql
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
 from tracekit.figures import A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, STEP_TIME, SYNC_BYTES
 
@@ -31,7 +33,7 @@ class Traffic:
     """One training step's communication on `world` ranks (module docstring)."""
 
     world: int
-    exchange: dict[str, np.ndarray]  # tag -> world × world bytes per step, rank to rank
+    exchange: dict[str, np.ndarray]  # tag or part -> world × world bytes per step, rank to rank
     exchange_calls: float
     ring: float  # bytes per rank per step through all-reduces
     ring_calls: float
@@ -75,9 +77,10 @@ def recorded(ctx: Context) -> tuple[Traffic, dict]:
     exchange: dict[str, np.ndarray] = {}
     float_tags = set()
     for tag, src, dst, b, is_float in ctx.sql(f"""
-            SELECT coalesce(tag, ''), rank, i - 1, sum(splits_out[i])::DOUBLE,
+            SELECT part, rank, i - 1, sum(splits_out[i])::DOUBLE,
                    bool_or(dtype LIKE '%float%' OR dtype LIKE '%half%')
-            FROM (SELECT tag, rank, dtype, splits_out, generate_subscripts(splits_out, 1) AS i FROM train_comms
+            FROM (SELECT {part_sql()} AS part, rank, dtype, splits_out, generate_subscripts(splits_out, 1) AS i
+                  FROM train_comms
                   WHERE op IN ({sql_list(A2A_OPS)}) AND group_size = {w})
             GROUP BY ALL""").fetchall():
         if 0 <= src < w and 0 <= dst < w:

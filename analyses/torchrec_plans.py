@@ -295,16 +295,14 @@ def _why(prices: Prices, priced: bool, same: bool, before: float, after: float, 
 
 
 def durations(ctx: Context) -> dict[str, float]:
-    """Per collective of the exchange, seconds a step from its call to its completion: the k-th
-    training all-to-all of each rank's step (analyses.attribution's `a2a`), the mean over ranks,
+    """Per collective of the exchange, seconds a step from its call to its completion: each rank's
+    training all-to-all of that role (analyses.attribution's `a2a`), the mean over ranks,
     the median over the steps after warm-up. TorchRec's all-to-alls are asynchronous (awaitables);
     a plain training loop waits for each at once, so this is what they hold the step."""
-    cases = " ".join(f"WHEN {k} THEN '{c}'" for k, c in enumerate(COLLECTIVES, 1))
     a2a = attribution.attributed(ctx).tables.a2a
     rows = ctx.sql(f"""
-        WITH per AS (SELECT CASE a.k {cases} END AS collective, c.step, c.rank, (c.t_end_ns - c.t_start_ns) / 1e9 AS d
-                     FROM train_comms c JOIN {a2a} a USING (rank, step, seq)
-                     WHERE a.k <= {len(COLLECTIVES)} AND c.t_end_ns > c.t_start_ns),
+        WITH per AS (SELECT a.role AS collective, c.step, c.rank, (c.t_end_ns - c.t_start_ns) / 1e9 AS d
+                     FROM train_comms c JOIN {a2a} a USING (rank, step, seq) WHERE c.t_end_ns > c.t_start_ns),
              steps AS (SELECT collective, step, avg(d) AS d FROM per GROUP BY ALL)
         SELECT collective, median(d) FROM steps
         WHERE step >= (SELECT min(step) FROM per) + {network.warmup_steps(ctx.train_steps())}

@@ -4,10 +4,11 @@
 
 Criteo Kaggle tables times 0.01, batch 2048 per rank, 2 gloo ranks. Each variant is recorded
 (`tracekit record`, lookups and gradient statistics off) and its output all-to-all bytes per
-training step are read from the comms table (all_to_all_single calls tagged `_AllToAll.*`, or
-`_CodedAllToAll.*` when compressed: forward rows and backward gradients, self-sends included, summed
-over ranks); eval AUC and logloss come from train.py's JSON summary. Variants: fp32 (today's
-exchange), --a2a-dtype bf16, fp16 and fp8, and DCT-MP at each keep ratio of --keep (compression.mp).
+training step are read from the comms table (all_to_all_single calls tagged `output_fwd` and
+`output_bwd`, or `output_fwd_coded` and `output_bwd_coded` when compressed: forward rows and backward
+gradients, self-sends included, summed over ranks); eval AUC and logloss come from train.py's JSON
+summary. Variants: fp32 (today's exchange), --a2a-dtype bf16, fp16 and fp8, and DCT-MP at each
+keep ratio of --keep (compression.mp).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from tracekit.dlrm.data import open_dataset  # noqa: E402
 from tracekit.dlrm.output_codec import OutputCodec  # noqa: E402
 from tracekit.dlrm.train import build_tables  # noqa: E402
 from tracekit.policy import new_policy, write_policy  # noqa: E402
+from tracekit.tags import OUTPUT_BWD, OUTPUT_BWD_CODED, OUTPUT_FWD, OUTPUT_FWD_CODED  # noqa: E402
+
+OUTPUT_TAGS = ", ".join(f"'{t}'" for t in (OUTPUT_FWD, OUTPUT_BWD, OUTPUT_FWD_CODED, OUTPUT_BWD_CODED))
 
 
 def _policy(folder: Path, keep: float) -> Path:
@@ -48,7 +52,7 @@ def _output_bytes(run_dir: Path, steps: int) -> tuple[float, str]:
     rows = con.execute(f"""
         SELECT sum(bytes_out)::DOUBLE / {steps}, string_agg(DISTINCT dtype, ',')
         FROM read_parquet('{run_dir}/comms/**/*.parquet', hive_partitioning=true)
-        WHERE phase = 'train' AND op = 'all_to_all_single' AND tag LIKE '%AllToAll.%'""").fetchone()
+        WHERE phase = 'train' AND op = 'all_to_all_single' AND tag IN ({OUTPUT_TAGS})""").fetchone()
     return rows[0], rows[1]
 
 

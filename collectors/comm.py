@@ -17,7 +17,7 @@ DDP's gradient all-reduce is seen when it is issued from Python (a comm hook, su
 reference trainer's); DDP's built-in C++ all-reduce is not (a dispatch-level hook would be).
 
 The tag is the innermost `tracekit.label(name)` around the call, else `ddp_bucket_<i>` for DDP's
-gradient buckets, else the calling function's qualified name (e.g. `_AllToAll.forward`).
+gradient buckets, else the calling function's qualified name (e.g. `_sum_allreduce_hook`).
 A DDP model that registers no comm hook of its own gets, at its first forward, a Python hook that
 does what DDP's built-in one does (average each bucket with one all-reduce), so its traffic is seen.
 

@@ -109,7 +109,7 @@ def test_cli_prints_the_runs_side_by_side_and_json_parses(runs) -> None:
     r = invoke(runs["base"], runs["base"], "--skip-steps", SKIP)
     assert r.exit_code == 0, r.output
     for text in ("runs (RUN figures with their ratio to BASE)", "step time, median", "×1.00", "embedding all-to-all",
-                 "bytes_out per training step by op and tag", "_AllToAll.forward", "nothing predicted to compare"):
+                 "bytes_out per training step by op and tag", "output_fwd", "nothing predicted to compare"):
         assert text in r.output, text
     assert f"report: {runs['base'] / 'compare.html'}" in r.output and (runs["base"] / "compare.html").is_file()
     r = invoke(runs["base"], runs["base"], "--json", "--no-report")

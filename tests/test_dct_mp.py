@@ -2,7 +2,7 @@
 ranks: DCT-MP keeping every value computes exactly what the plain exchange does; bf16 and fp16
 payloads train close to fp32 and send half its bytes; DCT-MP with a small K sends the bytes its
 row encoding predicts, and the input dist is untouched. Every rank's all_to_all_single calls are
-counted by the function that issued them, as the comm collector tags them."""
+counted by the function that issued them (not by their labels: the comm collector records those)."""
 
 from __future__ import annotations
 

@@ -176,9 +176,9 @@ def compression_run(path: Path, *, with_grads: bool = True) -> Path:
     grads = [grad_row(10 * i, name, numel, counts[i]) for name, (numel, counts) in COUNTS.items() for i in range(3)]
     comms = {r: [c for t in range(3) for c in (
         comm(t, "all_to_all_single", splits_out=[1536, 1536], splits_in=[1536, 1536], dtype="torch.int64"),
-        comm(t, "all_to_all_single", splits_out=[2048, 2048], splits_in=[2048, 2048], tag="_AllToAll.forward"),
+        comm(t, "all_to_all_single", splits_out=[2048, 2048], splits_in=[2048, 2048], tag="output_fwd"),
         comm(t, "all_reduce", bytes_out=4800, bytes_in=4800, tag="_sum_allreduce_hook", is_async=True),
-        comm(t, "all_to_all_single", splits_out=[2048, 2048], splits_in=[2048, 2048], tag="_AllToAll.backward"),
+        comm(t, "all_to_all_single", splits_out=[2048, 2048], splits_in=[2048, 2048], tag="output_bwd"),
         comm(t, "all_reduce", bytes_out=16, bytes_in=16, tag="_log_progress", dtype="torch.float64"))]
         for r in (0, 1)}
     steps = {r: [(t * 10 * MS, (t + 1) * 10 * MS) for t in range(3)] for r in (0, 1)}
@@ -220,7 +220,7 @@ def test_compression_bytes_follow_their_formulas(tmp_path: Path) -> None:
     assert mp["predicted"]["ratio"] == pytest.approx(compressed / measured)
     assert derived.evidence["mp"]["quantized_alternatives_bytes_per_step"] == {
         "bf16": measured / 2, "fp16": measured / 2, "fp8": 256 * (16 + 4)}
-    assert set(derived.tables["dct_mp"]["tag"]) == {"_AllToAll.forward", "_AllToAll.backward"}
+    assert set(derived.tables["dct_mp"]["tag"]) == {"output_fwd", "output_bwd"}
     validate(policy_with(derived.as_json(), "compression"), tmp_path / "policy.json")
 
 

@@ -193,7 +193,7 @@ def test_a_table_and_tag_named_as_markup_show_as_text(runs, tmp_path: Path) -> N
         frame = pl.read_parquet(part)
         for column in ("table_name", "tag"):
             if column in frame.columns:
-                frame = frame.with_columns(pl.col(column).replace({"t0": EVIL, "_AllToAll.forward": EVIL}))
+                frame = frame.with_columns(pl.col(column).replace({"t0": EVIL, "output_fwd": EVIL}))
         frame.write_parquet(part)
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["command"] = [*manifest["command"], EVIL]

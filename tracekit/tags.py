@@ -2,18 +2,35 @@
 one place: analyses match on them to tell the embedding exchange, the replica sync and the dense
 all-reduce apart.
 
-Some are labels the trainer sets (`tracekit.label`), the others are the qualified name of the
-function that called the collective, which the comm collector records where no label is open. So
-renaming a trainer function changes a tag: tests/test_tags.py checks each name here against the
-trainer's code, and fails instead of letting analysis results change silently.
+Most are labels the trainer sets (`tracekit.label`), the others the qualified name of the function
+that called the collective, which the comm collector records where no label is open: renaming such
+a function changes its tag. tests/test_tags.py checks each name here against the trainer's code, and
+fails instead of letting analysis results change silently.
+
+The embedding exchange's four collectives carry their role as their label, the output dist's through
+a codec a label of its own. A run recorded before the trainer labelled them carries the callers'
+names (LEGACY_INPUT_DIST for both input-dist calls, LEGACY_OUTPUT's keys); analyses.roles names every
+recorded call's role, from either.
 """
 
 from __future__ import annotations
 
-# the embedding exchange of the reference trainer (tracekit/dlrm/sharding.py), by the caller's name
-INPUT_DIST = "ShardedEmbeddings._input_dist"  # ids and their lengths to the owning ranks
-OUTPUT_FWD = "_AllToAll.forward"  # pooled rows back to the ranks that asked
-OUTPUT_BWD = "_AllToAll.backward"  # their gradients to the owners
+# the embedding exchange of the reference trainer (tracekit/dlrm/sharding.py), by role: the labels it sets
+INPUT_LENGTHS = "input_lengths"  # the bags' lengths to the ranks owning their rows
+INPUT_IDS = "input_ids"  # the ids to the same ranks
+OUTPUT_FWD = "output_fwd"  # pooled rows back to the ranks that asked
+OUTPUT_BWD = "output_bwd"  # their gradients to the owners
+EXCHANGE = (INPUT_LENGTHS, INPUT_IDS, OUTPUT_FWD, OUTPUT_BWD)
+"""The exchange's collectives, in the order a step issues them."""
+# the output dist through a codec (tracekit/dlrm/output_codec.py): role output_fwd / output_bwd
+OUTPUT_FWD_CODED = "output_fwd_coded"  # the encoded rows
+OUTPUT_BWD_CODED = "output_bwd_coded"  # their encoded gradients
+
+# the same calls in a run recorded before the trainer labelled them, by the caller's qualified name
+LEGACY_INPUT_DIST = "ShardedEmbeddings._input_dist"  # the lengths, then the ids, of each (rank, step)
+LEGACY_OUTPUT = {"_AllToAll.forward": OUTPUT_FWD, "_AllToAll.backward": OUTPUT_BWD,  # plain rows
+                 "_CodedAllToAll.forward": OUTPUT_FWD_CODED, "_CodedAllToAll.backward": OUTPUT_BWD_CODED}
+"""The output dist's tags in such a run, each with the label the trainer gives that call now."""
 
 # labels the reference trainer sets
 REPLICA_SYNC = "replica_sync"  # the replicated rows' gradient sync (tracekit/dlrm/replicas.py)

@@ -31,9 +31,10 @@ one whose measured model-quality cost keeps the budget (analyses.quality: calibr
 `tracekit optimize` makes); without them it is the paper's (MP_KEEP_RATIO = 5% per sample, its 20×
 fewer elements), with its cost stated as not measured, so not recommended. The boundary tensor is the
 embedding output all-to-all: training all-to-all calls whose dtype is floating point (the input
-dist sends integer lengths and ids; the reference trainer tags the rest `_AllToAll.forward` and
-`.backward`, TorchRec `DefaultAll2AllSingle.__call__` and `All2All_Pooled_Wait.backward`: a tag
-ending in `backward` is the gradients'), n = bytes_out / (value_bytes · D) rows of D values. As the trainer encodes them
+dist sends integer lengths and ids). The gradients' calls are those of role output_bwd (comms.role,
+analyses.roles: the reference trainer's, plain or through a codec, TorchRec's of one sharding
+group) or whose tag ends in `backward` (TorchRec's `All2All_Pooled_Wait.backward` in a step of
+several groups); the others carry rows. n = bytes_out / (value_bytes · D) rows of D values. As the trainer encodes them
 (tracekit/dlrm/output_codec.py), a row keeps K = ⌈keep · D⌉ values (at least 1); forward it
 carries them and their positions, one uint8 each (int16 beyond D = 256) or a D-bit mask when that
 is fewer bytes; backward only the K gradient values:
@@ -72,6 +73,7 @@ from analyses.policies import dct_dp
 from analyses.policies.dct_dp import DRIFT_BOUND
 from analyses.replay.change import Change
 from analyses.replay.prediction import changes, replay
+from tracekit import tags
 from tracekit.figures import A2A_BYTES, DP_BYTES, OUTPUT_A2A_BYTES, STEP_TIME
 from tracekit.policy import DctDp, DctMp, Prediction
 from tracekit.schema import DCT_WHOLE_BELOW, KEEP_RATIOS
@@ -278,7 +280,9 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
     if not ctx.has("comms") or not steps:
         return None, "no training comms: no embedding output all-to-all to compress"
     calls = ctx.frame(f"""
-        SELECT tag, dtype, count(*) AS calls, sum(bytes_out)::DOUBLE / {steps} AS bytes_per_step
+        SELECT tag, dtype, count(*) AS calls, sum(bytes_out)::DOUBLE / {steps} AS bytes_per_step,
+               bool_or(role IS NOT DISTINCT FROM '{tags.OUTPUT_BWD}' OR ends_with(coalesce(tag, ''), 'backward'))
+                   AS backward
         FROM train_comms WHERE op IN ({traffic.sql_list(traffic.A2A_OPS)}) GROUP BY ALL ORDER BY tag, dtype""")
     value_bytes = pl.col("dtype").str.replace("torch.", "", literal=True).replace_strict(
         FLOAT_BYTES, default=None, return_dtype=pl.Int64)
@@ -296,7 +300,7 @@ def _derive_mp(ctx: Context, world: int, steps: int, result: PolicyResult,
     k = max(1, min(dim, math.ceil(keep * dim - 1e-9)))
     positions = min(k * (1 if dim <= 256 else 2), math.ceil(dim / 8))
     rows = pl.col("bytes_per_step") / (pl.col("value_bytes") * dim)
-    forward = ~pl.col("tag").str.ends_with("backward")  # TorchRec's forward is DefaultAll2AllSingle.__call__
+    forward = ~pl.col("backward")
     output = output.with_columns(
         (rows * (k * pl.col("value_bytes") + pl.when(forward).then(positions).otherwise(0)))
         .alias("predicted_bytes_per_step"))

@@ -22,12 +22,6 @@ import polars as pl
 from analyses import network
 from analyses.clocks import clock_offsets, offset_sql
 from analyses.context import Context
-from tracekit import tags
-from tracekit.torchrec_plan import PlanError, from_manifest
-
-EXCHANGE_TAGS = {tags.OUTPUT_FWD: "output_fwd", tags.OUTPUT_BWD: "output_bwd"}
-INPUT_ORDER = ("input_lengths", "input_ids")  # the input dist's two calls, in their order
-TORCHREC_ORDER = (*INPUT_ORDER, "output_fwd", "output_bwd")  # a TorchRec sharding group's all-to-alls, in order
 KEYED = ("call", "issue", "waitfor")  # a program's instructions that name a call
 REPLAY_STEPS = 240  # the steps a run's graph holds, evenly spaced: its check, its fit, its samples
 
@@ -39,7 +33,7 @@ class Call:
 
     op: str
     tag: str
-    collective: str | None  # the exchange's collective (analyses.exchange.COLLECTIVES), else None
+    collective: str | None  # the exchange's collective (comms.role, analyses.roles), else None
     ranks: tuple[int, ...]
     flows: np.ndarray
     is_async: bool
@@ -82,20 +76,16 @@ def recorded_steps(ctx: Context, notes: list[str]) -> list[Step]:
                t_grads_ns + {offset} AS tg
         FROM steps WHERE t_end_ns >= t_start_ns AND {chosen} ORDER BY step, rank""")
     calls = ctx.frame(f"""
-        SELECT step, rank, seq, op, "group", group_size, tag, "async", bytes_out, splits_out,
+        SELECT step, rank, seq, op, "group", group_size, tag, role, "async", bytes_out, splits_out,
                t_start_ns + {offset} AS c0, CASE WHEN t_end_ns >= t_start_ns THEN t_end_ns + {offset} END AS c1,
                t_wait_ns + {offset} AS cw,
                row_number() OVER (PARTITION BY rank, step, "group" ORDER BY seq) AS nth
         FROM train_comms WHERE group_size >= 2 AND op NOT IN ('send', 'recv', 'isend', 'irecv') AND {chosen}
         ORDER BY step, rank, seq""")
     by_step = {k[0]: f for k, f in calls.partition_by("step", as_dict=True).items()}
-    try:
-        torchrec = bool(from_manifest(ctx.manifest))
-    except PlanError:
-        torchrec = False
     out = []
     for (step,), frame in steps.partition_by("step", as_dict=True).items():
-        graph = _step(step, frame, by_step.get(step), world, torchrec)
+        graph = _step(step, frame, by_step.get(step), world)
         if graph is not None:
             out.append(graph)
     if not out:
@@ -103,7 +93,7 @@ def recorded_steps(ctx: Context, notes: list[str]) -> list[Step]:
     return sorted(out, key=lambda s: s.step)
 
 
-def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int, torchrec: bool) -> Step | None:
+def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int) -> Step | None:
     t0 = dict(zip(ranks["rank"], ranks["t0"]))
     t1 = dict(zip(ranks["rank"], ranks["t1"]))
     tg = dict(zip(ranks["rank"], ranks["tg"]))
@@ -125,7 +115,6 @@ def _step(step: int, ranks: pl.DataFrame, calls: pl.DataFrame | None, world: int
             graph_calls[key] = _call(members, first)
             for m in members:
                 per_rank[m["rank"]].append((m["c0"], m["c1"], key, m["async"], m["cw"] if m["async"] else None))
-        _name_exchange(graph_calls, torchrec)
     programs = {r: _program(per_rank[r], t0[r], t1[r], tg[r]) for r in t0}
     return Step(step, {r: (t0[r] - first) / 1e9 for r in t0}, programs, graph_calls, measured)
 
@@ -160,29 +149,10 @@ def _call(members: list[dict], first: int) -> Call:
     entries = [m["c0"] for m in members]
     exits = [m["c1"] for m in members if m["c1"] is not None]
     last_exit = max(exits) if exits else max(entries)
-    return Call(op, members[0]["tag"] or "", None, tuple(m["rank"] for m in members), flows, bool(members[0]["async"]),
+    return Call(op, members[0]["tag"] or "", members[0]["role"], tuple(m["rank"] for m in members), flows,
+                bool(members[0]["async"]),
                 max(last_exit - max(entries), 0) / 1e9, (max(entries) - first) / 1e9,
                 tuple((e - first) / 1e9 for e in entries))
-
-
-def _name_exchange(calls: dict[int, Call], torchrec: bool) -> None:
-    """The trainer's exchange collectives by tag, the input dist's two calls by their order. A TorchRec job's
-    of one sharding group by their order: its four all-to-alls (the splits' aside) are the input dist's
-    lengths and ids, the output dist forward and backward (analyses.torchrec_plan_bytes' COLLECTIVES); a step
-    with more (several sharding groups) is left unnamed."""
-    if torchrec:
-        a2a = sorted((k for k, c in calls.items() if c.op == network.A2A and not c.tag.startswith(tags.TORCHREC_SPLITS)),
-                     key=lambda k: calls[k].entry_s)
-        if len(a2a) == len(TORCHREC_ORDER):
-            for name, k in zip(TORCHREC_ORDER, a2a):
-                calls[k].collective = name
-        return
-    inputs = sorted((k for k, c in calls.items() if c.tag == tags.INPUT_DIST), key=lambda k: calls[k].entry_s)
-    for name, k in zip(INPUT_ORDER, inputs):
-        calls[k].collective = name
-    for c in calls.values():
-        if c.tag in EXCHANGE_TAGS:
-            c.collective = EXCHANGE_TAGS[c.tag]
 
 
 def _program(events: list[tuple], t0: int, t1: int, tg: int | None) -> list[tuple]:

@@ -86,7 +86,7 @@ TABLE_PROSE: dict[str, tuple[str, str]] = {
         "rank 0 sending 3 rows of 8 bytes to itself and 1 to rank 1 and receiving 2 from rank 1: `splits_out` "
         "[24, 8], `splits_in` [24, 16]. `t_end_ns` is -1 where the completion was never seen (gloo's "
         "`isend`/`irecv`). `tag` is the innermost `tracekit.label` around the call, else `ddp_bucket_<i>` "
-        "for DDP's buckets, else the calling function's qualified name (`_AllToAll.forward`).",
+        "for DDP's buckets, else the calling function's qualified name (`_sum_allreduce_hook`).",
     ),
     "steps": (
         "optimizer step on a rank",

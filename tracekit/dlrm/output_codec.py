@@ -30,7 +30,7 @@ Bytes per row, D = 16 (`row_bytes`):
 
 Two ranks, rank 0 returning 3 rows to itself and 1 to rank 1 (row splits [3, 1]), K = 1 at fp32:
 the wire is uint8 [4, 5], so the all-to-all's byte splits are [15, 5] where fp32 rows gave [192, 64].
-The comms table records exactly these bytes (tag `_CodedAllToAll.forward` / `.backward`).
+The comms table records exactly these bytes (tags `output_fwd_coded` / `output_bwd_coded`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import tracekit
+from tracekit import tags
 from tracekit.dlrm.config import A2A_DTYPES
 
 FP8 = torch.float8_e4m3fn
@@ -166,13 +168,15 @@ class OutputCodec:
 
 class _CodedAllToAll(torch.autograd.Function):
     """The output all-to-all through a codec: encode, one all_to_all_single of the wire rows, decode;
-    backward the same with the gradients, along the reversed splits."""
+    backward the same with the gradients, along the reversed splits. The calls are labelled
+    tracekit.tags.OUTPUT_FWD_CODED and OUTPUT_BWD_CODED."""
 
     @staticmethod
     def forward(ctx, send, codec, splits_out, splits_in, group):
         wire, ctx.sent = codec.encode_forward(send)
         recv = wire.new_empty(sum(splits_in), wire.shape[1])
-        dist.all_to_all_single(recv, wire, splits_in, splits_out, group=group)
+        with tracekit.label(tags.OUTPUT_FWD_CODED):
+            dist.all_to_all_single(recv, wire, splits_in, splits_out, group=group)
         out, ctx.received = codec.decode_forward(recv, send.shape[1])
         ctx.codec, ctx.splits_out, ctx.splits_in, ctx.group, ctx.dim = codec, splits_out, splits_in, group, send.shape[1]
         return out
@@ -181,7 +185,8 @@ class _CodedAllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         wire = ctx.codec.encode_backward(grad.contiguous(), ctx.received)
         back = wire.new_empty(sum(ctx.splits_out), wire.shape[1])
-        dist.all_to_all_single(back, wire, ctx.splits_out, ctx.splits_in, group=ctx.group)
+        with tracekit.label(tags.OUTPUT_BWD_CODED):
+            dist.all_to_all_single(back, wire, ctx.splits_out, ctx.splits_in, group=ctx.group)
         return ctx.codec.decode_backward(back, ctx.sent, ctx.dim), None, None, None, None
 
 

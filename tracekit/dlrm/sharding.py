@@ -34,7 +34,6 @@ fewer bytes each. World size 1 has no exchange, so nothing to compress.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tracekit
+from tracekit import tags
 from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import Replicas
@@ -137,34 +137,31 @@ class _AllToAll(torch.autograd.Function):
     """`all_to_all_single` of rows whose backward sends the gradients back the same way.
 
     Own function rather than torch.distributed.nn.functional's, which is deprecated in
-    torch 2.13 in favour of a private module. Without `labels` the calls carry this function's
-    names as tags (tracekit.tags.OUTPUT_FWD, OUTPUT_BWD); with them, (forward, backward) labels.
+    torch 2.13 in favour of a private module. The calls carry `labels`: (forward, backward).
     """
 
     @staticmethod
     def forward(ctx, send, splits_out, splits_in, group, labels):
         ctx.splits_out, ctx.splits_in, ctx.group, ctx.labels = splits_out, splits_in, group, labels
         recv = send.new_empty(sum(splits_in), *send.shape[1:])
-        with _labelled(labels, 0):
+        with tracekit.label(labels[0]):
             dist.all_to_all_single(recv, send, splits_in, splits_out, group=group)
         return recv
 
     @staticmethod
     def backward(ctx, grad):
         grad_send = grad.new_empty(sum(ctx.splits_out), *grad.shape[1:])
-        with _labelled(ctx.labels, 1):
+        with tracekit.label(ctx.labels[1]):
             dist.all_to_all_single(grad_send, grad.contiguous(), ctx.splits_out, ctx.splits_in, group=ctx.group)
         return grad_send, None, None, None, None
 
 
-def _labelled(labels: tuple[str, str] | None, which: int):
-    return contextlib.nullcontext() if labels is None else tracekit.label(labels[which])
-
-
 def exchange_rows(send: torch.Tensor, splits_out: list[int], splits_in: list[int],
-                  group: dist.ProcessGroup | None, labels: tuple[str, str] | None = None) -> torch.Tensor:
+                  group: dist.ProcessGroup | None,
+                  labels: tuple[str, str] = (tags.OUTPUT_FWD, tags.OUTPUT_BWD)) -> torch.Tensor:
     """Rows to the ranks of `group` (`splits_out` to each, `splits_in` from each), their gradients
-    back in backward; with no group (one rank) the rows stay."""
+    back in backward, the calls labelled `labels` (forward, backward: the main exchange's output
+    dist by default); with no group (one rank) the rows stay."""
     return send if group is None else _AllToAll.apply(send, splits_out, splits_in, group, labels)
 
 
@@ -350,16 +347,20 @@ class ShardedEmbeddings(nn.Module):
                        rows_back, torch.cat(slots_back))
 
     def _input_dist(self, routing: Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows."""
+        """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows (labelled
+        tracekit.tags.INPUT_LENGTHS, INPUT_IDS)."""
         if self.plan.world_size == 1:
             return routing.lengths, routing.values
         mine = len(self.local_tables)
         lengths_in = [mine * bq for bq in batch_sizes]
         recv_lengths = routing.lengths.new_empty(sum(lengths_in))
-        dist.all_to_all_single(recv_lengths, routing.lengths, lengths_in, routing.lengths_splits, group=self.group)
+        with tracekit.label(tags.INPUT_LENGTHS):
+            dist.all_to_all_single(recv_lengths, routing.lengths, lengths_in, routing.lengths_splits,
+                                   group=self.group)
         values_in = _segment_sums(self._ids_per_bag(recv_lengths), lengths_in)
         recv_values = routing.values.new_empty(sum(values_in))
-        dist.all_to_all_single(recv_values, routing.values, values_in, routing.values_splits, group=self.group)
+        with tracekit.label(tags.INPUT_IDS):
+            dist.all_to_all_single(recv_values, routing.values, values_in, routing.values_splits, group=self.group)
         return recv_lengths, recv_values
 
     # lookup -------------------------------------------------------------------------------
