@@ -132,26 +132,27 @@ def baseline(ctx: Context) -> ExchangeBaseline:
 
 def _replay_baseline(ctx: Context) -> ExchangeBaseline:
     attributed = attribution.attributed(ctx)
+    a = attributed.tables
     world = ctx.model.world_size
     len_bytes, id_bytes = _elem(ctx, tags.INPUT_LENGTHS, 4), _elem(ctx, tags.INPUT_IDS, 8)
     n_tables = max(len(ctx.model.tables), 1)
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_onehot AS
-               SELECT tid, max(pos) = 0 AND NOT bool_or(seq) AS onehot FROM tk_src GROUP BY tid""")
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_onehot AS
+               SELECT tid, max(pos) = 0 AND NOT bool_or(seq) AS onehot FROM {a.lookups} GROUP BY tid""")
     features = max([*attribution.features(ctx).values(), 1])
     ctx.sql(f"""CREATE OR REPLACE TEMP VIEW tk_x AS
                SELECT l.step, l.owner, l.src, l.tid, l.seq, l.sample, l."row", l.gid, h.onehot,
                       CASE WHEN NOT l.seq THEN (l.gid * {n_tables} + l.tid) * {features} + l.feature END AS bag
-               FROM tk_src l JOIN tk_names n USING (tid) JOIN tk_onehot h USING (tid)
+               FROM {a.lookups} l JOIN {a.names} n USING (tid) JOIN tk_onehot h USING (tid)
                WHERE n.sharded AND l.src IS NOT NULL""")
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_tshards AS
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_tshards AS
                SELECT n.tid, s.rank AS src, n.rb, n.n_shards,
-                      n.n_shards - CAST(EXISTS (SELECT 1 FROM tk_shards h WHERE h.tid = n.tid AND h.rank = s.rank)
+                      n.n_shards - CAST(EXISTS (SELECT 1 FROM {a.shards} h WHERE h.tid = n.tid AND h.rank = s.rank)
                                         AS INTEGER) AS n_remote_shards
-               FROM tk_names n CROSS JOIN (SELECT DISTINCT src AS rank FROM tk_batches
-                                           UNION SELECT DISTINCT rank FROM tk_shards) s""")
+               FROM {a.names} n CROSS JOIN (SELECT DISTINCT src AS rank FROM {a.batches}
+                                           UNION SELECT DISTINCT rank FROM {a.shards}) s""")
     _pairs(ctx, len_bytes, id_bytes)
-    steps, samples = ctx.sql("""SELECT count(DISTINCT s.step), coalesce(sum(b.b), 0)::BIGINT
-                                FROM tk_steps s LEFT JOIN tk_batches b USING (step)""").fetchall()[0]
+    steps, samples = ctx.sql(f"""SELECT count(DISTINCT s.step), coalesce(sum(b.b), 0)::BIGINT
+                                FROM {a.steps} s LEFT JOIN {a.batches} b USING (step)""").fetchall()[0]
     _rows(ctx, max(steps, 1), len_bytes, id_bytes)
     base = _base_bytes(ctx, max(steps, 1))
     batch = samples / (steps * world) if steps else 0.0
@@ -162,25 +163,27 @@ def _replay_baseline(ctx: Context) -> ExchangeBaseline:
 
 
 def _elem(ctx: Context, role: str, default: int) -> int:
-    rows = ctx.sql(f"SELECT mode(dtype) FROM tk_a2a WHERE role = '{role}'").fetchall()
+    a = attribution.attributed(ctx).tables
+    rows = ctx.sql(f"SELECT mode(dtype) FROM {a.a2a} WHERE role = '{role}'").fetchall()
     return attribution.elem_bytes(rows[0][0]) if rows and rows[0][0] else default
 
 
 def _pairs(ctx: Context, len_bytes: int, id_bytes: int) -> None:
     """tk_pairs (step, collective, sender, receiver, bytes): the baseline exchange on sampled steps."""
-    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_owner_consts AS
+    a = attribution.attributed(ctx).tables
+    ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_owner_consts AS
                SELECT s.rank AS owner, sum(n.n_features) AS n_tables,
                       coalesce(sum(n.rb * n.n_features) FILTER (WHERE n.kind = 'pooled'), 0)::BIGINT AS pooled_rb
-               FROM tk_shards s JOIN tk_names n USING (tid) WHERE n.sharded GROUP BY s.rank""")
+               FROM {a.shards} s JOIN {a.names} n USING (tid) WHERE n.sharded GROUP BY s.rank""")
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_pairs AS
         WITH counts AS (
             SELECT l.step, l.owner, l.src, count(*) AS ids,
                    coalesce(sum(n.rb) FILTER (WHERE l.seq), 0)::BIGINT AS seq_rb
-            FROM tk_x l JOIN tk_names n USING (tid) GROUP BY ALL),
+            FROM tk_x l JOIN {a.names} n USING (tid) GROUP BY ALL),
         p AS (
             SELECT b.step, b.src, b.owner, b.b, c.n_tables, c.pooled_rb,
                    coalesce(n.ids, 0) AS ids, coalesce(n.seq_rb, 0) AS seq_rb
-            FROM tk_bounds b JOIN tk_steps USING (step) JOIN tk_owner_consts c USING (owner)
+            FROM {a.bounds} b JOIN {a.steps} USING (step) JOIN tk_owner_consts c USING (owner)
             LEFT JOIN counts n USING (step, owner, src))
         SELECT step, 'input_lengths' AS collective, src AS sender, owner AS receiver,
                {len_bytes} * n_tables * b AS bytes FROM p
@@ -207,11 +210,11 @@ def items_sql(ctx: Context, order: str, per_node: int = 1) -> str:
     and row. Lengths never leave (module docstring). `*_rem`: bytes between ranks on different
     nodes of `per_node` ranks (rank // per_node; 1: between different ranks)."""
     s = baseline(ctx)
-    g = per_node
+    a, g = s.attribution.tables, per_node
     remote = "CAST(l.owner <> l.src AS INTEGER)" if g == 1 else f"CAST(l.owner // {g} <> l.src // {g} AS INTEGER)"
     tshards = "tk_tshards" if g == 1 else f"""(
         SELECT t.tid, t.src, t.rb, t.n_shards,
-               t.n_shards - (SELECT count(*) FROM tk_shards h WHERE h.tid = t.tid AND h.rank // {g} = t.src // {g})
+               t.n_shards - (SELECT count(*) FROM {a.shards} h WHERE h.tid = t.tid AND h.rank // {g} = t.src // {g})
                    AS n_remote_shards
         FROM tk_tshards t)"""
     columns = f"""0 AS len_out, 0 AS len_rem, {s.id_bytes} * n_ids AS ids_out, {s.id_bytes} * n_remote AS ids_rem,
@@ -242,7 +245,7 @@ def items_sql(ctx: Context, order: str, per_node: int = 1) -> str:
         SELECT step, src, tid, maxpos, n_ids, {columns} FROM (
             SELECT l.step, l.src, l.tid, o.pos AS maxpos, 1 AS n_ids, {remote} AS n_remote,
                    n.rb, 1 AS n_shards, 0 AS n_remote_shards, true AS seq
-            FROM tk_x l JOIN tk_names n USING (tid) LEFT JOIN {order} o USING (tid, "row")
+            FROM tk_x l JOIN {a.names} n USING (tid) LEFT JOIN {order} o USING (tid, "row")
             WHERE l.seq)"""
 
 
@@ -252,6 +255,7 @@ def _rows(ctx: Context, steps: int, len_b: int, id_b: int) -> None:
     (benefit_out, and benefit_rem off the network): a sequence lookup's id and row, a pooled
     lookup's id and its bag's returned rows shared equally among the bag's ids (exact for one-hot
     bags); lengths never leave."""
+    a = attribution.attributed(ctx).tables
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_bags AS
                SELECT bag, count(*) AS n_ids, count(*) FILTER (WHERE owner <> src) AS n_remote
                FROM tk_x WHERE NOT onehot AND bag IS NOT NULL GROUP BY bag""")
@@ -283,7 +287,7 @@ def _rows(ctx: Context, steps: int, len_b: int, id_b: int) -> None:
                count(DISTINCT r.step) AS steps, count(*) AS src_steps, sum(r.samples)::BIGINT AS samples,
                sum(r.placed)::BIGINT AS placed,
                sum(r.share_out)::DOUBLE / {steps} AS benefit_out, sum(r.share_rem)::DOUBLE / {steps} AS benefit_rem
-        FROM per_src r JOIN tk_names n USING (tid) GROUP BY r.tid, r."row", n.rb, n.kind""")
+        FROM per_src r JOIN {a.names} n USING (tid) GROUP BY r.tid, r."row", n.rb, n.kind""")
 
 
 def _base_bytes(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
@@ -297,7 +301,8 @@ def _base_bytes(ctx: Context, steps: int) -> dict[str, tuple[float, float]]:
 def _cost(ctx: Context) -> dict[str, float]:
     """Per collective of the exchange, the seconds per step it holds the ranks (analyses.network.
     exposed: waits included), from each rank's all-to-all of that role; empty without timings."""
-    ctx.sql("CREATE OR REPLACE TEMP VIEW tk_a2a_k AS SELECT rank, step, seq, role AS collective FROM tk_a2a")
+    a = attribution.attributed(ctx).tables
+    ctx.sql(f"CREATE OR REPLACE TEMP VIEW tk_a2a_k AS SELECT rank, step, seq, role AS collective FROM {a.a2a}")
     found = network.exposed(ctx, "EXISTS (SELECT 1 FROM tk_a2a_k a WHERE a.rank = train_comms.rank "
                                  "AND a.step = train_comms.step AND a.seq = train_comms.seq)")
     if not found:
@@ -412,7 +417,7 @@ def log_points(n: int, count: int = 30) -> list[int]:
 def comms_replay(ctx: Context) -> pl.DataFrame:
     """Per (step, rank, collective) on sampled steps: the replayed baseline beside `comms` —
     bytes_out, bytes_in, splits_out, splits_in of each (`*_pred` and `*_comms`)."""
-    baseline(ctx)
+    a = baseline(ctx).attribution.tables
     return ctx.frame(f"""
         WITH pred AS (
             SELECT p.step, r.rank, p.collective,
@@ -420,11 +425,11 @@ def comms_replay(ctx: Context) -> pl.DataFrame:
                    sum(p.bytes) FILTER (WHERE p.receiver = r.rank)::BIGINT AS bytes_in_pred,
                    list(p.bytes ORDER BY p.receiver) FILTER (WHERE p.sender = r.rank) AS splits_out_pred,
                    list(p.bytes ORDER BY p.sender) FILTER (WHERE p.receiver = r.rank) AS splits_in_pred
-            FROM tk_pairs p JOIN (SELECT DISTINCT owner AS rank FROM tk_bounds) r
+            FROM tk_pairs p JOIN (SELECT DISTINCT owner AS rank FROM {a.bounds}) r
               ON p.sender = r.rank OR p.receiver = r.rank
             GROUP BY ALL),
         rec AS (
             SELECT step, rank, role AS collective, tag, bytes_out AS bytes_out_comms,
                    bytes_in AS bytes_in_comms, splits_out AS splits_out_comms, splits_in AS splits_in_comms
-            FROM tk_a2a JOIN tk_steps USING (step))
+            FROM {a.a2a} JOIN {a.steps} USING (step))
         SELECT * FROM pred FULL JOIN rec USING (step, rank, collective) ORDER BY step, rank, collective""")
