@@ -3,26 +3,33 @@
 `lookups` are written where the lookup runs, at the table's owner after the input dist, so their
 `sample` is a position in the owner's received batch. Every embedding policy needs the rank the
 sample lives on (`src`): a bag looked up on its own rank never crossed the network, and SCARS's
-E[U] is per device batch. The rule (DESIGN.md §4 layout, TorchRec's input dist):
+E[U] is per device batch. The rule:
 
-- The owner's input-lengths all-to-all of a training step (phase 'train'; the call whose
-  comms.role is input_lengths, analyses.roles) carries the bag lengths: `F_o × b_q` elements from
-  each source q, F_o the features looked up in the tables with a shard on the owner o (manifest
-  `shards`), so `b_q = splits_in[q] / elem_bytes / F_o` is q's local batch. A reference-trainer
-  table is one feature; a TorchRec table may serve several (`features`).
-  The owner concatenates each table's bags by source, so a *pooled* bag at owner position
-  `sample` came from the q with `B_q <= sample < B_q + b_q`, `B_q = sum_{q' < q} b_q'`, and is
-  sample `sample - B_q` of q's batch. Exact.
-- The owner's input-ids all-to-all carries the ids: `n_q = splits_in[q] / id_bytes` from q.
-  A *sequence* table's `sample` is the i-th id of the owner's call (a 1-D nn.Embedding input),
-  concatenated by source, so the sequence ids from q number `S_q = n_q - (pooled ids from q)`.
-  With one sequence table on the owner its ids from q are positions [C_q, C_q + S_q), C_q the
-  running sum: exact. With several, only their sum per source is on record; each table's ids
-  are split in proportion, `C_{q,j} = round(N_j · sum_{q'<q} S_q' / sum S)` (N_j: table j's ids
-  that step), and the attribution is marked approximate. Which of q's samples a sequence id
-  belongs to is not on record (sequence lengths never reach `comms`): `src_sample` is null.
-- Tables that are not sharded (data-parallel replicas, rank-local tables) and runs of one rank:
-  the lookup ran on the sample's own rank, `src = rank`, `src_sample = sample`.
+- Where the lookup has a recorded `src` (the program declared its sources with `tracekit.sources`,
+  as the reference trainer does from schema 1.7), it is the source, and `src_sample` (null for a
+  sequence table's ids) its sample there: attribution is a join. Exact.
+- Else, from the input dist (DESIGN.md §4 layout, TorchRec's input dist), for old runs, TorchRec
+  jobs and programs that declare nothing:
+
+  - The owner's input-lengths all-to-all of a training step (phase 'train'; the call whose
+    comms.role is input_lengths, analyses.roles) carries the bag lengths: `F_o × b_q` elements
+    from each source q, F_o the features looked up in the tables with a shard on the owner o
+    (manifest `shards`), so `b_q = splits_in[q] / elem_bytes / F_o` is q's local batch. A
+    reference-trainer table is one feature; a TorchRec table may serve several (`features`).
+    The owner concatenates each table's bags by source, so a *pooled* bag at owner position
+    `sample` came from the q with `B_q <= sample < B_q + b_q`, `B_q = sum_{q' < q} b_q'`, and is
+    sample `sample - B_q` of q's batch. Exact.
+  - The owner's input-ids all-to-all carries the ids: `n_q = splits_in[q] / id_bytes` from q. A
+    *sequence* table's `sample` is the i-th id of the owner's call (a 1-D nn.Embedding input),
+    concatenated by source, so the sequence ids from q not yet attributed (recorded sequence ids
+    count as attributed) number `S_q = n_q - (attributed ids from q)`. With one such sequence
+    table on the owner its ids from q are positions [C_q, C_q + S_q), C_q the running sum:
+    exact. With several, only their sum per source is on record; each table's ids are split in
+    proportion, `C_{q,j} = round(N_j · sum_{q'<q} S_q' / sum S)` (N_j: table j's ids that step),
+    and the attribution is marked approximate. Which of q's samples a sequence id belongs to is
+    not on record (sequence lengths never reach `comms`): `src_sample` is null.
+  - Tables that are not sharded (data-parallel replicas, rank-local tables) and runs of one rank:
+    the lookup ran on the sample's own rank, `src = rank`, `src_sample = sample`.
 
 The check: replaying the exchange from the attributed lookups gives every split of every
 input-dist and output-dist all-to-all in `comms` byte for byte (analyses.exchange,
@@ -52,7 +59,7 @@ The tables it leaves on the context's connection that other modules read, named 
                 sample across tables and owners
 
 The others (tk_owner_tables, tk_lengths, tk_ids, tk_lookups, tk_bmax, tk_uniform, tk_seq_bounds,
-tk_src_bags, tk_src_seq, tk_seq_lookups) are its own steps.
+tk_src_bags, tk_src_seq, tk_seq_lookups, tk_recorded) are its own steps.
 """
 
 from __future__ import annotations
@@ -88,9 +95,10 @@ TABLES = AttributedTables()
 @dataclass
 class Attribution:
     """`tk_src` and `tk_batches` are ready on the context's connection; `relation` is tk_src with
-    table names; `methods` says per (owner, table_name) how lookups were attributed: 'bags'
-    (pooled, exact), 'ids' (one sequence table on the owner, exact), 'ids-proportional' (several,
-    approximate), 'own-rank' (not sharded, or one rank); `notes` what could not be done."""
+    table names; `methods` says per (owner, table_name) how lookups were attributed: 'recorded'
+    (every lookup's `src` on record, exact), else by the positional rule: 'bags' (pooled, exact),
+    'ids' (one sequence table on the owner, exact), 'ids-proportional' (several, approximate),
+    'own-rank' (not sharded, or one rank); `notes` what could not be done."""
 
     relation: duckdb.DuckDBPyRelation
     methods: pl.DataFrame
@@ -171,13 +179,17 @@ def _attribute(ctx: Context) -> Attribution:
                    sample INTEGER, pos INTEGER, "row" BIGINT, feature SMALLINT, src BIGINT, src_sample BIGINT,
                    gid BIGINT)""")
         ctx.sql("CREATE OR REPLACE TEMP TABLE tk_seq_bounds (owner BIGINT, tid INTEGER, method VARCHAR)")
+        ctx.sql("CREATE OR REPLACE TEMP TABLE tk_recorded (owner BIGINT, tid INTEGER, recorded BOOLEAN)")
     methods = ctx.frame(f"""
         SELECT owner, table_name, method FROM (
+            SELECT owner, tid, 'recorded' AS method FROM tk_recorded WHERE recorded
+            UNION ALL
             SELECT owner, tid, any_value(method) AS method FROM tk_seq_bounds GROUP BY ALL
             UNION ALL
             SELECT DISTINCT owner, tid, CASE WHEN sharded AND {ctx.model.world_size} > 1 AND NOT seq
                                              THEN 'bags' ELSE 'own-rank' END
-            FROM tk_src JOIN tk_names USING (tid) WHERE NOT seq OR NOT sharded OR {ctx.model.world_size} = 1)
+            FROM tk_src JOIN tk_names USING (tid) ANTI JOIN (FROM tk_recorded WHERE recorded) USING (owner, tid)
+            WHERE NOT seq OR NOT sharded OR {ctx.model.world_size} = 1)
         JOIN tk_names USING (tid) ORDER BY owner, tid""")
     unknown = ctx.sql("SELECT count(*) FROM tk_src WHERE src IS NULL").fetchall()[0][0]
     if unknown:
@@ -250,7 +262,8 @@ def _lookups(ctx: Context) -> None:
     Options.replay_steps of the recorded steps (every k-th, k the least that fits: the replays'
     cost stays bounded as a run grows, and what the sample leaves uncertain is stated where a
     figure rests on it, exchange.step_interval); tk_steps: those steps with their index si;
-    tk_bmax: the largest local batch (for global sample ids)."""
+    tk_bmax: the largest local batch (for global sample ids); tk_recorded: per (owner, table) whether
+    every lookup's source is on record (`recorded`)."""
     cap = ctx.options.replay_steps
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_lookup_steps AS
                 SELECT step FROM (SELECT step, row_number() OVER (ORDER BY step) - 1 AS i, count(*) OVER () AS n
@@ -258,8 +271,11 @@ def _lookups(ctx: Context) -> None:
                 WHERE {cap} = 0 OR n <= {cap} OR i % ((n + {cap} - 1) // {cap}) = 0""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_lookups AS
                SELECT l.step, l.rank AS owner, n.tid, n.kind = 'sequence' AS seq,
-                      n.sharded AND n.n_shards > 0 AS via_a2a, n.n_shards, l.sample, l.pos, l."row", l.feature
+                      n.sharded AND n.n_shards > 0 AS via_a2a, n.n_shards, l.sample, l.pos, l."row", l.feature,
+                      l.src AS rsrc, l.src_sample AS rsrc_sample
                FROM train_lookups l JOIN tk_names n USING (table_name) SEMI JOIN tk_lookup_steps USING (step)""")
+    ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_recorded AS
+               SELECT owner, tid, bool_and(rsrc IS NOT NULL) AS recorded FROM tk_lookups GROUP BY ALL""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_steps AS
                SELECT step, (row_number() OVER (ORDER BY step) - 1)::BIGINT AS si
                FROM (SELECT DISTINCT step FROM tk_lookups)""")
@@ -274,14 +290,15 @@ def _gid(world: int) -> str:
 
 
 def _pooled_and_local(ctx: Context) -> None:
-    """tk_src_bags: lookups of pooled sharded tables by bag range; of unsharded tables (or one
-    rank), the rank itself. Where every source sent the same batch (all but a last partial
-    step) the range is arithmetic; elsewhere an ASOF join finds it."""
+    """tk_src_bags: lookups with a recorded source, as recorded (sequence ones too); the others of
+    pooled sharded tables by bag range, of unsharded tables (or one rank) the rank itself. Where
+    every source sent the same batch (all but a last partial step) the range is arithmetic;
+    elsewhere an ASOF join finds it."""
     world = ctx.model.world_size
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_uniform AS
                SELECT step, owner, CASE WHEN min(b) = max(b) AND min(b) > 0 THEN min(b) END AS ub,
                       sum(b) AS total FROM tk_bounds GROUP BY ALL""")
-    pooled = f"SELECT * FROM tk_lookups WHERE NOT seq OR NOT via_a2a OR {world} = 1"
+    pooled = f"SELECT * FROM tk_lookups WHERE rsrc IS NULL AND (NOT seq OR NOT via_a2a OR {world} = 1)"
     columns = f"""step, owner, tid, seq, sample, pos, "row", feature,
                   CASE WHEN src_sample IS NOT NULL THEN src END AS src, src_sample, {_gid(world)} AS gid"""
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_src_bags AS
@@ -302,16 +319,22 @@ def _pooled_and_local(ctx: Context) -> None:
             ASOF LEFT JOIN (SELECT * FROM tk_bounds WHERE b > 0) b
               ON l.step = b.step AND l.owner = b.owner AND l.sample >= b.lo) x
         JOIN tk_steps st USING (step)""")
+    ctx.sql(f"""INSERT INTO tk_src_bags BY NAME
+        SELECT step, owner, tid, seq, sample, pos, "row", feature, src, src_sample, {_gid(world)} AS gid
+        FROM (SELECT step, owner, tid, seq, sample, pos, "row", feature, rsrc::BIGINT AS src,
+                     rsrc_sample::BIGINT AS src_sample FROM tk_lookups WHERE rsrc IS NOT NULL) x
+        JOIN tk_steps st USING (step)""")
 
 
 def _sequence(ctx: Context) -> None:
-    """tk_src_seq: lookups of sharded sequence tables by id range (module docstring)."""
+    """tk_src_seq: lookups of sharded sequence tables with no recorded source, by id range (module
+    docstring)."""
     world = ctx.model.world_size
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_seq_lookups AS
-                SELECT * FROM tk_lookups WHERE seq AND via_a2a AND {world} > 1""")
+                SELECT * FROM tk_lookups WHERE seq AND via_a2a AND {world} > 1 AND rsrc IS NULL""")
     ctx.sql("""CREATE OR REPLACE TEMP TABLE tk_seq_bounds AS
         WITH pooled AS (SELECT step, owner, src, count(*) AS n FROM tk_src_bags JOIN tk_names USING (tid)
-                        WHERE sharded AND NOT seq AND src IS NOT NULL GROUP BY ALL),
+                        WHERE sharded AND src IS NOT NULL GROUP BY ALL),  -- pooled, and recorded sequence ids
              seq_per_src AS (SELECT i.step, i.owner, i.src, i.n - coalesce(p.n, 0) AS s
                              FROM tk_ids i LEFT JOIN pooled p USING (step, owner, src)),
              per_table AS (SELECT step, owner, tid, any_value(n_shards) AS n_shards, count(*) AS n

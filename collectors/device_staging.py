@@ -30,7 +30,7 @@ from collectors.device_counting import DeviceCounter, HostCopy
 class DeviceStaging:
     """The calls of one CUDA device: `keep` and `on_step_end` on the training thread, `drain` on the
     writer's. `lost(table, rows)` counts what cannot be written (for `accesses`, ids); `make_call(step, phase, table index,
-    ids, offsets)` makes the collector's sampled-call object from host tensors."""
+    ids, offsets, sources)` makes the collector's sampled-call object from host tensors."""
 
     def __init__(self, device: torch.device, lost: Callable[[int], None], make_call: Callable[..., Any]) -> None:
         self.device = device
@@ -44,7 +44,7 @@ class DeviceStaging:
 
     def keep(self, step: int, table: int, call_phase: str, ids: torch.Tensor, layout: tuple | None) -> None:
         """Keep a reference to one call's ids; `layout` on sampled steps only: (the ids' shape, a reference
-        to their bag offsets or None, the offsets' version)."""
+        to their bag offsets or None, the offsets' version, the call's `tracekit.sources` or None)."""
         version = None  # a copy's: no one else writes it (inference tensors keep no version)
         if ids.is_inference():
             ids = ids.clone()
@@ -117,13 +117,13 @@ class DeviceStaging:
     def _sampled_calls(self, copy: HostCopy, calls: list[tuple]) -> list:
         arrays = iter(copy.arrays())
         out = []
-        for step, table, call_phase, _, _, (shape, offsets, _) in calls:
+        for step, table, call_phase, _, _, (shape, offsets, _, sources) in calls:
             ids = torch.from_numpy(next(arrays)).reshape(shape)
             bags = None
             if offsets is not None:
                 bags = torch.from_numpy(next(arrays)).to(torch.int64)
                 bags = bags - bags[:1]
-            out.append(self._make_call(step, call_phase, table, ids, bags))
+            out.append(self._make_call(step, call_phase, table, ids, bags, sources))
         return out
 
     def pending_lookups(self) -> int:

@@ -48,7 +48,7 @@ class Spilled:
     """The calls one spill copied: their ids at `chunk[start:start + sum(size)]`, and per call its step,
     table index, phase (True: eval) and number of ids, as the training thread's lists (the writer makes
     arrays of them); `layouts` for sampled calls: (the call's position, its ids' shape, a reference to
-    its bag offsets, copied, or None)."""
+    its bag offsets, copied, or None, its `tracekit.sources` or None)."""
 
     chunk: torch.Tensor
     start: int
@@ -79,7 +79,8 @@ class HostStaging:
     def keep(self, step: int, table: int, call_phase: str, ids: torch.Tensor, n: int,
              layout: tuple | None, copy: bool) -> None:
         """Keep one call of `n` ids: a reference to them (a copy if `copy`, or for an inference tensor,
-        which keeps no version); `layout` on sampled steps: (shape, offsets, the offsets' version)."""
+        which keeps no version); `layout` on sampled steps: (shape, offsets, the offsets' version, the
+        call's `tracekit.sources` or None)."""
         version = None if copy else version_of(ids)
         if version is None:
             ids = ids.clone()
@@ -122,13 +123,13 @@ class HostStaging:
         """The sampled calls' layouts with their bag offsets copied; a call whose offsets were rewritten
         in place since loses its lookups."""
         out = []
-        for i, shape, offsets, version in layouts:
+        for i, shape, offsets, version, sources in layouts:
             if offsets is not None:
                 if version is not None and offsets._version != version:
                     self._lost("lookups", size[i])
                     continue
                 offsets = offsets.clone()
-            out.append((i, shape, offsets))
+            out.append((i, shape, offsets, sources))
         return out
 
     def _room(self, n: int) -> tuple[torch.Tensor, int]:
@@ -144,7 +145,7 @@ class HostStaging:
     def take(self, everything: bool, current: int, make_call: Callable[..., Any]) -> tuple[Kept | None, list]:
         """The spilled calls of the steps before `current` (all if `everything`) as one `Kept` (their ids
         copied out of the chunks, which go back for reuse), and the sampled ones as `make_call(step,
-        phase, table index, ids, offsets from 0)`."""
+        phase, table index, ids, offsets from 0, sources)`."""
         taken = []
         while self.spilled and (everything or self.spilled[0].step[0] < current):
             taken.append(self.spilled.popleft())
@@ -163,12 +164,13 @@ class HostStaging:
         for s, part in zip(taken, ids):
             if s.layouts:
                 starts = np.cumsum(s.size) - s.size
-                for i, shape, offsets in s.layouts:
+                for i, shape, offsets, sources in s.layouts:
                     lo = base + int(starts[i])
                     call_ids = torch.from_numpy(joined[lo:lo + s.size[i]]).reshape(shape)
                     if offsets is not None:
                         bags = offsets.numpy().astype(np.int64)
                         offsets = torch.from_numpy(bags - bags[:1])
-                    sampled.append(make_call(s.step[i], EVAL if s.eval[i] else TRAIN, s.table[i], call_ids, offsets))
+                    sampled.append(make_call(s.step[i], EVAL if s.eval[i] else TRAIN, s.table[i], call_ids, offsets,
+                                             sources))
             base += len(part)
         return kept, sampled

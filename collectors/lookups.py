@@ -5,7 +5,8 @@ TorchRec/FBGEMM table-batched embedding's features, collectors/torchrec_tables.p
 training thread and split into `Call`s by the writer. `lookup_rows` turns a table's sampled calls into
 the `lookups` columns: each id's `sample` (bag index of an EmbeddingBag, row of a 2-D [B, L] input,
 dim-0 index of an N-D input, i for the i-th id of a 1-D nn.Embedding input) and `pos` (position in
-the bag or sequence), padding ids left out.
+the bag or sequence), padding ids left out; `lookup_sources` gives the same lookups their `src` and
+`src_sample` where the call was made inside `tracekit.sources` (tracekit/sources.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from collectors.counting import Table
+from tracekit.sources import Sources
 
 
 @dataclass
@@ -30,6 +32,7 @@ class Call:
     offsets: torch.Tensor | None  # only on sampled steps, for the lookups' positions
     sampled: bool
     feature: int = 0  # a TBE's feature of a table several look up: its order among them (TablesCall)
+    sources: Sources | None = None  # the call's `tracekit.sources` declaration, on sampled steps
 
 
 @dataclass
@@ -121,3 +124,42 @@ def _bag_rows(calls: list[Call]) -> tuple[np.ndarray, ...]:
         keep = rows != table.padding_idx
         step, sample, pos, rows, feature = step[keep], sample[keep], pos[keep], rows[keep], feature[keep]
     return step, sample, pos, rows + table.first_row, feature
+
+
+def _items(call: Call) -> int:
+    """The items `sample` counts in a call: its bags, the rows of an N-D input, the ids of a 1-D one."""
+    if call.ids.dim() == 1:
+        return call.ids.numel() if call.offsets is None else call.offsets.numel()
+    return call.ids.shape[0]
+
+
+def lookup_sources(calls: list[Call], sample: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """`src` and `src_sample` (int32, masked arrays: null where unknown) of the lookups `lookup_rows(calls)`
+    gave `sample` for, from each call's declared sources; None where no call declared any. A call's
+    item `sample` came from the source q with starts[q] <= sample < starts[q + 1] (starts: the running
+    sum of its counts), and is item `sample - starts[q]` of those q sent. A call whose items do not
+    number the counts' sum, or that declared none, gets nulls; so does `src_sample` of a 1-D
+    nn.Embedding input's ids, whose `sample` is an id's index."""
+    if all(c.sources is None for c in calls):
+        return None
+    items = np.array([_items(c) for c in calls], dtype=np.int64)
+    kept = np.array([c.ids.numel() if c.table.padding_idx is None else int((c.ids != c.table.padding_idx).sum())
+                     for c in calls], dtype=np.int64)  # each call's lookups in `sample`
+    base = np.cumsum(items) - items  # each call's first item, calls end to end
+    declared = [i for i, c in enumerate(calls) if c.sources is not None and sum(c.sources.counts) == items[i]]
+    if not declared:
+        null = np.ma.masked_all(len(sample), dtype=np.int32)
+        return null, null.copy()
+    counts = [np.array(calls[i].sources.counts, dtype=np.int64) for i in declared]
+    starts = np.concatenate([base[i] + np.cumsum(n) - n for i, n in zip(declared, counts)])
+    ranks = np.concatenate([np.array(calls[i].sources.ranks, dtype=np.int64) for i in declared])
+    call = np.repeat(np.arange(len(calls)), kept)
+    item = sample.astype(np.int64) + base[call]
+    source = np.searchsorted(starts, item, side="right") - 1  # later calls' sources start after this item
+    known = np.zeros(len(calls), dtype=bool)
+    known[declared] = True
+    by_item = np.array([c.ids.dim() != 1 or c.offsets is not None for c in calls])
+    unknown = ~known[call]
+    src = np.ma.array(ranks[source].astype(np.int32), mask=unknown)
+    src_sample = np.ma.array((item - starts[source]).astype(np.int32), mask=unknown | ~by_item[call])
+    return src, src_sample

@@ -10,7 +10,9 @@ ids wait, the writer is woken.
 
 On the writer thread, `drain` (a `RunWriter` source) takes the calls of finished steps in bulk at
 every flush, counts them in pieces (collectors/counting.py) and turns them into `accesses` rows, one
-per (step, phase, table, row), and `lookups` rows of sampled steps (collectors/lookups.py). A step's
+per (step, phase, table, row), and `lookups` rows of sampled steps (collectors/lookups.py), whose
+`src` and `src_sample` come from the `tracekit.sources` a sampled call was made in, read when it is
+kept (one ContextVar read per sampled call; none on other steps). A step's
 calls are written once the clock has moved past it; calls after the last step (an evaluation pass)
 are written at close under the step the clock shows then, as `eval`. A step holding more than the
 writer's `flush_rows` ids is counted as it comes and written once it has ended.
@@ -27,9 +29,10 @@ import torch
 from collectors.counting import PHASES, PIECE_IDS, Kept, Table, carried, columns, count_rows
 from collectors.device_staging import DeviceStaging
 from collectors.host_staging import HostStaging, version_of
-from collectors.lookups import Call, TablesCall, lookup_rows
+from collectors.lookups import Call, TablesCall, lookup_rows, lookup_sources
 from collectors.steps import StepClock
 from tracekit.phases import EVAL
+from tracekit.sources import Sources, current_sources
 from tracekit.store import RunWriter
 
 
@@ -73,11 +76,11 @@ class Staging:
             if not ids.is_cpu:
                 ids = ids.cpu()
             layout = (ids.shape, offsets.clone() if copy and offsets is not None else offsets,
-                      None if copy else version_of(offsets)) if sampled else None
+                      None if copy else version_of(offsets), current_sources.get()) if sampled else None
             self._host.keep(self.clock.step, table.index, call_phase, ids, n, layout,
                             copy or table.index in self._host.copying)
         else:
-            layout = (ids.shape, offsets, version_of(offsets)) if sampled else None
+            layout = (ids.shape, offsets, version_of(offsets), current_sources.get()) if sampled else None
             self._device_staging(ids.device).keep(self.clock.step, table.index, call_phase, ids, layout)
         self._ids_added += n
         self._step_ids += n
@@ -93,8 +96,8 @@ class Staging:
         return staging
 
     def _sampled_call(self, step: int, call_phase: str, table: int, ids: torch.Tensor,
-                      offsets: torch.Tensor | None) -> Call:
-        return Call(step, call_phase, self._table_list[table], ids, offsets, True)
+                      offsets: torch.Tensor | None, sources: Sources | None) -> Call:
+        return Call(step, call_phase, self._table_list[table], ids, offsets, True, sources=sources)
 
     def end_step(self) -> None:
         """Copy the step's ids out of the program's tensors, and start the next step's count of ids."""
@@ -171,9 +174,15 @@ class Staging:
         if groups:
             found = [lookup_rows(group_calls) for group_calls in groups.values()]
             step, sample, pos, row, feature = (np.concatenate(column) for column in zip(*found))
+            declared = [lookup_sources(calls, f[1]) for calls, f in zip(groups.values(), found)]
+            sources = {}  # left out where no call declared its sources: the columns are then all null
+            if any(d is not None for d in declared):
+                sources = dict(zip(("src", "src_sample"), (np.ma.concatenate(column) for column in zip(*(
+                    d if d is not None else (np.ma.masked_all(len(f[1]), np.int32),) * 2
+                    for d, f in zip(declared, found))))))
             yield "lookups", columns(list(groups), [len(f[0]) for f in found], step=step,
                                      sample=sample.astype(np.int32), pos=pos.astype(np.int32), row=row,
-                                     feature=feature)
+                                     feature=feature, **sources)
         self._sampled_taken = []
 
     def _counted(self, whole: Kept, running: int | None) -> Iterator[tuple[str, dict[str, Any]]]:

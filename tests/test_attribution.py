@@ -4,10 +4,14 @@ policy tests), and real 2-rank trainer runs checked against the samples the trai
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
 
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.manifests import write_manifest
@@ -15,6 +19,7 @@ from analyses import attribution
 from analyses.context import Options, open_context
 from tests.recorded import REPO, TINY, record
 from tracekit.dlrm.data import open_dataset
+from tracekit.run import open_run
 from tracekit.store import RunWriter
 
 
@@ -224,14 +229,44 @@ def trainer_truth(world: int, steps: list[int]) -> Counter:
     return counts
 
 
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """`run(sharding, sequence_tables)`: a 2-rank TINY trainer run (lookups every 2nd step), recorded
+    once per module."""
+    runs: dict[tuple[str, int], Path] = {}
+
+    def run(sharding: str, sequence_tables: int) -> Path:
+        if (sharding, sequence_tables) not in runs:
+            code, run_dir = record(tmp_path_factory.mktemp(f"{sharding}{sequence_tables}"), sys.executable, "-m",
+                                   "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                   str(REPO / "train.py"), *TINY, "--sharding", sharding, "--sequence-tables",
+                                   str(sequence_tables), options=("--lookup-every", "2"))
+            assert code == 0
+            runs[(sharding, sequence_tables)] = run_dir
+        return runs[(sharding, sequence_tables)]
+
+    return run
+
+
+def without_sources(run_dir: Path, copy: Path) -> Path:
+    """A copy of the run whose lookups have `src` and `src_sample` null, as a program that declares no
+    `tracekit.sources` records them (the part files keep their schema metadata)."""
+    shutil.copytree(run_dir, copy)
+    for part in (copy / "lookups").glob("*/*.parquet"):
+        data = pq.read_table(part)
+        for column in ("src", "src_sample"):
+            i = data.schema.get_field_index(column)
+            data = data.set_column(i, data.schema.field(i), pa.nulls(data.num_rows, data.schema.field(i).type))
+        pq.write_table(data, part)
+    return copy
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("sharding", "sequence_tables"), [("table", 2), ("row", 1), ("row", 2)])
-def test_trainer_lookups_are_attributed_to_the_rank_that_sent_them(tmp_path: Path, sharding: str,
+def test_trainer_lookups_are_attributed_to_the_rank_that_sent_them(tmp_path: Path, trainer_runs, sharding: str,
                                                                    sequence_tables: int) -> None:
-    code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(REPO / "train.py"), *TINY, "--sharding", sharding,
-                           "--sequence-tables", str(sequence_tables), options=("--lookup-every", "2"))
-    assert code == 0
+    """The positional rule, on the trainer's run with its recorded sources taken out."""
+    run_dir = without_sources(trainer_runs(sharding, sequence_tables), tmp_path / "run")
     with open_context(run_dir) as ctx:
         a = attribution.attributed(ctx)
         rows = a.relation.fetchall()
@@ -257,3 +292,32 @@ def test_trainer_lookups_are_attributed_to_the_rank_that_sent_them(tmp_path: Pat
     else:  # several on one owner: their tables are apportioned
         assert not a.exact
     assert batches["b"].to_list() == [32] * 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sharding", "sequence_tables"), [("table", 2), ("row", 1), ("row", 2)])
+def test_trainer_records_each_lookups_source_and_attribution_joins_it(tmp_path: Path, trainer_runs, sharding: str,
+                                                                      sequence_tables: int) -> None:
+    """The trainer declares its sources: every lookup's recorded `src` (and a pooled bag's `src_sample`)
+    is the rank and sample it came from; attributed, every table is 'recorded' and exact (several
+    sequence tables on one owner too), and wherever the positional rule is exact it gives the same."""
+    run_dir = trainer_runs(sharding, sequence_tables)
+    seq_tables = {f"t{t}" for t in range(sequence_tables)}
+    truth = trainer_truth(2, [0, 2])
+    recorded = open_run(run_dir).scan("lookups").filter(pl.col("phase") == "train").select(
+        "step", "table_name", "row", "src", "src_sample").collect().rows()
+    assert Counter(r for r in recorded if r[1] not in seq_tables) == Counter(
+        {k: v for k, v in truth.items() if k[1] not in seq_tables})
+    want_seq: Counter = Counter()
+    for (s, n, r, src, _), c in truth.items():
+        if n in seq_tables:
+            want_seq[(s, n, r, src, None)] += c
+    assert Counter(r for r in recorded if r[1] in seq_tables) == want_seq
+
+    got, a = attributed_rows(run_dir)
+    assert a.exact and not a.notes and set(a.methods["method"]) == {"recorded"}
+    positional, p = attributed_rows(without_sources(run_dir, tmp_path / "nulled"))
+    exact = {(o, t) for o, t, m in p.methods.iter_rows() if m != "ids-proportional"}
+    assert exact and {k: v for k, v in got.items() if (k[1], k[2]) in exact} == {
+        k: v for k, v in positional.items() if (k[1], k[2]) in exact}
+    assert (sharding, sequence_tables) != ("row", 2) or len(exact) < len(p.methods)  # apportioned before

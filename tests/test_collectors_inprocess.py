@@ -112,12 +112,14 @@ def recording(tmp_path):
 
 def read(run_dir: Path, table: str) -> list[tuple]:
     """`table`'s rows, sorted, without rank and phase; `lookups` without `feature` too, after checking
-    it is 0 (each table here is looked up by one feature)."""
+    it is 0 (each table here is looked up by one feature), and without `src` and `src_sample`, after
+    checking they are null (no call here declares its sources: tests/test_sources.py)."""
     write_manifest(run_dir, {"status": "completed"})
     frame = open_run(run_dir).scan(table).drop("rank", "phase", strict=False).collect()
     if table == "lookups":
         assert set(frame["feature"]) <= {0}, frame["feature"].unique()
-        frame = frame.drop("feature")
+        assert frame["src"].null_count() == frame["src_sample"].null_count() == len(frame)
+        frame = frame.drop("feature", "src", "src_sample")
     return sorted(frame.rows())
 
 

@@ -115,14 +115,14 @@ def test_ranks_that_applied_one_file_agree() -> None:
     assert merge_policy([{"rank": 0, "policy": None}], errors) is None and errors == []
 
 
-def _recorded_before(run_dir: Path, table: str, rows: dict, column: str, version: bytes):
+def _recorded_before(run_dir: Path, table: str, rows: dict, column: str, version: bytes, also: tuple[str, ...] = ()):
     """A run whose one part file of `table` holds `rows` as the schema `version` wrote it: without
-    `column`, which a later minor version added."""
+    `column` (and the columns `also`), which a later minor version added."""
     write_manifest(run_dir, {"status": "completed"})
     with RunWriter(run_dir, 0) as writer:  # written as now, then rewritten as that version wrote it
         writer.append(table, rows)
     part = run_dir / table / "rank=0" / "part-00000.parquet"
-    old = pq.read_table(part).drop_columns([column])
+    old = pq.read_table(part).drop_columns([column, *also])
     part.unlink()
     write_part(old.replace_schema_metadata({**old.schema.metadata, VERSION_KEY: version}), part.parent, 0)
     return open_run(run_dir)
@@ -150,11 +150,27 @@ def test_a_run_recorded_before_the_feature_column_reads_it_as_0(tmp_path: Path) 
     assert relation.project("row, feature").order("row").fetchall() == [(7, 0), (9, 0)]
 
 
+def test_a_run_recorded_before_the_source_columns_reads_them_as_null(tmp_path: Path) -> None:
+    run = _recorded_before(tmp_path / "old", "lookups", {"step": [0, 0], "table_name": ["t", "t"], "sample": [0, 1],
+                                                         "pos": [0, 0], "row": [7, 9], "phase": ["train", "train"],
+                                                         "feature": [0, 0], "src": [1, 0], "src_sample": [3, 4]},
+                           "src", b"1.6", also=("src_sample",))
+    frame = run.scan("lookups").collect()
+    assert frame["src"].dtype == frame["src_sample"].dtype == pl.Int32
+    assert frame["src"].to_list() == frame["src_sample"].to_list() == [None, None]
+    relation = run.relation("lookups")
+    assert {c: str(t) for c, t in zip(relation.columns, relation.types)}.items() >= {
+        "src": "INTEGER", "src_sample": "INTEGER"}.items()
+    assert relation.project("row, src, src_sample").order("row").fetchall() == [(7, None, None), (9, None, None)]
+
+
 UNTRACED = """
 import os, torch, tracekit
 emb = torch.nn.EmbeddingBag(10, 4)
 opt = torch.optim.SGD(emb.parameters(), lr=0.1)
 tracekit.policy_applied("no-such-policy.json")
+with tracekit.sources([1]):
+    emb(torch.tensor([[3, 4]]))
 for name in ["hot", "cold"]:
     tracekit.step_schedule(name)
     emb(torch.tensor([[1, 2]])).sum().backward()

@@ -7,6 +7,7 @@ The optional API for traced programs (each call is a no-op when the process is n
     with tracekit.label("emb_fwd"): ...     # tag the collectives issued inside
     with tracekit.phase("eval"): ...        # the lookups and collectives inside are evaluation
     tracekit.shard(emb, table="t0", first_row=start, num_rows=rows)  # emb holds t0's rows from start on
+    with tracekit.sources([b0, b1]): ...    # the lookups inside take b0 items from rank 0, then b1 from rank 1
     tracekit.step_schedule("hot")           # the kind of the step now running (steps.schedule)
     tracekit.policy_applied("runs/base/policy.json", applied=["replication"])  # the manifest's policy
     tracekit.metrics(eval_auc=0.79, samples_per_s=5e4)  # the run's final figures (the manifest's metrics)
@@ -24,9 +25,11 @@ from collections.abc import Mapping, Sequence
 from tracekit.labels import label
 from tracekit.phases import phase
 from tracekit.shards import shard
+from tracekit.sources import sources
 
 __version__ = "0.1.0"
-__all__ = ["label", "metrics", "open_run", "phase", "policy_applied", "shard", "step", "step_schedule"]
+__all__ = ["label", "metrics", "open_run", "phase", "policy_applied", "shard", "sources", "step",
+           "step_schedule"]
 
 
 def _bootstrap():

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 PARQUET_OPTIONS: dict[str, dict[str, Any]] = {
     "accesses": dict(use_dictionary=["step", "table_name", "count", "phase"],
                      column_encoding={"row": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
-    "lookups": dict(use_dictionary=["step", "table_name", "pos", "phase", "feature"],
+    "lookups": dict(use_dictionary=["step", "table_name", "pos", "phase", "feature", "src"],
                     column_encoding={"sample": "DELTA_BINARY_PACKED"}, write_statistics=["step"]),
 }
 

@@ -8,8 +8,9 @@
 Both readers see every rank's part files with `rank` as a column (hive partitioning), `count` as a
 64-bit integer (so no sum overflows, though files keep int32), and the columns a minor version added
 in runs recorded before it (`LATER_COLUMNS`): `phase` as `train` (schema 1.0), `schedule` as null
-(before 1.2), the lookups' `feature` as 0 (before 1.4). Before a table is read, each part file's schema version is checked: an unknown major
-version is refused.
+(before 1.2), the lookups' `feature` as 0 (before 1.4), their `src` and `src_sample` as null (before
+1.7). Before a table is read, each part file's schema version is checked: an unknown major version is
+refused.
 Polars and DuckDB are imported on first use, so importing this module stays cheap.
 """
 
@@ -34,10 +35,10 @@ if TYPE_CHECKING:
 LATER_COLUMNS: dict[str, tuple[str | int | None, str]] = {
     "phase": (TRAIN, "VARCHAR"), "schedule": (None, "VARCHAR"), "feature": (0, "SMALLINT"),
     "t_backward_ns": (None, "BIGINT"), "t_grads_ns": (None, "BIGINT"), "t_backward_end_ns": (None, "BIGINT"),
-    "t_wait_ns": (None, "BIGINT")}
+    "t_wait_ns": (None, "BIGINT"), "src": (None, "INTEGER"), "src_sample": (None, "INTEGER")}
 """Columns added after schema 1.0 (phase in 1.1, schedule in 1.2, feature in 1.4, the backward's times in
-1.5, comms' wait in 1.6), and what the readers show for them in a table whose part files predate them, with its SQL type."""
-_POLARS_TYPES = {"VARCHAR": "String", "SMALLINT": "Int16", "BIGINT": "Int64"}
+1.5, comms' wait in 1.6, lookups' sources in 1.7), and what the readers show for them in a table whose part files predate them, with its SQL type."""
+_POLARS_TYPES = {"VARCHAR": "String", "SMALLINT": "Int16", "INTEGER": "Int32", "BIGINT": "Int64"}
 
 
 def open_run(path: str | os.PathLike) -> Run:

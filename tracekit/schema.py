@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.6"
+SCHEMA_VERSION = "1.7"
 """major.minor; readers accept any minor of a major they know. 1.1 added `phase` to accesses, lookups
 and comms (readers show `train` for a 1.0 run); 1.2 added `schedule` to steps (readers show null for
 an older run); 1.3 added the dct_replay table (absent from an older run); 1.4 added `feature` to
 lookups (readers show 0 for an older run); 1.5 added the backward's times to steps (null for an older run); 1.6 added `t_wait_ns` to comms (null for
-an older run)."""
+an older run); 1.7 added `src` and `src_sample` to lookups (null for an older run)."""
 
 VERSION_KEY = b"tracekit.schema_version"
 """Parquet key-value metadata key holding SCHEMA_VERSION in every part file."""
@@ -55,6 +55,8 @@ LOOKUPS = pa.schema(
         _required("row", pa.int64()),
         _PHASE,
         _required("feature", pa.int16()),  # which of the features looking the table up (TorchRec), from 0
+        pa.field("src", pa.int32(), nullable=True),  # global rank the lookup's item came from (`tracekit.sources`)
+        pa.field("src_sample", pa.int32(), nullable=True),  # the item's index among those `src` sent
     ]
 )
 

@@ -73,8 +73,12 @@ TABLE_PROSE: dict[str, tuple[str, str]] = {
         "lookup, on sampled steps",
         "The raw lookups of every `tracekit record --lookup-every N`th step (10 by default; 0: never), "
         "written where the lookup runs: in the reference trainer, at the table's owner after the input dist, "
-        "so `sample` is a position in the batch the owner received; analyze finds the rank each bag came "
-        "from in `comms` ([analysis.md](analysis.md#where-a-lookup-comes-from)).",
+        "so `sample` is a position in the batch the owner received. Where the program declared it with "
+        "`tracekit.sources` (the reference trainer does), `src` is the rank the lookup's item (a bag, a row "
+        "of a 2-D input, an id of a 1-D input) came from and `src_sample` the item's index among the items "
+        "that rank sent (null for a 1-D input's ids, whose sample is not in the call); both are null where "
+        "nothing was declared or a call's items did not number the declared counts, and analyze then finds "
+        "the rank each bag came from in `comms` ([analysis.md](analysis.md#where-a-lookup-comes-from)).",
     ),
     "comms": (
         "`torch.distributed` call on a rank",

@@ -370,7 +370,10 @@ class ShardedEmbeddings(nn.Module):
         """Look up every id this rank received, one call per local table.
 
         Received data is ordered (source rank, local table, sample, position); each table's
-        pieces are joined across source ranks so the table sees the global batch in rank order.
+        pieces are joined across source ranks so the table sees the global batch in rank order,
+        which `tracekit.sources` declares: the items of the call, bags of a pooled table (those
+        sent, not as -1: with replicas or tier 2 a bag's index among them need not be its sample)
+        or ids of a sequence table, rows[q] from rank q (the exchange's group is every rank).
         Returns per local table its output rows (ordered source rank, then sample or id) and,
         per source rank, how many of those rows belong to it.
         """
@@ -389,6 +392,7 @@ class ShardedEmbeddings(nn.Module):
             if self.row_start[t]:
                 ids = ids - self.row_start[t]
             module = self.shards[spec.name]
+            rows, offsets, bag_lengths = [counts[q][j] for q in range(W)], None, None  # sequence: ids per source
             if spec.pooled:
                 bag_lengths = torch.cat([per_src[q][j] for q in range(W)]).long()
                 rows = list(batch_sizes)
@@ -396,12 +400,9 @@ class ShardedEmbeddings(nn.Module):
                     rows = [served[q][j] for q in range(W)]
                     bag_lengths = bag_lengths[bag_lengths >= 0]
                 offsets = torch.cumsum(bag_lengths, 0) - bag_lengths
-                out = _FusedLookup.apply(self.anchor, module, self.optimizer, ids, offsets, bag_lengths)
-                rows_out.append(rows)
-            else:
-                out = _FusedLookup.apply(self.anchor, module, self.optimizer, ids, None, None)
-                rows_out.append([counts[q][j] for q in range(W)])
-            outputs.append(out)
+            with tracekit.sources(rows):  # the trace's `src` of each bag or id: rows[q] came from rank q
+                outputs.append(_FusedLookup.apply(self.anchor, module, self.optimizer, ids, offsets, bag_lengths))
+            rows_out.append(rows)
         return outputs, rows_out
 
     # output dist --------------------------------------------------------------------------
