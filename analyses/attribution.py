@@ -206,8 +206,7 @@ def _attribute(ctx: Context) -> Attribution:
 
 def batches(ctx: Context) -> pl.DataFrame:
     """(step, src, b): every rank's local batch at every training step, from the input dist."""
-    attributed(ctx)
-    return ctx.frame("SELECT step, src, b FROM tk_batches ORDER BY step, src")
+    return ctx.frame(f"SELECT step, src, b FROM {attributed(ctx).tables.batches} ORDER BY step, src")
 
 
 def _a2a(ctx: Context) -> None:
