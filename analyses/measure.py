@@ -14,7 +14,9 @@ Per run:
   the run has no more). samples_per_s = Σ global samples / Σ step time over those steps; a step's
   global samples are steps.samples summed over ranks or, where the trainer leaves that 0 (unknown),
   the batches of the input dist's lengths all-to-all (analyses.attribution.batches; `samples_source`).
-- bytes per training step by (op, tag), N = training steps (analyses.traffic.training_steps):
+- bytes per training step by (op, tag), N = training steps (analyses.traffic.training_steps); a run
+  recorded before the trainer labelled its exchange shows each call under today's label
+  (analyses.roles.label_sql), so old and new runs line up:
       bytes_out_per_step  = Σ_ranks bytes_out / N          (policy.json's and `traffic`'s convention)
       wire_bytes_per_step = Σ_ranks wire / N, per call on a rank in a group of n ranks:
           all_to_all(_single)              bytes_out − splits_out[own group rank]  (remote bytes only)
@@ -54,6 +56,7 @@ import polars as pl
 from analyses import attribution, network, traffic
 from analyses.context import Context
 from analyses.traffic import A2A_OPS, GATHER_OPS, sql_list
+from analyses.roles import label_sql
 from tracekit.errors import TracekitError
 from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, INTER_BYTES, INTRA_BYTES,
                               STEP_TIME, SYNC_BYTES)
@@ -73,7 +76,7 @@ def _starts(prefixes: tuple[str, ...]) -> str:
 
 _CALLS = f"""
     WITH members AS (SELECT "group", list_sort(list(DISTINCT rank)) AS ranks FROM comms GROUP BY ALL),
-    c AS (SELECT c.step, c.op, c.tag, c.bytes_out, c.group_size, c.splits_out,
+    c AS (SELECT c.step, c.op, {label_sql()} AS tag, c.bytes_out, c.group_size, c.splits_out,
                  CASE WHEN c.group_size = {{world}} THEN c.rank ELSE list_position(m.ranks, c.rank) - 1 END AS me
           FROM train_comms c JOIN members m USING ("group"))
     SELECT step, op, tag,

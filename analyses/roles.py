@@ -88,3 +88,12 @@ def part_sql(column: str = "tag") -> str:
     return (f"CASE WHEN {column} IN ({inputs}) THEN '{INPUT_DIST}' "
             f"WHEN {column} IN ({_list(tags.LEGACY_OUTPUT)}) THEN CASE {column} {_cases(tags.LEGACY_OUTPUT)} END "
             f"ELSE coalesce({column}, '') END")
+
+
+def label_sql() -> str:
+    """SQL over comms' columns (with `role`): the tag a call carries, a tag of a run recorded before the
+    trainer labelled its exchange read as the label it gives that call now, so the runs of both compare
+    call by call."""
+    return (f"CASE WHEN tag = '{tags.LEGACY_INPUT_DIST}' AND role IS NOT NULL THEN role "
+            f"WHEN tag IN ({_list(tags.LEGACY_OUTPUT)}) THEN CASE tag {_cases(tags.LEGACY_OUTPUT)} END "
+            f"ELSE tag END")

@@ -17,6 +17,7 @@ from polars.testing import assert_frame_equal
 
 from analyses import attribution, exchange
 from analyses.context import open_context
+from analyses.measure import by_op_tag, measure
 from analyses.replay.graph import recorded_steps
 from analyses.roles import part, with_roles
 from tests.recorded import REPO, TINY, record
@@ -79,14 +80,15 @@ def as_recorded_before(run_dir: Path, to: Path) -> Path:
     return to
 
 
-def _analysed(run_dir: Path) -> tuple[list, pl.DataFrame, list, pl.DataFrame]:
+def _analysed(run_dir: Path) -> tuple[list, pl.DataFrame, list, pl.DataFrame, pl.DataFrame]:
     with open_context(run_dir) as ctx:
         sources = sorted(attribution.attributed(ctx).relation.fetchall(), key=str)
         replayed = exchange.comms_replay(ctx)
         steps = recorded_steps(ctx, [])
         roles = ctx.frame("SELECT rank, step, seq, phase, role FROM comms ORDER BY rank, step, phase, seq")
+        by_tag = by_op_tag(measure(ctx, None).calls, ctx.train_steps())
     names = [(s.step, k, c.op, c.collective) for s in steps for k, c in sorted(s.calls.items())]
-    return sources, replayed, names, roles
+    return sources, replayed, names, roles, by_tag
 
 
 @pytest.mark.slow
@@ -99,11 +101,13 @@ def test_a_run_recorded_before_the_labels_analyses_the_same(tmp_path: Path) -> N
     with open_context(before) as ctx:
         assert {t for (t,) in ctx.sql(f"SELECT DISTINCT tag FROM comms WHERE op = '{A2A}'").fetchall()} == \
             {tags.LEGACY_INPUT_DIST, "_AllToAll.forward", "_AllToAll.backward"}
-    sources, replayed, names, roles = _analysed(run_dir)
-    sources_before, replayed_before, names_before, roles_before = _analysed(before)
+    sources, replayed, names, roles, by_tag = _analysed(run_dir)
+    sources_before, replayed_before, names_before, roles_before, by_tag_before = _analysed(before)
     assert set(roles["role"].drop_nulls()) == set(tags.EXCHANGE)
     assert_frame_equal(roles_before, roles)
     assert sources_before == sources and {row[7] for row in sources} == {0, 1}  # every lookup's src
     assert set(replayed["tag"].drop_nulls()) == set(tags.EXCHANGE)
     assert_frame_equal(replayed_before.drop("tag"), replayed.drop("tag"))
     assert names_before == names and {n[3] for n in names} >= set(tags.EXCHANGE)
+    assert_frame_equal(by_tag_before, by_tag)  # compare's table by tag shows today's labels for both
+    assert set(tags.EXCHANGE) <= set(by_tag["tag"])
