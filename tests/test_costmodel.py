@@ -129,7 +129,7 @@ def test_cost_model_tables_hold_every_policy(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sharding", "sequence_tables"), [("table", 0), ("table", 2), ("row", 2)])
+@pytest.mark.parametrize(("sharding", "sequence_tables"), [("table", 0), ("table", 2), ("row", 0), ("row", 2)])
 def test_baseline_bytes_equal_a_recorded_trainer_run(tmp_path: Path, sharding: str, sequence_tables: int) -> None:
     code, run_dir = record(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(REPO / "train.py"), *TINY, "--sharding", sharding,
