@@ -18,14 +18,13 @@ call whose items do not number `sum(counts)` records nulls. Untraced, it only ch
 
 from __future__ import annotations
 
+import functools
 import numbers
 from contextvars import ContextVar, Token
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 
-@dataclass(frozen=True)
-class Sources:
+class Sources(NamedTuple):
     """A block's declaration: `counts[q]` items came from global rank `ranks[q]`, in that order."""
 
     counts: tuple[int, ...]
@@ -37,6 +36,8 @@ current_sources: ContextVar[Sources | None] = ContextVar("tracekit_sources", def
 
 def _ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     """`values` as a tuple of non-negative ints; TypeError/ValueError naming `name` otherwise."""
+    if type(values) in (list, tuple) and (not values or set(map(type, values)) == {int} and min(values) >= 0):
+        return tuple(values)  # the common case, in C: a trainer declares once per table call
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"tracekit.sources: `{name}` must be a sequence of non-negative ints such as [64, 64], "
                         f"got {type(values).__name__}")
@@ -46,6 +47,11 @@ def _ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
         if value < 0:
             raise ValueError(f"tracekit.sources: `{name}`[{q}] must be >= 0, got {value}")
     return tuple(int(value) for value in values)
+
+
+@functools.cache
+def _positions(n: int) -> tuple[int, ...]:
+    return tuple(range(n))
 
 
 class sources:
@@ -59,7 +65,7 @@ class sources:
     def __init__(self, counts: Sequence[int], *, ranks: Sequence[int] | None = None) -> None:
         counts = _ints("counts", counts)
         if ranks is None:
-            ranks = tuple(range(len(counts)))
+            ranks = _positions(len(counts))
         else:
             ranks = _ints("ranks", ranks)
             if len(ranks) != len(counts):
