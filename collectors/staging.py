@@ -36,6 +36,16 @@ from tracekit.sources import Sources, current_sources
 from tracekit.store import RunWriter
 
 
+def _source_columns(groups: list[list[Call]], found: list[tuple[np.ndarray, ...]]) -> dict[str, np.ndarray]:
+    """`src` and `src_sample` of the lookups `lookup_rows` found for each table's calls; none where no
+    call declared its sources (the store then writes both columns null)."""
+    declared = [lookup_sources(calls, rows[1]) for calls, rows in zip(groups, found)]
+    if all(d is None for d in declared):
+        return {}
+    pairs = [d if d is not None else (np.ma.masked_all(len(rows[1]), np.int32),) * 2 for d, rows in zip(declared, found)]
+    return {"src": np.ma.concatenate([p[0] for p in pairs]), "src_sample": np.ma.concatenate([p[1] for p in pairs])}
+
+
 def _by_table(calls: list[Call]) -> dict[tuple[Table, str], list[Call]]:
     """Calls grouped by (table, phase)."""
     groups: dict[tuple[Table, str], list[Call]] = {}
@@ -174,15 +184,9 @@ class Staging:
         if groups:
             found = [lookup_rows(group_calls) for group_calls in groups.values()]
             step, sample, pos, row, feature = (np.concatenate(column) for column in zip(*found))
-            declared = [lookup_sources(calls, f[1]) for calls, f in zip(groups.values(), found)]
-            sources = {}  # left out where no call declared its sources: the columns are then all null
-            if any(d is not None for d in declared):
-                sources = dict(zip(("src", "src_sample"), (np.ma.concatenate(column) for column in zip(*(
-                    d if d is not None else (np.ma.masked_all(len(f[1]), np.int32),) * 2
-                    for d, f in zip(declared, found))))))
             yield "lookups", columns(list(groups), [len(f[0]) for f in found], step=step,
                                      sample=sample.astype(np.int32), pos=pos.astype(np.int32), row=row,
-                                     feature=feature, **sources)
+                                     feature=feature, **_source_columns(list(groups.values()), found))
         self._sampled_taken = []
 
     def _counted(self, whole: Kept, running: int | None) -> Iterator[tuple[str, dict[str, Any]]]:
