@@ -172,6 +172,12 @@ def test_a_cluster_baseline_replays_to_its_steps_and_predicts_halved_bytes(tmp_p
         halved = rp.predict(Change(scale={"output_fwd": 0.5, "output_bwd": 0.5}))
     bf16 = _cluster_run(tmp_path / "bf16", "--a2a-dtype", "bf16")
     with open_context(bf16) as ctx:
-        measured = replay(ctx).measured_median_s
-    assert halved.low_s <= measured <= halved.high_s, (halved, measured)
-    assert halved.step_s < 0.9 * rp.measured_median_s  # the bytes halved cost time here: the test can fail
+        other = replay(ctx)
+    # what the two runs share: the changed run's median over the baseline's, against the predicted ratio's interval
+    # (the baseline's drift is in it) widened by the changed run's own drift, so a box busier for one run than the
+    # other does not fail it, and halved bytes priced wrong (no gain, or the whole step halved) still do
+    base_s = rp.measured_median_s
+    ratio = other.measured_median_s / base_s
+    low, high = halved.low_s / base_s - other.spread_s / base_s, halved.high_s / base_s + other.spread_s / base_s
+    assert low <= ratio <= high, (halved, ratio, other.spread_s)
+    assert halved.ratio < 0.9 and high < 0.95 and low > 0.5  # the bytes halved cost time here: the test can fail

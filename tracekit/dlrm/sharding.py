@@ -34,7 +34,6 @@ fewer bytes each. World size 1 has no exchange, so nothing to compress.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,7 +46,8 @@ from tracekit import tags
 from tracekit.dlrm.optim import RowWiseAdagrad, SparseSGD
 from tracekit.dlrm.output_codec import OutputCodec
 from tracekit.dlrm.replicas import Replicas
-from tracekit.dlrm.tables import TableSpec, init_shard
+from tracekit.dlrm.tables import init_shard
+from tracekit.placement import ShardingPlan, TableSpec  # noqa: F401 (the trainer's plan, re-exported)
 
 
 class Tier(Protocol):
@@ -59,46 +59,6 @@ class Tier(Protocol):
               batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
     def synchronise(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class ShardingPlan:
-    """Where every table (table-wise) or row block (row-wise) lives; identical on all ranks."""
-
-    tables: tuple[TableSpec, ...]
-    world_size: int
-    kind: str  # "table" | "row"
-    owners: tuple[int, ...]  # table-wise: owner rank of each table
-
-    @staticmethod
-    def build(tables: list[TableSpec], world_size: int, kind: str) -> "ShardingPlan":
-        """Table-wise: largest tables first, each to the rank holding the fewest rows so far."""
-        owners = [0] * len(tables)
-        if kind == "table":
-            load = [0] * world_size
-            for t in sorted(range(len(tables)), key=lambda t: (-tables[t].rows * tables[t].dim, t)):
-                rank = min(range(world_size), key=lambda r: (load[r], r))
-                owners[t] = rank
-                load[rank] += tables[t].rows * tables[t].dim
-        return ShardingPlan(tuple(tables), world_size, kind, tuple(owners))
-
-    def tables_on(self, rank: int) -> list[int]:
-        """Tables with a shard on `rank`, in table order."""
-        if self.kind == "row":
-            return list(range(len(self.tables)))
-        return [t for t, owner in enumerate(self.owners) if owner == rank]
-
-    def block_rows(self, t: int) -> int:
-        """Row-wise: the rows of table t's block on each rank (the last rank's may hold fewer)."""
-        return math.ceil(self.tables[t].rows / self.world_size)
-
-    def row_range(self, t: int, rank: int) -> tuple[int, int]:
-        """Rows [start, stop) of table t held by `rank`."""
-        table_rows = self.tables[t].rows
-        if self.kind == "table":
-            return (0, table_rows) if self.owners[t] == rank else (0, 0)
-        block = self.block_rows(t)
-        return min(table_rows, rank * block), min(table_rows, (rank + 1) * block)
 
 
 @dataclass
@@ -282,69 +242,7 @@ class ShardedEmbeddings(nn.Module):
     # input dist ---------------------------------------------------------------------------
 
     def _route(self, lengths: torch.Tensor, values: torch.Tensor, served: torch.Tensor | None) -> Routing:
-        """Order this rank's ids by destination rank, and note where returned rows belong.
-
-        A returned row's slot is `sample * T + table` in the [b, T, D] output. `served` [T, b]
-        (None: all) says which pooled bags the owners pool and return; the others are sent as -1.
-        """
-        plan = self.plan
-        T, b = lengths.shape
-        W = plan.world_size
-        per_value_slots = plan.kind == "row" or any(not spec.pooled for spec in plan.tables)
-        slots = None
-        if per_value_slots:
-            bag = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
-                                          output_size=values.numel())  # t * b + sample
-            table_of = torch.div(bag, b, rounding_mode="floor")
-            slots = (bag - table_of * b) * T + table_of
-        if plan.kind == "table":
-            per_table = lengths.sum(dim=1).tolist()
-            starts = [0]
-            for n in per_table:
-                starts.append(starts[-1] + n)
-            order = [t for q in range(W) for t in plan.tables_on(q)]
-            if order == list(range(T)):
-                send_values, send_slots = values, slots
-            else:
-                send_values = torch.cat([values[starts[t]:starts[t + 1]] for t in order])
-                if slots is not None:
-                    send_slots = torch.cat([slots[starts[t]:starts[t + 1]] for t in order])
-            send_lengths = (lengths if served is None else torch.where(served, lengths, -1))[order].flatten()
-            counts = [[per_table[t] if plan.owners[t] == q else 0 for t in range(T)] for q in range(W)]
-        else:
-            dest = torch.div(values, self.blocks[table_of], rounding_mode="floor")
-            perm = torch.argsort(dest * T + table_of, stable=True)
-            send_values, send_slots = values[perm], slots[perm]
-            send_lengths = torch.bincount(dest * (T * b) + bag, minlength=W * T * b)
-            counts = send_lengths.view(W, T, b).sum(dim=2).tolist()
-            if served is not None:
-                send_lengths.view(W, T * b)[:, ~served.flatten()] = -1
-
-        grid = torch.arange(b, device=lengths.device) * T + torch.arange(T, device=lengths.device).view(T, 1)
-        if served is None:  # a pooled table's returned rows go to slots sample * T + t
-            kept, pooled_slots = [b] * T, grid
-        else:
-            kept = served.sum(dim=1).tolist()
-            pooled_slots = grid[served].split(kept)
-        lengths_splits, values_splits, rows_back, slots_back = [], [], [], []
-        offset = 0
-        for q in range(W):
-            tables = plan.tables_on(q)
-            lengths_splits.append(len(tables) * b)
-            values_splits.append(sum(counts[q][t] for t in tables))
-            rows = 0
-            for t in tables:
-                n = counts[q][t]
-                if plan.tables[t].pooled:
-                    slots_back.append(pooled_slots[t])
-                    rows += kept[t]
-                else:
-                    slots_back.append(send_slots[offset:offset + n])
-                    rows += n
-                offset += n
-            rows_back.append(rows)
-        return Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
-                       rows_back, torch.cat(slots_back))
+        return route(self.plan, lengths, values, served, self.blocks)
 
     def _input_dist(self, routing: Routing, batch_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Two all-to-alls: bag lengths, then ids, each to the rank holding their rows (labelled
@@ -424,6 +322,76 @@ class ShardedEmbeddings(nn.Module):
     def _ids_per_bag(self, lengths: torch.Tensor) -> torch.Tensor:
         """Received bag lengths as id counts: a bag sent as -1 holds none."""
         return lengths.clamp(min=0) if self.serves_outside else lengths
+
+
+def route(plan: ShardingPlan, lengths: torch.Tensor, values: torch.Tensor, served: torch.Tensor | None = None,
+          blocks: torch.Tensor | None = None) -> Routing:
+    """Order a rank's ids (lengths [T, b], values) by destination rank under `plan`, and note where
+    returned rows belong. The trainer's routing; it needs no process group, so `tracekit simulate`'s
+    bytes are tested against it offline (tests/test_simulate.py).
+
+    A returned row's slot is `sample * T + table` in the [b, T, D] output. `served` [T, b]
+    (None: all) says which pooled bags the owners pool and return; the others are sent as -1.
+    """
+    T, b = lengths.shape
+    W = plan.world_size
+    per_value_slots = plan.kind == "row" or any(not spec.pooled for spec in plan.tables)
+    slots = None
+    if per_value_slots:
+        bag = torch.repeat_interleave(torch.arange(T * b, device=lengths.device), lengths.flatten(),
+                                      output_size=values.numel())  # t * b + sample
+        table_of = torch.div(bag, b, rounding_mode="floor")
+        slots = (bag - table_of * b) * T + table_of
+    if plan.kind == "table":
+        per_table = lengths.sum(dim=1).tolist()
+        starts = [0]
+        for n in per_table:
+            starts.append(starts[-1] + n)
+        order = [t for q in range(W) for t in plan.tables_on(q)]
+        if order == list(range(T)):
+            send_values, send_slots = values, slots
+        else:
+            send_values = torch.cat([values[starts[t]:starts[t + 1]] for t in order])
+            if slots is not None:
+                send_slots = torch.cat([slots[starts[t]:starts[t + 1]] for t in order])
+        send_lengths = (lengths if served is None else torch.where(served, lengths, -1))[order].flatten()
+        counts = [[per_table[t] if plan.owners[t] == q else 0 for t in range(T)] for q in range(W)]
+    else:
+        if blocks is None:
+            blocks = torch.tensor([plan.block_rows(t) for t in range(T)], device=lengths.device)
+        dest = torch.div(values, blocks[table_of], rounding_mode="floor")
+        perm = torch.argsort(dest * T + table_of, stable=True)
+        send_values, send_slots = values[perm], slots[perm]
+        send_lengths = torch.bincount(dest * (T * b) + bag, minlength=W * T * b)
+        counts = send_lengths.view(W, T, b).sum(dim=2).tolist()
+        if served is not None:
+            send_lengths.view(W, T * b)[:, ~served.flatten()] = -1
+
+    grid = torch.arange(b, device=lengths.device) * T + torch.arange(T, device=lengths.device).view(T, 1)
+    if served is None:  # a pooled table's returned rows go to slots sample * T + t
+        kept, pooled_slots = [b] * T, grid
+    else:
+        kept = served.sum(dim=1).tolist()
+        pooled_slots = grid[served].split(kept)
+    lengths_splits, values_splits, rows_back, slots_back = [], [], [], []
+    offset = 0
+    for q in range(W):
+        tables = plan.tables_on(q)
+        lengths_splits.append(len(tables) * b)
+        values_splits.append(sum(counts[q][t] for t in tables))
+        rows = 0
+        for t in tables:
+            n = counts[q][t]
+            if plan.tables[t].pooled:
+                slots_back.append(pooled_slots[t])
+                rows += kept[t]
+            else:
+                slots_back.append(send_slots[offset:offset + n])
+                rows += n
+            offset += n
+        rows_back.append(rows)
+    return Routing(send_lengths.to(torch.int32), send_values, lengths_splits, values_splits,
+                   rows_back, torch.cat(slots_back))
 
 
 def _segment_sums(values: torch.Tensor, sizes: list[int]) -> list[int]:

@@ -10,21 +10,12 @@ start from the same values at any world size and under any sharding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from tracekit.placement import TableSpec
+
 _INIT_CHUNK_ROWS = 1 << 16  # rows per independently seeded init chunk
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """An embedding table: its name, rows and dim, and whether its bags are pooled (else a sequence)."""
-
-    name: str
-    rows: int
-    dim: int
-    pooled: bool = True
 
 
 def _init_chunk(spec: TableSpec, t: int, chunk: int, seed: int) -> torch.Tensor:
