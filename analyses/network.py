@@ -396,31 +396,6 @@ def _robust(residual: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(residual - np.median(residual))))
 
 
-# links of a cluster (analyses.simulate projects a run onto one) --------------------------------
-
-def exchange_time(m: np.ndarray, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
-    """Seconds of an exchange of m[src, dst] bytes on nodes × per_node ranks (module docstring)."""
-    node = np.arange(m.shape[0]) // per_node
-    cross = node[:, None] != node[None, :]
-    same = ~cross & ~np.eye(len(node), dtype=bool)
-    out_n = np.bincount(node, weights=(m * cross).sum(axis=1), minlength=nodes)
-    in_n = np.bincount(node, weights=(m * cross).sum(axis=0), minlength=nodes)
-    out_r, in_r = (m * same).sum(axis=1), (m * same).sum(axis=0)
-    link = np.maximum(out_n, in_n) if duplex else out_n + in_n
-    local = np.maximum(out_r, in_r) if duplex else out_r + in_r
-    t_inter = float(link.max()) / inter if nodes > 1 else 0.0
-    t_intra = float(local.max()) / intra if per_node > 1 else 0.0
-    return max(t_inter, t_intra)
-
-
-def ring_time(per_rank: float, nodes: int, per_node: int, inter: float, intra: float, duplex: bool = True) -> float:
-    world = nodes * per_node
-    if world < 2 or not per_rank:
-        return 0.0
-    wire = 2 * (world - 1) / world * per_rank * (2 if world == 2 and not duplex else 1)
-    return max(wire / inter if nodes > 1 else 0.0, wire / intra if per_node > 1 else 0.0)
-
-
 # the rank-side work -----------------------------------------------------------------------------
 
 def _calibration(ctx: Context, notes: list[str]) -> dict | None:

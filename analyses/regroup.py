@@ -80,12 +80,14 @@ def _load(ctx: Context) -> Lookups:
     sequence = np.zeros(max(len(ctx.model.tables), 1), dtype=bool)
     for tid, kind in names.iter_rows():
         sequence[tid] = kind == "sequence"
+    any_sequence = bool(sequence.any())
+    k = ("row_number() OVER (PARTITION BY l.step, l.src, l.tid ORDER BY l.owner, l.sample, l.pos) - 1"
+         if any_sequence else "0")
+    n = "count(*) OVER (PARTITION BY l.step, l.src, l.tid)" if any_sequence else "1"
     frame = ctx.frame(f"""
         WITH b AS (SELECT step, src, b, sum(b) OVER (ORDER BY step, src ROWS UNBOUNDED PRECEDING) - b AS base
                    FROM {a.batches} SEMI JOIN {a.steps} USING (step)),
-        l AS (SELECT l.step, l.src, l.tid, l."row", l.feature, l.src_sample,
-                     row_number() OVER (PARTITION BY l.step, l.src, l.tid ORDER BY l.owner, l.sample, l.pos) - 1 AS k,
-                     count(*) OVER (PARTITION BY l.step, l.src, l.tid) AS n
+        l AS (SELECT l.step, l.src, l.tid, l."row", l.feature, l.src_sample, {k} AS k, {n} AS n
               FROM {a.lookups} l JOIN {a.names} t USING (tid) WHERE t.sharded AND l.src IS NOT NULL)
         SELECT (b.base + coalesce(l.src_sample, (l.k * b.b) // l.n))::BIGINT AS g, l.tid::INTEGER AS tid,
                l."row"::BIGINT AS "row", coalesce(l.feature, 0)::SMALLINT AS feature
@@ -93,7 +95,7 @@ def _load(ctx: Context) -> Lookups:
     samples = ctx.sql(f"SELECT coalesce(sum(b), 0)::BIGINT FROM {a.batches} SEMI JOIN {a.steps} USING (step)"
                       ).fetchall()[0][0]
     notes = []
-    if sequence.any():
+    if any_sequence:
         notes.append("sequence tables: an id's sample within its rank's batch is not on record, so the k-th of a "
                      "rank's n ids of a table in a step is given sample ⌊k·b/n⌋ (approximate)")
     return Lookups(frame["g"].to_numpy(), frame["tid"].to_numpy(), frame["row"].to_numpy(),

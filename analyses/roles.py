@@ -36,9 +36,6 @@ A2A = "all_to_all_single"
 ROLE = {**{t: t for t in tags.EXCHANGE}, tags.OUTPUT_FWD_CODED: tags.OUTPUT_FWD, tags.OUTPUT_BWD_CODED: tags.OUTPUT_BWD}
 """The role of each label the reference trainer gives an exchange call."""
 
-INPUT_DIST = "input_dist"
-"""The part (`part`) of the input dist's two calls."""
-
 
 def _list(values) -> str:
     return ", ".join(f"'{v}'" for v in values)
@@ -70,24 +67,6 @@ def with_roles(source: str) -> str:
                      coalesce(bool_or({exchange} AND {trainer}) OVER (PARTITION BY rank, step, phase), false)
                          AS tk_trainer
               FROM {source})"""
-
-
-def part(tag: str) -> str:
-    """The exchange part of an all-to-all tagged `tag`, as analyses.step_traffic splits the exchange:
-    the reference trainer's input dist (both calls, labelled or recorded before) is one part,
-    INPUT_DIST; its other calls are the label the trainer gives them now (a tag of a run recorded
-    before read as that label); every other call its own tag ('' for none)."""
-    if tag in (tags.INPUT_LENGTHS, tags.INPUT_IDS, tags.LEGACY_INPUT_DIST):
-        return INPUT_DIST
-    return tags.LEGACY_OUTPUT.get(tag, tag or "")
-
-
-def part_sql(column: str = "tag") -> str:
-    """`part` in SQL, of the tag in `column`."""
-    inputs = _list((tags.INPUT_LENGTHS, tags.INPUT_IDS, tags.LEGACY_INPUT_DIST))
-    return (f"CASE WHEN {column} IN ({inputs}) THEN '{INPUT_DIST}' "
-            f"WHEN {column} IN ({_list(tags.LEGACY_OUTPUT)}) THEN CASE {column} {_cases(tags.LEGACY_OUTPUT)} END "
-            f"ELSE coalesce({column}, '') END")
 
 
 def label_sql() -> str:

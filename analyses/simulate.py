@@ -1,80 +1,68 @@
-"""What-if: a recorded run's training step projected onto another cluster (`tracekit simulate`).
+"""What-if: a recorded run's training step projected onto another cluster (`tracekit simulate`), with the
+policy sections derived for that cluster (or a policy file as written), in bytes and in time.
 
-From the run, each training step's communication by class of collective (exchange, ring, gather,
-other) and its compute time (analyses.step_traffic's Traffic).
+Bytes. The recorded samples with their ids (`lookups`) are regrouped onto the target's W' ranks of b'
+samples in the order the trainer hands samples to ranks (analyses.regroup), the tables placed by the
+trainer's own planner at W' (tracekit.placement; the run's sharding or the target's), and every
+collective of the exchange counted to the byte, each section's replicated rows taken out as the trainer
+serves them (analyses.target_exchange). The dense gradients' all-reduce keeps its size a rank (the
+model's). Exact where the recording covers a target step (a note says how many), an estimate of its
+samples scaled where it covers less.
 
-On a target of N nodes × R ranks (global rank r on node r // R; each node's link runs at `inter_bw`
-each way, ranks within a node talk at `intra_bw`), per class and step:
+Sections. By default each is derived for the target (analyses.target_sections: the replicated rows, the
+FAE hot set, DCT's settings within the quality the run measured); with a policy file, its sections as
+written. `combined` is the recommended ones together, as the trainer applies them.
 
-    exchange  per tag, max( max_n link_n / inter_bw,  max_r intra_r / intra_bw )
-              link_n = max(out_n, in_n): out_n, in_n the bytes node n sends to and receives from
-              other nodes, both directions of a link at once (full duplex, the default);
-              link_n = out_n + in_n with `duplex=False`, a bound for gloo's worst case: its TCP
-              transport tells a peer it may send on the same stream as its own data, so when two
-              ranks enter an exchange more than a few ms apart the later one's data crosses first
-              and the earlier one's only after it (measured on `tracekit cluster`: the late rank's
-              exchange then takes 2.0× its one-way time). The trainer's exchanges are lopsided
-              (table-wise: most bytes go one way) and its async all-reduces use the idle direction,
-              so full duplex is what its steps measure (bench/RESULTS.md §8).
-              intra_r: the same for rank r's traffic within its node. Tags apart: the output
-              all-to-all of a table-wise layout is lopsided one way, its backward the other.
-    ring      a ring all-reduce: wire = 2(W−1)/W · S per rank to the next rank, one ring edge leaving
-              each node: max(wire / inter_bw if N > 1, wire / intra_bw if R > 1); on gloo at W = 2
-              the ring's two edges join the same pair, so twice that
-    gather    an exchange of g from every rank to every other
+Time. The recorded steps' programs replayed with every collective priced on the target's links
+(analyses.replay.target): compute from the recorded steps scaled with the batch (and `compute_scale`),
+no call time or α of the recording carried over. `simulate_sweep` is the same replay over SWEEP_RATES
+between nodes.
 
-    step time = compute · b'/b + Σ class times + α · collectives per step
-
-with α the latency of one collective (`latency_s`, else the run's fitted α: analyses.network) and no
-overlap of communication with compute (SCARS's t_iter = t_compute + t_comm). Between nodes the
-link carries TCP over IPv4 on Ethernet at MTU 1500: 1448 payload bytes per 1514 bytes sent
-(WIRE_EFFICIENCY), which is what a rate-limited link such as `tracekit cluster`'s delivers.
-
-Bytes. At the run's own world size and batch they are exact: the baseline's are the recorded ones
-and a policy's are its replayed `predicted` figures (analyses.exchange), and the network does not
-change what is sent (method `replay`). At another world size or per-device batch they are scaled per
-sample (method `scaled`). What the policy file's sections (replication, tiers, schedule) and DCT's
-compression make of the step's bytes, and of their scaling, is analyses.projected_traffic's;
-`combined` is every section together, compression applied after the exchange's replicas, as the
-trainer applies them.
-
-    result = simulate(ctx, Target(nodes=2, ranks_per_node=1, inter_bw=25e6), policy)
-    result.tables["simulate"]         # policy | method | bytes and time per step | speedup
+    result = simulate(ctx, Target(nodes=8, ranks_per_node=8, inter_bw=12.5e9))
+    result.tables["simulate"]         # policy | bytes a step | compute, comm, step time | speedup
     result.tables["simulate_sweep"]   # policy | inter_bw | step_time_s | speedup
+    result.sections                   # the sections derived for the target (write_policy writes them)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 
-from analyses import network, roles
-from analyses.context import Context, Result, open_context
-from analyses.exchange_timing import sync_calls
-from analyses.network import WIRE_EFFICIENCY, exchange_time, ring_time
-from analyses.projected_traffic import (TIER2_TAG, replicated_pairs, scaled, section_rows, with_compression,
-                                        with_policy)
-from analyses.replay.change import Change
-from analyses.replay.graph import Call, Step, ring_flows
-from analyses.replay.links import Links
-from analyses.replay.prediction import replay
+from analyses import attribution, exchange as recorded_exchange, network
+from analyses.context import Context, Options, Result, open_context
+from analyses.regroup import recorded_lookups, regroup
+from analyses.replay.graph import Call, Step, one_way, recorded_steps
 from analyses.replay.simulation import run_steps
-from analyses.step_traffic import Traffic, recorded
+from analyses.replay.target import DEFAULT_LATENCY_S, TargetLinks, priced_links, priced_steps
+from analyses.target_exchange import (DENSE, SPARSE, Routed, TableBytes, TargetExchange, exchange, route)
+from analyses.target_sections import (RECOMMEND_GAIN, Case, candidates, ranked_rows, replication, schedule,
+                                      sync_kinds, with_sync)
 from analyses.traffic import A2A_OPS, GATHER_OPS
 from tracekit import tags
-from tracekit.figures import STEP_TIME
-from tracekit.policy import load_policy, section_part
+from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, HOT_ROWS,
+                              HOT_SAMPLE_FRACTION, STEP_TIME, SYNC_BYTES)
+from tracekit.placement import ShardingPlan, TableSpec
+from tracekit.policy import (Combined, DctDp, DctMp, Policy, Prediction, Replication, Schedule, Section,
+                             read_policy, row_path, write_policy)
 from tracekit.policy_model import check_model
+from tracekit.run_dir import RunDir
 from tracekit.topology import Topology
 
-SIMULATED = ("replication", "tiers", "schedule")
-"""policy.json sections whose predictions say what the exchange becomes."""
-COMPRESSED = ("compression.dp", "compression.mp")
-"""policy.json's compression parts, projected on top of the exchange."""
-SWEEP_RATES = (10e6, 25e6, 50e6, 100e6, 200e6, 500e6, 1e9, 2.5e9, 10e9, 25e9, 100e9)
+SWEEP_RATES = (10e6, 25e6, 50e6, 100e6, 200e6, 500e6, 1e9, 2.5e9, 10e9, 25e9, 100e9, 400e9)
 """Inter-node link rates of the sweep, bits per second."""
+SCALE_WORLDS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""World sizes of the scale curve (`curve=True`), the target's ranks per node each."""
+PREDICT_STEPS = 24  # recorded steps a projection replays, evenly spaced
+DERIVE_STEPS = 12  # ... and a candidate of a derivation, and a point of the sweep
+UNMEASURED_INTRA_BW = 10e9
+"""Bytes/s assumed within a node where the run cannot tell (no one-node run to measure it on)."""
+OUTPUTS = (tags.OUTPUT_FWD, tags.OUTPUT_BWD)
+ROW_LISTS = {"replication": ("hot_rows",), "schedule": ("fae_rows",)}
+"""The row lists a derived section's file carries (policy/<name>.parquet)."""
 
 
 @dataclass(frozen=True)
@@ -83,209 +71,182 @@ class Target(Topology):
 
     inter_bw: float
     intra_bw: float | None = None
-    batch: int | None = None  # per device
-    latency_s: float | None = None
-    duplex: bool = True  # both directions of a link at once; False: gloo's worst case (module docstring)
+    batch: int | None = None  # per device; None: the run's
+    latency_s: float | None = None  # per collective; None: analyses.replay.target.DEFAULT_LATENCY_S
+    duplex: bool = True  # both directions of a link at once
+    sharding: str | None = None  # "table" | "row"; None: the run's
+    compute_scale: float = 1.0  # the target device's compute time over the recording's, at the same batch
 
 
+@dataclass
+class Projection:
+    """What `simulate` hands back beside its Result: the sections derived for the target, and their rows."""
 
-# time on the target ----------------------------------------------------------------------------
-
-def comm_time(t: Traffic, target: Target, intra: float, latency: float) -> float:
-    n, r, full = target.nodes, target.ranks_per_node, target.duplex
-    inter = target.inter_bw * WIRE_EFFICIENCY
-    gather = np.full((t.world, t.world), t.gather) - np.diag(np.full(t.world, t.gather))
-    seconds = (sum(exchange_time(m, n, r, inter, intra, full) for m in t.exchange.values())
-               + ring_time(t.ring, n, r, inter, intra, full)
-               + exchange_time(gather, n, r, inter, intra, full))
-    if t.sync_ring:
-        seconds += ring_time(t.sync_ring, n, r, inter, intra, full)
-    elif t.sync_wire:  # sparse: its wire bytes, evenly from every rank to every other
-        per_pair = t.sync_wire / (t.world * (t.world - 1))
-        sync = np.full((t.world, t.world), per_pair) - np.diag(np.full(t.world, per_pair))
-        seconds += exchange_time(sync, n, r, inter, intra, full)
-    if t.node_ring:  # the node copies' dense sync: each node's blocks in a ring of the nodes
-        seconds += ring_time(t.node_ring, n, 1, inter, intra, full)
-    elif t.node_wire and n > 1:  # sparse: evenly from every node to every other
-        per_pair = t.node_wire / (n * (n - 1))
-        seconds += exchange_time(np.full((n, n), per_pair) - np.diag(np.full(n, per_pair)), n, 1, inter, intra, full)
-    return seconds + latency * t.calls
+    policy: Policy | None = None
+    rows: dict[str, pl.DataFrame] = field(default_factory=dict)
 
 
-# the projection --------------------------------------------------------------------------------
+@dataclass
+class _Source:
+    """The recording's side: its routed lookups on the target, its steps and their dense traffic."""
 
-def simulate(ctx: Context, target: Target, policy: dict | None = None, policy_path=None) -> Result:
-    """Tables `simulate` (baseline and each policy section on `target`) and `simulate_sweep` (the
-    same over SWEEP_RATES), and a summary; notes on what was scaled or left out. `policy_path`
-    (where `policy` was read from) locates its row lists, for the exact per-pair replay."""
-    result = Result()
+    routed: Routed
+    looked: object
+    steps: list[Step]
+    batch: float
+    compute_scale: float
+    ring_bytes: float  # the dense gradients' all-reduce, bytes a rank a step (DDP's buckets and the rest)
+    dp_buckets: int  # the DDP all-reduces a step
+    notes: list[str]
+
+
+# the projection ----------------------------------------------------------------------------------
+
+def simulate(ctx: Context, target: Target, policy: Policy | None = None, policy_path=None, *,
+             derive: bool = True, curve: bool = False) -> tuple[Result, Projection]:
+    """Tables `simulate` (the baseline and each section on `target`), `simulate_sweep` (over SWEEP_RATES)
+    and with `curve` `simulate_scale` (SCALE_WORLDS), a summary and notes; and the sections derived for
+    the target. `policy` (read from `policy_path`, which locates its row lists): project its sections as
+    written; else `derive` them for the target (False: the baseline alone)."""
+    result, projection = Result(), Projection()
     if target.world < 1:
         raise ValueError("the target needs at least one rank")
-    if not ctx.has("comms"):
-        result.notes.append("the run has no comms table: nothing to project")
-        return result
-    base, run = recorded(ctx)
-    if run["compute_s"] is None:
-        result.notes.append("the run has no steps table: compute time unknown, step times not projected")
-    batch = run["batch"] or 0.0
-    new_batch = float(target.batch or batch)
-    same = target.world == ctx.model.world_size and abs(new_batch - batch) < 1e-9
-    intra = target.intra_bw or _intra_bw(ctx, result.notes)
-    latency = run["latency_s"] if target.latency_s is None else target.latency_s
-    compute = None if run["compute_s"] is None else run["compute_s"] * (new_batch / batch if batch else 1.0)
-
-    cases = [("baseline", base)]
-    policy = policy or {}
-    for name in SIMULATED:
-        if name in policy:
-            rows = section_rows(policy[name], name, policy_path) if ctx.has("lookups") else None
-            freed = None if rows is None else replicated_pairs(ctx, rows)
-            cases.append((name, with_policy(base, policy[name], freed)))
-    exchanged = cases[1:]
-    compressed = [(name, part) for name in COMPRESSED if (part := section_part(policy, name)) is not None]
-    for name, part in compressed:
-        cases.append((name, with_compression(base, name, part)))
-    if len(exchanged) + len(compressed) > 1:  # as optimize's combined run: replication (or tiers) first
-        combined = next((t for name, t in exchanged if name in ("replication", "tiers")), base)
-        for name, part in compressed:
-            combined = with_compression(combined, name, part)
-        cases.append(("combined", combined))
-    if "lag" in policy:
-        result.notes.append("lag: not projected (it applies to inference; its makespan is the lag section's)")
-    if not same:
-        cases = [(name, scaled(t, batch, target, new_batch)) for name, t in cases]
-        result.notes.append(f"world {ctx.model.world_size} → {target.world}, batch {batch:g} → {new_batch:g} per "
-                            "device: bytes scaled per sample, spread evenly over the rank pairs; syncs dense")
-    replayed = (_replayed(ctx, target, intra, dict(cases), base, new_batch / batch if batch else 1.0)
-                if compute is not None else None)
-    if replayed is not None:
-        result.notes.append("step times: the recorded steps replayed on the target's links, each section's collectives "
-                            "changed to its bytes (analyses/replay/)")
-    rows, sweep = [], []
-    base_time = None
-    for name, t in cases:
-        comm = comm_time(t, target, intra, latency)
-        step = None if compute is None else compute + comm
-        if replayed is not None and name in replayed:
-            step = replayed[name]
-            comm = max(step - compute, 0.0)
-        base_time = step if name == "baseline" else base_time
-        rows.append({"policy": name, "method": "replay" if same else "scaled", "topology": target.name,
-                     "world": target.world, "batch_per_device": new_batch, "inter_bw": target.inter_bw,
-                     "intra_bw": intra, **t.figures(), "inter_node_bytes_per_step": _inter_bytes(t, target),
-                     "collectives_per_step": t.calls, "compute_s": compute, "comm_s": comm, STEP_TIME: step,
-                     "comm_share": None if not step else comm / step,
-                     "speedup": None if not step or not base_time else base_time / step})
-        for rate in SWEEP_RATES:
-            c = comm_time(t, replace(target, inter_bw=rate / 8), intra, latency)
-            sweep.append({"policy": name, "inter_bw": rate / 8, "comm_s": c,
-                          STEP_TIME: None if compute is None else compute + c})
-    table = pl.DataFrame(rows)
-    sweep_frame = pl.DataFrame(sweep)
-    base_sweep = sweep_frame.filter(pl.col("policy") == "baseline").select("inter_bw", base=STEP_TIME)
-    sweep_frame = sweep_frame.join(base_sweep, on="inter_bw").with_columns(
-        (pl.col("base") / pl.col(STEP_TIME)).alias("speedup")).drop("base")
-    result.tables = {"simulate": table, "simulate_sweep": sweep_frame}
+    missing = [t for t in ("comms", "steps", "lookups") if not ctx.has(t)]
+    if missing:
+        result.notes.append(f"the run has no {' or '.join(missing)} table: its exchange cannot be regrouped onto "
+                            "another cluster (record with lookups: --lookup-every N)")
+        return result, projection
+    src = _source(ctx, target, result.notes)
+    if src is None:
+        return result, projection
+    links = _links(ctx, target, result.notes)
+    base = Case("baseline", exchange(src.routed))
+    cases = [base]
+    if policy is not None:
+        cases += _as_written(ctx, src, policy, policy_path, result.notes)
+    elif derive:
+        derived, projection = _derived(ctx, src, links, base, result.notes)
+        cases += derived
+    combined = _combined(src, cases, policy)
+    if combined is not None:
+        cases.append(combined)
+    rows = [_row(src, links, case, target) for case in cases]
+    base_time = rows[0][STEP_TIME]
+    for row, case in zip(rows, cases):
+        row["speedup"] = base_time / row[STEP_TIME] if row[STEP_TIME] else None
+        row["recommended"] = None if case is base else case.name == "combined" or _recommended(case, policy)
+    if projection.policy is not None:
+        _mark(projection, rows)
+    result.tables = {"simulate": pl.DataFrame(rows), "simulate_sweep": _sweep(src, links, cases)}
+    if curve:
+        result.tables["simulate_scale"] = scale_curve(ctx, target, policy, policy_path, derive=derive)
+    result.notes.append("step times: the recorded steps replayed with every collective priced on the target's links "
+                        f"(analyses/replay/target.py: latency {links.latency_s * 1e6:.0f} µs a collective, all-to-alls "
+                        "per peer, all-reduces and all-gathers a ring), compute scaled with the batch")
     result.summary = {"target": {"topology": target.name, "world": target.world, "inter_bw": target.inter_bw,
-                                 "intra_bw": intra, "batch_per_device": new_batch, "latency_s": latency,
-                                 "wire_efficiency": WIRE_EFFICIENCY, "full_duplex": target.duplex},
-                      "source": {"world": ctx.model.world_size, "batch_per_device": batch, **run},
-                      "method": "replay" if same else "scaled", "rows": rows}
-    return result
+                                 "intra_bw": links.intra, "batch_per_device": src.routed.on.batch,
+                                 "latency_s": links.latency_s, "full_duplex": target.duplex,
+                                 "sharding": src.routed.plan.kind, "compute_scale": target.compute_scale},
+                      "source": {"world": ctx.model.world_size, "batch_per_device": src.batch,
+                                 "samples": src.looked.samples, "target_steps_covered": src.routed.on.steps,
+                                 "covered": src.routed.on.covered, "steps_replayed": len(src.steps)},
+                      "method": "regrouped" if src.routed.on.covered else "regrouped, scaled",
+                      "derived": policy is None and derive, "rows": rows}
+    return result, projection
 
 
-def _replayed(ctx: Context, target: Target, intra: float, cases: dict[str, Traffic], base: Traffic,
-              compute_scale: float) -> dict | None:
-    """Each case's step on `target` by the replay of the recorded steps on its links: the median over the
-    steps. On the recorded world and batch each section's collectives are changed to its bytes (`_change`);
-    on another, every rank runs a recorded rank's program (its compute scaled with the batch) and each
-    collective carries the case's scaled bytes (`_projected`). None where the run does not replay; a case
-    the replay cannot express (tier 2's exchange, a collective of a subgroup on another world) is left out."""
-    rp = replay(ctx)
-    if not rp.steps:
-        return None
-    source_one_node = len(set(rp.links.node_of)) == 1
-    links = Links(tuple(r // target.ranks_per_node for r in range(target.world)),
-                         target.inter_bw * WIRE_EFFICIENCY if target.nodes > 1 else np.inf,
-                         target.intra_bw or (rp.links.intra if source_one_node else intra), rp.links.alpha)
-    same = target.world == base.world and compute_scale == 1.0
-    out = {}
-    for name, t in cases.items():
-        change = _change(t, base) if same else _sync_change(t)
-        steps = rp.steps if same else _projected(rp.steps, t, base, target.world, compute_scale)
-        if change is not None and steps:
-            out[name] = float(np.median(run_steps(steps, links, change)))
-    return out
-
-
-def _projected(steps: list[Step], t: Traffic, source: Traffic, world: int,
-               compute_scale: float) -> list[Step] | None:
-    """The recorded steps on `world` ranks: rank r runs recorded rank r mod W's program and starts at its
-    offset, its compute times `compute_scale`; each collective keeps its share of its class's recorded bytes
-    (an all-to-all of its tag's, an all-reduce of the ring's, a gather of the gathers') of `t`'s bytes."""
-    w = source.world
+def scale_curve(ctx: Context, target: Target, policy: Policy | None = None, policy_path=None, *,
+                derive: bool = True, worlds: tuple[int, ...] = SCALE_WORLDS) -> pl.DataFrame:
+    """Each section's step time and speedup on `target`'s links at each world size of `worlds` (ranks per
+    node as the target's, nodes as many as it takes), its sections derived there."""
     out = []
-    for s in steps:
-        if any(len(c.ranks) != w for c in s.calls.values()):
-            return None
-        calls = {k: replace(c, ranks=tuple(range(world)), flows=_projected_flows(c, t, source, world), time_s=0.0,
-                            entries=()) for k, c in s.calls.items()}
-        programs = {r: [("compute", arg * compute_scale) if kind == "compute" else (kind, arg)
-                        for kind, arg in s.programs[r % w]] for r in range(world)}
-        out.append(Step(s.step, {r: s.start[r % w] for r in range(world)}, programs, calls, s.measured_s))
-    return out
+    for world in worlds:
+        per_node = min(target.ranks_per_node, world)
+        at = replace(target, nodes=max(world // per_node, 1), ranks_per_node=per_node)
+        result, _ = simulate(ctx, at, policy, policy_path, derive=derive)
+        for row in result.tables.get("simulate", pl.DataFrame()).iter_rows(named=True):
+            out.append({"policy": row["policy"], "world": at.world, "topology": at.name, STEP_TIME: row[STEP_TIME],
+                        "comm_s": row["comm_s"], "speedup": row["speedup"], A2A_BYTES: row[A2A_BYTES]})
+    return pl.DataFrame(out)
 
 
-def _projected_flows(c: Call, t: Traffic, source: Traffic, world: int) -> np.ndarray:
+def _source(ctx: Context, target: Target, notes: list[str]) -> _Source | None:
+    looked = recorded_lookups(ctx)
+    if not looked.samples or not len(looked.g):
+        notes.append("the run's lookups hold no sample of a sharded table: nothing to regroup")
+        return None
+    steps_all = recorded_steps(ctx, notes)
+    if not steps_all:
+        notes.append("the run's steps do not replay: no step time projected")
+        return None
+    steps = _spaced(steps_all, PREDICT_STEPS)
+    world = ctx.model.world_size
+    batch = looked.samples / max(_sampled_steps(ctx), 1) / world
+    new_batch = int(target.batch or round(batch))
+    on = regroup(looked, target.world, new_batch)
+    kind = target.sharding or _run_sharding(ctx)
+    specs = [TableSpec(t.name, t.num_rows, t.dim, t.kind != "sequence") for t in ctx.model.tables]
+    plan = ShardingPlan.build(specs, target.world, kind)
+    routed = route(looked, on, plan, _table_bytes(ctx), *recorded_exchange.element_bytes(ctx))
+    ring, buckets = _dense(steps[0:1] if not steps else steps)
+    notes.extend(on.notes)
+    notes.extend(looked.notes)
+    if any(t.sharding_type for t in ctx.manifest.tables or ()):
+        notes.append("a TorchRec run: its tables placed on the target by the reference trainer's planner "
+                     f"({kind}-wise), not TorchRec's")
+    return _Source(routed, looked, steps, batch, target.compute_scale * new_batch / batch, ring, buckets, notes)
+
+
+def _spaced(steps: list[Step], n: int) -> list[Step]:
+    if len(steps) <= n:
+        return steps
+    return [steps[int(i)] for i in np.linspace(0, len(steps) - 1, n)]
+
+
+def _sampled_steps(ctx: Context) -> int:
+    a = attribution.attributed(ctx).tables
+    return int(ctx.sql(f"SELECT count(*) FROM {a.steps}").fetchall()[0][0])
+
+
+def _run_sharding(ctx: Context) -> str:
+    """"row" where a sharded table of the run lies on several ranks, else "table"."""
+    shards = [len(t.shards) for t in ctx.model.tables if t.placement in (None, "sharded")]
+    return "row" if any(n > 1 for n in shards) else "table"
+
+
+def _table_bytes(ctx: Context) -> TableBytes:
+    a = attribution.attributed(ctx).tables
+    f = ctx.frame(f"SELECT tid, rb, n_features, kind, sharded FROM {a.names} ORDER BY tid")
+    return TableBytes(f["rb"].to_numpy().astype(np.float64), f["n_features"].to_numpy(),
+                      (f["kind"] != "sequence").to_numpy(), f["sharded"].to_numpy())
+
+
+def _ring_size(c: Call) -> float:
+    """A recorded ring all-reduce's bytes a rank (its flows are 2(n−1)/n of them to the next rank)."""
     n = len(c.ranks)
-    remote = float(c.flows.sum())
-    key = roles.part(c.tag)
-    if c.op in A2A_OPS and key in t.exchange:
-        recorded = source.exchange.get(key)
-        share = remote / (recorded.sum() - np.trace(recorded)) if recorded is not None and recorded.sum() else 0.0
-        m = t.exchange[key] * share
-        return m - np.diag(np.diag(m))
-    if c.op == network.ALL_REDUCE and source.ring:
-        return ring_flows(world, c.flows[0].sum() * n / (2 * (n - 1)) * t.ring / source.ring)  # S, scaled
-    flows = np.zeros((world, world))
-    if c.op in GATHER_OPS and source.gather:
-        flows[:] = c.flows[0].max() * t.gather / source.gather
-        np.fill_diagonal(flows, 0.0)
-    return flows
+    return float(c.flows[0].sum()) * n / (2 * (n - 1)) if n > 1 else 0.0
 
 
-def _sync_change(t: Traffic) -> Change | None:
-    """The sync a case adds, as calls after the backward; None for what the graph has no place for."""
-    if TIER2_TAG in t.exchange or t.node_wire:
-        return None
-    return Change(added=sync_calls(not t.sync_ring, t.sync_wire, t.world) if t.sync_wire else ())
+def _dense(steps: list[Step]) -> tuple[float, int]:
+    """The median step's dense all-reduce bytes a rank, and its DDP buckets."""
+    sizes, buckets = [], []
+    for s in steps:
+        rings = [c for c in s.calls.values() if c.op == network.ALL_REDUCE and not c.tag.startswith(tags.SYNC_TAGS)]
+        sizes.append(sum(_ring_size(c) for c in rings))
+        buckets.append(sum(1 for c in rings if c.tag.startswith(tags.DP_TAGS)))
+    return (float(np.median(sizes)), int(np.median(buckets))) if sizes else (0.0, 0)
 
 
-def _change(t: Traffic, base: Traffic) -> Change | None:
-    """A case's Traffic as a change of the recorded graph: each exchange collective scaled by its tag's bytes
-    between ranks, the sync added as its calls, the dense gradients' bytes (ring, or DCT-DP's gathers)
-    scaled; None for what the graph has no place for (tier 2's exchange, the node copies' sync)."""
-    if TIER2_TAG in t.exchange or t.node_wire:
-        return None
-    def remote(m: np.ndarray) -> float:
-        return float(m.sum() - np.trace(m))
-    scale = {}
-    for name in tags.EXCHANGE:
-        key = roles.part(name)
-        if key in base.exchange and remote(base.exchange[key]):
-            scale[name] = remote(t.exchange.get(key, np.zeros_like(base.exchange[key]))) / remote(base.exchange[key])
-    dense = ((t.ring + t.gather - base.gather) / base.ring) if base.ring else 1.0
-    sync = sync_calls(not t.sync_ring, t.sync_wire, t.world) if t.sync_wire else ()
-    return Change(scale, 0.0, sync, 0.0, dense)
-
-
-UNMEASURED_INTRA_BW = 10e9
-"""Bytes/s assumed within a node where the run cannot tell (no one-node run to measure it on)."""
+def _links(ctx: Context, target: Target, notes: list[str]) -> TargetLinks:
+    intra = target.intra_bw or _intra_bw(ctx, notes)
+    latency = DEFAULT_LATENCY_S if target.latency_s is None else target.latency_s
+    return TargetLinks(target.nodes, target.ranks_per_node, target.inter_bw * network.WIRE_EFFICIENCY, intra,
+                       latency, target.duplex)
 
 
 def _intra_bw(ctx: Context, notes: list[str]) -> float:
-    """Within a node: the run's fitted link (analyses.network) where its ranks shared one node;
-    a run recorded across nodes measured its links instead, so UNMEASURED_INTRA_BW, said in a note."""
+    """Within a node: the run's fitted link (analyses.network) where its ranks shared one node; a run
+    recorded across nodes measured its links instead, so UNMEASURED_INTRA_BW, said in a note."""
     if Topology.of_run(ctx.manifest, ctx.model.world_size).nodes > 1:
         notes.append(f"within a node: {UNMEASURED_INTRA_BW / 1e9:g} GB/s assumed (the run was recorded across nodes, "
                      "so it measured the links between them; --intra-bw sets it)")
@@ -293,33 +254,386 @@ def _intra_bw(ctx: Context, notes: list[str]) -> float:
     return network.network(ctx).fit.bandwidth or UNMEASURED_INTRA_BW
 
 
-def _inter_bytes(t: Traffic, target: Target) -> float:
-    """Bytes per step that cross node boundaries (exchange, gathers, rings, sync), all nodes."""
-    if target.nodes < 2:
+# time ------------------------------------------------------------------------------------------
+
+def step_times(src: _Source, links: TargetLinks, case: Case, steps: list[Step] | None = None) -> np.ndarray:
+    """Each replayed step's time on `links` under `case` (FAE: its hot and cold steps in their shares)."""
+    steps = src.steps if steps is None else steps
+    added = _added(src, links, case)
+    cold = priced_steps(steps, _price(src, links, case), src.compute_scale, added)
+    times = run_steps(cold, priced_links(cold))
+    if case.hot_fraction > 0:
+        hot = priced_steps(steps, _price(src, links, case), src.compute_scale, added, drop_exchange=True)
+        times = (1 - case.hot_fraction) * times + case.hot_fraction * run_steps(hot, priced_links(hot))
+    return times
+
+
+def _price(src: _Source, links: TargetLinks, case: Case):
+    """The target's price of each recorded call under `case` (analyses.replay.target), None to drop it."""
+    x = case.step_exchange()
+    cache: dict = {}
+
+    def exchange_s(role: str) -> float:
+        if role not in cache:
+            m = x.pairs[role] * (case.output_ratio if role in OUTPUTS else 1.0)
+            cache[role] = links.exchange_s(m)
+        return cache[role]
+
+    def price(c: Call) -> float | None:
+        if c.collective in x.pairs:
+            return exchange_s(c.collective)
+        if c.tag.startswith((*tags.SYNC_TAGS, *tags.TIER2_EXCHANGE)):
+            return None  # a recorded policy's own sync or tier: the case brings its own
+        n = len(c.ranks)
+        if c.op == network.ALL_REDUCE:
+            if case.dp_part is not None and c.tag.startswith(tags.DP_TAGS):
+                return None
+            return links.ring_s(_ring_size(c))
+        part = one_way(c.flows) / max(n - 1, 1)
+        if c.op in GATHER_OPS:
+            return links.gather_s(part)
+        if c.op in A2A_OPS:  # an all-to-all of no known role: its bytes a rank spread over the others
+            key = ("a2a", part)
+            if key not in cache:
+                w = links.world
+                m = np.full((w, w), part * (n - 1) / max(w - 1, 1))
+                np.fill_diagonal(m, 0.0)
+                cache[key] = links.exchange_s(m)
+            return cache[key]
+        return links.latency_s
+    return price
+
+
+def _added(src: _Source, links: TargetLinks, case: Case) -> tuple[tuple[str, float], ...]:
+    """The calls a case adds after the backward, priced: its replicas' sync, DCT-DP's gathers."""
+    out = []
+    if case.sync is not None:
+        sync = case.x.syncs[case.sync]
+        if sync.kind == DENSE:
+            out.append((tags.REPLICA_SYNC, links.ring_s(sync.allreduce_bytes)))
+        else:
+            out += [(tags.REPLICA_SYNC, links.gather_s(8.0)), (tags.REPLICA_SYNC, links.exchange_s(sync.ids)),
+                    (tags.REPLICA_SYNC, links.ring_s(sync.allreduce_bytes))]
+    if case.dp_part is not None:
+        buckets = max(src.dp_buckets, 1)
+        for _ in range(buckets):  # the count, then the entries, a bucket
+            out += [(tags.DCT_DP, links.gather_s(8.0)), (tags.DCT_DP, links.gather_s(case.dp_part / buckets))]
+    return tuple(out)
+
+
+def _compute_s(src: _Source) -> float:
+    per_step = [max(sum(arg for kind, arg in p if kind == "compute") for p in s.programs.values())
+                for s in src.steps]
+    return float(np.median(per_step)) * src.compute_scale
+
+
+# bytes -----------------------------------------------------------------------------------------
+
+def _row(src: _Source, links: TargetLinks, case: Case, target: Target) -> dict:
+    w = links.world
+    x, cold = case.x, case.step_exchange()
+    share = 1.0 - case.hot_fraction
+    a2a = share * cold.bytes_out * _ratio_of(case, cold)
+    remote = share * cold.remote * _ratio_of(case, cold, remote=True)
+    sync = case.x.syncs[case.sync] if case.sync is not None else None
+    ring = 0.0 if case.dp_part is not None else src.ring_bytes
+    dp = w * case.dp_part if case.dp_part is not None else 0.0
+    times = step_times(src, links, case)
+    step = float(np.median(times))
+    compute = _compute_s(src)
+    figures = {A2A_BYTES: a2a, A2A_REMOTE_BYTES: remote, ALLREDUCE_BYTES: ring * w,
+               SYNC_BYTES: sync.wire if sync is not None else 0.0, DP_BYTES: dp}
+    figures["bytes_per_step"] = a2a + ring * w + (sync.wire if sync is not None else 0.0) + dp
+    return {"policy": case.name, "method": "regrouped" if src.routed.on.covered else "regrouped, scaled",
+            "topology": target.name, "world": w, "batch_per_device": float(src.routed.on.batch),
+            "inter_bw": target.inter_bw, "intra_bw": links.intra, "sync": case.sync,
+            HOT_ROWS: 0 if case.hot_keys is None else len(case.hot_keys),
+            HOT_SAMPLE_FRACTION: case.hot_fraction, **figures,
+            "inter_node_bytes_per_step": _inter_bytes(links, cold, share, ring, sync, dp, case),
+            "compute_s": compute, "comm_s": max(step - compute, 0.0), STEP_TIME: step,
+            "comm_share": max(step - compute, 0.0) / step if step else None, "speedup": None}
+
+
+def _ratio_of(case: Case, x: TargetExchange, remote: bool = False) -> float:
+    """DCT-MP's share of the exchange's bytes kept: the output rows at its ratio."""
+    if case.output_ratio == 1.0:
+        return 1.0
+    def size(m: np.ndarray) -> float:
+        return float(m.sum() - np.trace(m)) if remote else float(m.sum())
+    total = sum(size(m) for m in x.pairs.values())
+    kept = sum(size(m) * (case.output_ratio if c in OUTPUTS else 1.0) for c, m in x.pairs.items())
+    return kept / total if total else 1.0
+
+
+def _inter_bytes(links: TargetLinks, x: TargetExchange, share: float, ring: float, sync, dp: float,
+                 case: Case) -> float:
+    """Bytes a step that cross node boundaries: the exchange's, and each ring's edge leaving every node."""
+    n, r = links.nodes, links.ranks_per_node
+    if n < 2:
         return 0.0
-    node = np.arange(t.world) // target.ranks_per_node
+    node = np.arange(links.world) // r
     cross = node[:, None] != node[None, :]
-    w = t.world
-    ring_wire = 2 * (w - 1) / w * (t.ring + t.sync_ring)
-    gather = t.gather * float(cross.sum())
-    sparse = t.sync_wire / (w * (w - 1)) * float(cross.sum()) if t.sync_wire and not t.sync_ring else 0.0
-    return float((t.total_exchange * cross).sum()) + ring_wire * target.nodes + gather + sparse + t.node_wire
+    moved = sum(float((m * (case.output_ratio if c in OUTPUTS else 1.0))[cross].sum()) for c, m in x.pairs.items())
+    w = links.world
+    edge = 2 * (w - 1) / w
+    rings = edge * ring * n
+    if sync is not None:
+        rings += edge * sync.allreduce_bytes * n + (float(sync.ids[cross].sum()) if sync.ids is not None else 0.0)
+    return share * moved + rings + dp * (w - 1) / w * n
 
 
-def project(path, target: Target, policy_path=None) -> dict:
+# sections --------------------------------------------------------------------------------------
+
+def _as_written(ctx: Context, src: _Source, policy: Policy, policy_path, notes: list[str]) -> list[Case]:
+    """The file's sections that change what is sent, on the target."""
+    out = []
+    r = src.routed
+    for label, section in policy.sections.items():
+        if isinstance(section, Replication):
+            mask = r.rows_in(_keys(ctx, row_path(policy_path, section.rows)))
+            out.append(with_sync(replication(r, mask), section.sync))
+        elif isinstance(section, Schedule):
+            mask = r.rows_in(_keys(ctx, row_path(policy_path, section.hot_rows)))
+            out.append(with_sync(schedule(r, mask), section.sync))
+        elif isinstance(section, DctMp):
+            out.append(_mp(src, section))
+        elif isinstance(section, DctDp):
+            out.append(_dp(src, section, ctx.model.world_size))
+        elif label == "tiers":
+            notes.append("tiers: not projected onto another cluster yet (their node copies are the recorded "
+                         "topology's); the other sections are")
+        elif label == "lag":
+            notes.append("lag: not projected (it applies to inference; its makespan is the lag section's)")
+    return out
+
+
+def _keys(ctx: Context, path: Path) -> np.ndarray:
+    frame = pl.read_parquet(path, columns=["table_name", "row"])
+    tid = {t.name: i for i, t in enumerate(ctx.model.tables)}
+    unknown = set(frame["table_name"].unique().to_list()) - set(tid)
+    if unknown:
+        raise ValueError(f"{path}: rows of tables the run does not have: {', '.join(sorted(unknown))}")
+    tids = frame["table_name"].replace_strict(tid, return_dtype=pl.Int64).to_numpy()
+    return tids << 40 | frame["row"].cast(pl.Int64).to_numpy()
+
+
+def _mp(src: _Source, section: DctMp) -> Case:
+    ratio = float(section.prediction.figures.get("ratio") or 1.0)
+    return Case("compression.mp", exchange(src.routed), output_ratio=ratio)
+
+
+def _dp(src: _Source, section: DctDp, recorded_world: int) -> Case:
+    """DCT-DP: the bytes a rank sent a step where the run was analysed, gathered by every rank on the target."""
+    sent = float(section.prediction.figures.get(DP_BYTES) or 0.0)
+    return Case("compression.dp", exchange(src.routed), dp_part=sent / max(recorded_world, 1))
+
+
+def _combined(src: _Source, cases: list[Case], policy: Policy | None) -> Case | None:
+    """The recommended sections together (with a file: its recommended ones), as the trainer applies them:
+    the replicas of replication or schedule, DCT-MP on their outputs, DCT-DP on the dense gradients."""
+    chosen = [c for c in cases[1:] if _recommended(c, policy)]
+    if len(chosen) < 2:
+        return None
+    base = next((c for c in chosen if c.name in ("replication", "schedule")), cases[0])
+    out = replace(base, name="combined")
+    for c in chosen:
+        if c.name == "compression.mp":
+            out = replace(out, output_ratio=c.output_ratio)
+        elif c.name == "compression.dp":
+            out = replace(out, dp_part=c.dp_part)
+    return out
+
+
+def _recommended(case: Case, policy: Policy | None) -> bool:
+    if policy is not None:
+        section = policy.sections.get(case.name)
+        return section is not None and section.recommended
+    return "recommended" in case.notes
+
+
+def _derived(ctx: Context, src: _Source, links: TargetLinks, base: Case,
+             notes: list[str]) -> tuple[list[Case], Projection]:
+    """Replication and the FAE schedule derived for the target, DCT's parts as the run's analysis set them
+    (analyses.target_sections), each with the step the replay predicts."""
+    r = src.routed
+    probe = _spaced(src.steps, DERIVE_STEPS)
+    def mean_step(case: Case) -> float:
+        return float(np.median(step_times(src, links, case, probe)))
+    base_s = mean_step(base)
+    budget = _budget(ctx)
+    order = ranked_rows(r)
+    objective = ctx.options.objective
+    best_rep, fae = None, []
+    for k in candidates(r, order, budget):
+        mask = np.zeros(len(r.keys), dtype=bool)
+        mask[order[:k]] = True
+        rep = replication(r, mask)
+        for kind in sync_kinds(rep):
+            case = with_sync(rep, kind)
+            merit = mean_step(case) if objective == "time" else _bytes_of(case)
+            if best_rep is None or merit < best_rep[0]:
+                best_rep = (merit, case, k)
+        hot = schedule(r, mask, rep.x)
+        if hot.hot_fraction > 0:
+            for kind in sync_kinds(hot):
+                case = with_sync(hot, kind)
+                fae.append((mean_step(case) if objective == "time" else _bytes_of(case), case, k))
+    # without a budget FAE's hot set is held to replication's, as analyze holds it (replica_budget)
+    most = max(k for *_, k in fae) if budget is not None or best_rep is None and fae else (best_rep[2] if best_rep else 0)
+    best_fae = min((f for f in fae if f[2] <= most), key=lambda f: f[0], default=None)
+    cases = []
+    for best in (best_rep, best_fae):
+        if best is not None:
+            case = best[1]
+            gain = base_s / mean_step(case) - 1
+            case.notes.append("recommended" if gain >= RECOMMEND_GAIN else
+                              f"not recommended: predicted {gain:+.1%} on the step, under {RECOMMEND_GAIN:.0%}")
+            cases.append(case)
+    if best_rep is None:
+        notes.append("replication: no row's lookups cross ranks on the target (or none fits the budget)")
+    run_policy = _run_policy(ctx)
+    for label, make in (("compression.mp", _mp), ("compression.dp", _dp)):
+        section = run_policy.sections.get(label) if run_policy is not None else None
+        if section is None:
+            continue
+        case = make(src, section) if label == "compression.mp" else make(src, section, ctx.model.world_size)
+        gain = base_s / mean_step(case) - 1
+        if gain < RECOMMEND_GAIN:
+            case.notes.append(f"not recommended: predicted {gain:+.1%} on the step, under {RECOMMEND_GAIN:.0%}")
+        elif not section.recommended:  # the run's analysis refused it (its quality), which no cluster changes
+            case.notes.append(f"not recommended: {section.reason}")
+        else:
+            case.notes.append("recommended")
+        cases.append(case)
+    if run_policy is None:
+        notes.append("compression: the run has no policy.json (tracekit analyze writes it with DCT's settings "
+                     "within the quality its calibration measured): not projected")
+    return cases, _policy_for(ctx, src, cases, run_policy)
+
+
+def _budget(ctx: Context) -> float | None:
+    o = ctx.options
+    if o.budget_bytes is not None:
+        return float(o.budget_bytes)
+    if o.budget_fraction is not None:
+        return o.budget_fraction * ctx.model.embedding_bytes
+    return None
+
+
+def _bytes_of(case: Case) -> float:
+    share = 1.0 - case.hot_fraction
+    sync = case.x.syncs[case.sync].wire if case.sync is not None else 0.0
+    return share * case.step_exchange().bytes_out + sync
+
+
+def _run_policy(ctx: Context) -> Policy | None:
+    path = RunDir.at(ctx.path).policy
+    return read_policy(path) if path.is_file() else None
+
+
+def _policy_for(ctx: Context, src: _Source, cases: list[Case], run_policy: Policy | None) -> Projection:
+    """The derived sections as a policy for the target's world (its predictions filled in by `_mark`)."""
+    model = {"tables": ctx.model.policy_model()["tables"], "world_size": src.routed.world}
+    sections: dict[str, Section] = {}
+    rows: dict[str, pl.DataFrame] = {}
+    names = [t.name for t in ctx.model.tables]
+    for case in cases:
+        recommended = "recommended" in case.notes
+        reason = None if recommended else next((n.removeprefix("not recommended: ") for n in case.notes
+                                                if n.startswith("not recommended")), None)
+        decision = {"recommended": recommended, "reason": reason, "prediction": Prediction({}, "")}
+        if case.name in ("replication", "schedule"):
+            keys = case.hot_keys
+            frame = pl.DataFrame({"table_name": [names[int(k >> 40)] for k in keys],
+                                  "row": (keys & ((1 << 40) - 1)).astype(np.int64)})
+            replica = int(case.x.syncs[case.sync].replica_bytes) if case.sync else 0
+            if case.name == "replication":
+                rows["hot_rows"] = frame
+                sections["replication"] = Replication(kind="hybrid", rows="policy/hot_rows.parquet",
+                                                      sync=case.sync or SPARSE, budget_bytes_per_rank=replica,
+                                                      **decision)
+            else:
+                rows["fae_rows"] = frame
+                sections["schedule"] = Schedule(hot_rows="policy/fae_rows.parquet", hot_sample_fraction=case.hot_fraction,
+                                                sync=case.sync or SPARSE, budget_bytes_per_rank=replica, **decision)
+        elif run_policy is not None and case.name in run_policy.sections:
+            sections[case.name] = replace(run_policy.sections[case.name], **decision)
+    policy = Policy(source_run=str(ctx.path), model=model, baseline={}, sections=sections)
+    return Projection(policy, rows)
+
+
+def _mark(projection: Projection, rows: list[dict]) -> None:
+    """The derived policy's predictions and baseline, from the projection's rows."""
+    shown = (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, SYNC_BYTES, DP_BYTES, STEP_TIME, HOT_ROWS,
+             HOT_SAMPLE_FRACTION)
+    by_name = {row["policy"]: row for row in rows}
+    why = "projected by tracekit simulate: bytes of the recorded samples regrouped on the target, time replayed on its links"
+    policy = projection.policy
+    sections = {label: replace(section, prediction=Prediction({k: by_name[label][k] for k in shown}, why))
+                for label, section in policy.sections.items() if label in by_name}
+    combined = None
+    if "combined" in by_name:
+        labels = tuple(label for label, s in sections.items() if s.recommended)
+        combined = Combined(labels, Prediction({k: by_name["combined"][k] for k in shown}, why))
+    base = {k: by_name["baseline"][k] for k in shown if k not in (HOT_ROWS, HOT_SAMPLE_FRACTION)}
+    projection.policy = replace(policy, sections=sections, combined=combined, baseline=base)
+
+
+# sweep and files -------------------------------------------------------------------------------
+
+def _sweep(src: _Source, links: TargetLinks, cases: list[Case]) -> pl.DataFrame:
+    out = []
+    probe = _spaced(src.steps, DERIVE_STEPS)
+    for rate in SWEEP_RATES:
+        at = replace(links, inter=rate / 8 * network.WIRE_EFFICIENCY)
+        times = {case.name: float(np.median(step_times(src, at, case, probe))) for case in cases}
+        for name, step in times.items():
+            out.append({"policy": name, "inter_bw": rate / 8, "comm_s": max(step - _compute_s(src), 0.0),
+                        STEP_TIME: step, "speedup": times["baseline"] / step if step else None})
+    return pl.DataFrame(out)
+
+
+def write_sections(directory: Path, projection: Projection) -> list[Path]:
+    """As `tracekit optimize` writes them: DIR/policy.<section>.json, one a section, and
+    DIR/policy.combined.json with the recommended ones, their row lists in DIR/policy/."""
+    policy = projection.policy
+    written = []
+    for label, section in policy.sections.items():
+        one = replace(policy, sections={label: replace(section, recommended=True, reason=None,
+                                                       extra={**section.extra, **({"not_recommended_because":
+                                                              section.reason} if section.reason else {})})},
+                      combined=None)
+        rows = {name: projection.rows[name] for name in ROW_LISTS.get(label, ())}
+        written.append(write_policy(directory / f"policy.{label}.json", one, rows))
+    if policy.combined is not None:
+        kept = {label: s for label, s in policy.sections.items() if label in policy.combined.sections}
+        written.append(write_policy(directory / "policy.combined.json", replace(policy, sections=kept), projection.rows))
+    return written
+
+
+def project(path, target: Target, policy_path=None, *, derive: bool = True, write_dir: Path | None = None,
+            curve: bool = False, options: Options | None = None) -> dict:
     """`tracekit simulate`: open the run at `path`, project it onto `target` with the policy file at
-    `policy_path` (None: the baseline only), write RUN/analysis/simulate.parquet,
-    simulate_sweep.parquet and simulate.json, and return the summary with the notes."""
-    with open_context(path) as ctx:
+    `policy_path` as written (None: the sections derived for the target, or with `derive` False the
+    baseline alone), write RUN/analysis/simulate*.parquet and simulate.json (and with `write_dir` the
+    derived sections' policy files there), and return the summary with the notes."""
+    options = replace(options or Options(), replay_steps=0)
+    with open_context(path, options) as ctx:
         policy = None
         if policy_path is not None:
-            policy = load_policy(policy_path)
-            check_model(policy, tables=ctx.model.policy_model()["tables"], world_size=ctx.model.world_size,
-                        path=policy_path)
-        result = simulate(ctx, target, policy, policy_path)
+            policy = read_policy(policy_path)
+            derived_for = int((policy.model or {}).get("world_size", ctx.model.world_size))
+            check_model(policy, tables=ctx.model.policy_model()["tables"], path=policy_path,
+                        world_size=target.world if derived_for == target.world else ctx.model.world_size)
+        result, projection = simulate(ctx, target, policy, policy_path, derive=derive, curve=curve)
         summary = {"run": str(ctx.path), "policy": None if policy_path is None else str(policy_path),
                    **result.summary, "notes": result.notes, "written": []}
         for name, frame in result.tables.items():
             summary["written"].append(str(ctx.write(name, frame)))
+        if write_dir is not None:
+            if projection.policy is None:
+                summary["notes"].append(f"--write-policy {write_dir}: nothing derived to write")
+            else:
+                summary["written"].extend(str(p) for p in write_sections(Path(write_dir), projection))
         ctx.write_json("simulate", summary)
     return summary

@@ -70,6 +70,21 @@ class Routed:
     bag: np.ndarray  # per pooled lookup its bag, −1 for a sequence lookup
     bag_rank: np.ndarray  # per bag
     bag_tid: np.ndarray
+    sample: np.ndarray  # per lookup its sample, 0 ... n − 1
+    pair: np.ndarray  # per lookup rank · W' + owner
+    pooled: np.ndarray  # the pooled lookups' indices
+    sequence: np.ndarray  # the sequence lookups' indices
+    _orders: dict = field(default_factory=dict)
+
+    def by(self, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """The lookups ordered by (step, rank, row) (`what` "rank") or (step, row) ("step"): the order and
+        the sorted keys, once."""
+        if what not in self._orders:
+            k = len(self.keys)
+            key = (self.step * self.world + self.rank) * k + self.row_index if what == "rank" else self.step * k + self.row_index
+            order = np.argsort(key, kind="stable")
+            self._orders[what] = (order, key[order])
+        return self._orders[what]
 
     @property
     def world(self) -> int:
@@ -127,7 +142,7 @@ def route(looked: Lookups, on: Regrouped, plan: ShardingPlan, tables: TableBytes
     else:
         blocks = np.array([plan.block_rows(t) for t in range(len(plan.tables))], dtype=np.int64)
         owner = row // blocks[tid]
-    keys, row_index = np.unique(tid.astype(np.int64) << 40 | row, return_inverse=True)
+    keys, row_index = _row_index(tid, row, plan)
     pooled = tables.pooled[tid]
     starts = np.ones(len(tid), dtype=bool)
     if len(tid):
@@ -138,7 +153,31 @@ def route(looked: Lookups, on: Regrouped, plan: ShardingPlan, tables: TableBytes
     bag_id[bag_all[first]] = np.arange(len(first))
     bag = np.where(pooled, bag_id[bag_all], -1)
     return Routed(on, plan, tables, len_bytes, id_bytes, step, rank, owner, tid.astype(np.int64),
-                  row_index, keys, bag, rank[first], tid[first].astype(np.int64))
+                  row_index, keys, bag, rank[first], tid[first].astype(np.int64), g, rank * on.world + owner,
+                  np.flatnonzero(pooled), np.flatnonzero(~pooled))
+
+
+def _row_index(tid: np.ndarray, row: np.ndarray, plan: ShardingPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Each lookup's row as an index into the rows' keys (tid << 40 | row, sorted): every row of every table
+    where they are no more than the lookups several times over (an offset a table), else those touched."""
+    rows = np.array([t.rows for t in plan.tables], dtype=np.int64)
+    if rows.sum() <= 4 * max(len(row), 1) and (row < rows[tid]).all():
+        offsets = np.concatenate([[0], np.cumsum(rows)[:-1]])
+        keys = np.repeat(np.arange(len(rows), dtype=np.int64) << 40, rows) | (
+            np.arange(rows.sum(), dtype=np.int64) - np.repeat(offsets, rows))
+        return keys, offsets[tid] + row
+    return np.unique(tid.astype(np.int64) << 40 | row, return_inverse=True)
+
+
+def _distinct(by: tuple[np.ndarray, np.ndarray], mask: np.ndarray) -> np.ndarray:
+    """The distinct keys of `by`'s lookups where `mask` holds (the sorted keys, each once)."""
+    order, keys = by
+    picked = keys[mask[order]]
+    if not len(picked):
+        return picked
+    first = np.ones(len(picked), dtype=bool)
+    first[1:] = picked[1:] != picked[:-1]
+    return picked[first]
 
 
 def exchange(r: Routed, hot: np.ndarray | None = None, syncs: tuple[str, ...] = (DENSE, SPARSE)) -> TargetExchange:
@@ -149,8 +188,7 @@ def exchange(r: Routed, hot: np.ndarray | None = None, syncs: tuple[str, ...] = 
     n_tables = len(t.rb)
     looked_hot = np.zeros(len(r.rank), dtype=bool) if hot is None else hot[r.row_index]
     cold = ~looked_hot
-    pair = r.rank * w + r.owner
-    ids = np.bincount(pair[cold], minlength=w * w).reshape(w, w) * float(r.id_bytes)
+    ids = np.bincount(r.pair, weights=cold, minlength=w * w).reshape(w, w) * float(r.id_bytes)
     on_owner = np.zeros((n_tables, w), dtype=bool)  # table t has a shard on rank o
     for o in range(w) if r.plan.kind == "table" else ():
         on_owner[r.plan.tables_on(o), o] = True
@@ -163,15 +201,14 @@ def exchange(r: Routed, hot: np.ndarray | None = None, syncs: tuple[str, ...] = 
     # pooled bags: F_t · b_q a (rank, table), less those whose ids are all replicated
     bags = np.outer(samples, np.where(t.pooled, feats, 0.0))  # q × t
     if hot is not None and len(r.bag_rank):
-        pooled = r.bag >= 0
-        cold_in_bag = np.bincount(r.bag[pooled], weights=cold[pooled], minlength=len(r.bag_rank))
+        cold_in_bag = np.bincount(r.bag[r.pooled], weights=cold[r.pooled], minlength=len(r.bag_rank))
         all_hot = cold_in_bag == 0
         bags -= np.bincount(r.bag_rank[all_hot] * n_tables + r.bag_tid[all_hot],
                             minlength=w * n_tables).reshape(w, n_tables)
     rows_back = (bags * t.rb) @ on_owner  # q × o: pooled rows o returns q
-    seq = (r.bag < 0) & cold
-    rows_back = rows_back + np.bincount(pair[seq], weights=t.rb[r.tid[seq]].astype(np.float64),
-                                        minlength=w * w).reshape(w, w)
+    if len(r.sequence):
+        seq = r.sequence[cold[r.sequence]]
+        rows_back = rows_back + np.bincount(r.pair[seq], weights=t.rb[r.tid[seq]], minlength=w * w).reshape(w, w)
     pairs = {tags.INPUT_LENGTHS: lengths / steps, tags.INPUT_IDS: ids / steps,
              tags.OUTPUT_FWD: rows_back.T / steps, tags.OUTPUT_BWD: rows_back / steps}
     out = TargetExchange(w, pairs)
@@ -182,14 +219,12 @@ def exchange(r: Routed, hot: np.ndarray | None = None, syncs: tuple[str, ...] = 
     return out
 
 
-def hot_samples(r: Routed, looked: Lookups, hot: np.ndarray) -> float:
+def hot_samples(r: Routed, hot: np.ndarray) -> float:
     """The share of the kept samples whose every id (of the sharded tables) is replicated: FAE's hot
     samples."""
-    kept = r.on.kept
-    g = looked.g[kept]
-    cold = ~hot[r.row_index]
     n = int(r.on.samples.sum())
-    with_cold = np.unique(g[cold]).size
+    cold = ~hot[r.row_index]
+    with_cold = int(np.count_nonzero(np.bincount(r.sample[cold], minlength=1)))
     return 1.0 - with_cold / n if n else 0.0
 
 
@@ -197,10 +232,9 @@ def _sync(r: Routed, kind: str, looked_hot: np.ndarray, replica: float) -> Sync:
     w, steps = r.world, r.on.steps
     if kind == DENSE:
         return Sync(DENSE, replica, None, 2 * (w - 1) * replica, replica)
-    hot_rows = r.row_index[looked_hot]
-    per_rank = np.unique((r.step[looked_hot] * w + r.rank[looked_hot]) * len(r.keys) + hot_rows)
-    u = np.bincount((per_rank // len(r.keys)) % w, minlength=w) / steps  # rows a rank touched, a step
-    union = np.unique(r.step[looked_hot] * len(r.keys) + hot_rows) % len(r.keys)
+    k = len(r.keys)
+    u = np.bincount((_distinct(r.by("rank"), looked_hot) // k) % w, minlength=w) / steps  # rows a rank touched, a step
+    union = _distinct(r.by("step"), looked_hot) % k
     touched = float(r.tables.rb[r.keys[union] >> 40].sum()) / steps
     ids = np.repeat(u[:, None] * COUNT_BYTES, w, axis=1)
     np.fill_diagonal(ids, 0.0)

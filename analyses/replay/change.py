@@ -75,7 +75,7 @@ def changed(step: Step, change: Change, links: Links) -> tuple[dict[int, list[tu
     for r, program in step.programs.items():
         out = [ins for ins in program if not (ins[0] in KEYED and ins[1] in dropped)]
         if added or change.work_s:
-            i = _after_backward(out)
+            i = after_backward(out)
             inserted = [("call", k) for k in added] + ([("compute", float(change.work_s))] if change.work_s else [])
             out = out[:i] + inserted + out[i:]
         programs[r] = out
@@ -108,7 +108,7 @@ def _added_flows(a: Added, n: int) -> np.ndarray:
     return flows
 
 
-def _after_backward(program: list[tuple]) -> int:
+def after_backward(program: list[tuple]) -> int:
     """Where the trainer issues what follows the backward: after the wait point, else before the
     step's last compute."""
     for i, ins in enumerate(program):

@@ -372,36 +372,57 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
 @click.option("--intra-bw", default=None, help="Between ranks of one node (default: measured in the run).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Samples per rank on the target (default: the run's).")
-@click.option("--latency", default=None, help="Time one collective costs beyond its bytes, e.g. 50us "
-              "(default: measured in the run).")
-@click.option("--policy", "policy_arg", default="all", show_default=True,
-              help="A policy file to project, `all` (RUN/policy.json, where analyze wrote one) or `none`.")
+@click.option("--latency", default=None, help="Time one collective costs beyond its bytes on the target, e.g. 50us "
+              "(default: 20us).")
+@click.option("--sharding", type=click.Choice(["table", "row"]), default=None,
+              help="How the target shards the tables (default: as the run did).")
+@click.option("--compute-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="The target device's compute time over the recording's at the same batch (0.1: ten times faster).")
+@click.option("--policy", "policy_arg", default="derive", show_default=True,
+              help="`derive`: each section derived for the target; a policy file: its sections as written; "
+                   "`none`: the baseline alone.")
+@click.option("--write-policy", "write_dir", type=click.Path(path_type=Path), default=None,
+              help="Write the sections derived for the target to DIR: policy.<section>.json each and "
+                   "policy.combined.json, for train.py --policy on the target.")
+@click.option("--budget", default=None, help="Replica memory per rank the derivation may use: bytes (64MiB) or a "
+              "share of the embedding bytes (5%). Default: no limit.")
+@click.option("--objective", type=click.Choice(["time", "bytes"]), default="time", show_default=True,
+              help="What a derived section minimises: the replayed step time, or the bytes a step.")
+@click.option("--curve/--no-curve", default=False, show_default=True,
+              help="Also project onto 4 ... 1,024 ranks (the target's ranks per node), each with its own sections: "
+                   "RUN/analysis/simulate_scale.parquet and the report's curve.")
 @click.option("--duplex", type=click.Choice(["full", "half"]), default="full", show_default=True,
-              help="full: both directions of a link at once; half: each pair's two directions one after the "
-                   "other (gloo's worst case, where ranks enter an exchange at different times).")
+              help="full: both directions of a link at once; half: a link's two directions one after the other.")
 @click.option("--report/--no-report", "with_report", default=True, show_default=True,
               help="Rewrite RUN/report.html with the projection in it.")
 @JSON
 def simulate(run_dir: Path, topology: str, inter_bw: str, intra_bw: str | None, batch_size: int | None,
-             latency: str | None, policy_arg: str, duplex: str, with_report: bool, as_json: bool) -> None:
-    """Project a recorded run onto another cluster: bytes and time per step of the baseline and of
-    each policy (docs/cluster.md). Writes RUN/analysis/simulate*.parquet and simulate.json.
+             latency: str | None, sharding: str | None, compute_scale: float, policy_arg: str, write_dir: Path | None,
+             budget: str | None, objective: str, curve: bool, duplex: str, with_report: bool, as_json: bool) -> None:
+    """Project a recorded run onto another cluster: bytes (the recorded samples regrouped onto its ranks) and
+    step time (the recorded steps replayed on its links) of the baseline and of each section, derived for
+    that cluster by default (docs/cluster.md). Writes RUN/analysis/simulate*.parquet and simulate.json.
 
     \b
     Example:
-      tracekit simulate runs/base --topology 2x1 --inter-bw 200mbit
+      tracekit simulate runs/base --topology 8x8 --inter-bw 100gbit --intra-bw 1600gbit --write-policy runs/8x8
     """
+    from analyses.context import Options
     from analyses.simulate import Target
     from tracekit.app.console_analysis import print_simulate
     from tracekit.app.loop import simulate_run
     from tracekit.topology import Topology
-    from tracekit.units import parse_duration, parse_rate
+    from tracekit.units import parse_budget, parse_duration, parse_rate
 
     shape = parsed(Topology.parse, topology, "--topology")
     target = Target(shape.nodes, shape.ranks_per_node, parsed(parse_rate, inter_bw, "--inter-bw"),
                     parsed(parse_rate, intra_bw, "--intra-bw"), batch_size,
-                    parsed(parse_duration, latency, "--latency"), duplex == "full")
-    show(simulate_run(run_dir, target, policy_arg, report=with_report), as_json, print_simulate, report=with_report)
+                    parsed(parse_duration, latency, "--latency"), duplex == "full", sharding, compute_scale)
+    options = Options(objective=objective)
+    if budget is not None:
+        options.budget_bytes, options.budget_fraction = parsed(parse_budget, budget, "--budget")
+    show(simulate_run(run_dir, target, policy_arg, report=with_report, write_dir=write_dir, curve=curve,
+                      options=options), as_json, print_simulate, report=with_report)
 
 
 def main() -> None:

@@ -188,21 +188,28 @@ def _ratio(value: float | None) -> str:
 
 
 def print_simulate(summary: dict) -> None:
-    """`tracekit simulate`: the target, then one row per policy with its bytes and time per step."""
+    """`tracekit simulate`: the target, then one row per section with its bytes, time and speedup."""
+    if not summary.get("rows"):
+        for note in summary.get("notes", []):
+            terminal.print(f"note: {note}")
+        return
     target, source = summary["target"], summary["source"]
     terminal.print(f"projected onto {target['topology']} ({target['world']} ranks, batch "
-                  f"{target['batch_per_device']:g} per rank): {format_rate(target['inter_bw'])} between nodes, "
-                  f"{format_rate(target['intra_bw'])} within; latency {format_us(target['latency_s'], 0)} per "
-                  f"collective; from {summary['run']} ({source['world']} ranks, compute "
-                  f"{_seconds(source['compute_s'])} per step of {_seconds(source['step_time_s'])} measured)")
-    table = Table("policy", "bytes / step", "between nodes / step", "compute", "communication", "step time",
-                  "comm share", "speedup", title=f"simulate ({summary['method']}: bytes "
-                  f"{'as recorded and replayed' if summary['method'] == 'replay' else 'scaled per sample'})",
-                  title_justify="left")
+                   f"{target['batch_per_device']:g} per rank, {target['sharding']}-wise): "
+                   f"{format_rate(target['inter_bw'])} between nodes, {format_rate(target['intra_bw'])} within; "
+                   f"latency {format_us(target['latency_s'], 0)} per collective; from {summary['run']} "
+                   f"({source['world']} ranks, {source['samples']:,} samples: "
+                   f"{source['target_steps_covered']:.2f} target steps)")
+    derived = "sections derived for the target" if summary.get("derived") else "sections as written"
+    table = Table("section", "rec.", "rows", "all-to-all / step", "sync / step", "between nodes / step", "compute",
+                  "communication", "step time", "speedup",
+                  title=f"simulate ({summary['method']} bytes, replayed time; {derived})", title_justify="left")
     for row in summary["rows"]:
-        table.add_row(row["policy"], format_bytes(row["bytes_per_step"]), format_bytes(row["inter_node_bytes_per_step"]),
-                      _seconds(row["compute_s"]), _seconds(row["comm_s"]), _seconds(row[STEP_TIME]),
-                      "" if row["comm_share"] is None else f"{row['comm_share']:.0%}", _ratio(row["speedup"]))
+        table.add_row(row["policy"], {True: "yes", False: "no"}.get(row.get("recommended"), ""),
+                      f"{row['hot_rows']:,}" if row["hot_rows"] else "",
+                      format_bytes(row["a2a_bytes_per_step"]), format_bytes(row["sync_bytes_per_step"]),
+                      format_bytes(row["inter_node_bytes_per_step"]), _seconds(row["compute_s"]),
+                      _seconds(row["comm_s"]), _seconds(row[STEP_TIME]), _ratio(row["speedup"]))
     terminal.print(table)
     for note in summary.get("notes", []):
         terminal.print(f"note: {note}")

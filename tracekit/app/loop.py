@@ -3,7 +3,7 @@ one of these and prints what it returns; `tracekit.app.optimize` chains them.
 
     summary = analyze_run("runs/base", Options(budget_fraction=0.05))   # calibrates first, writes the report
     summary = compare_runs("runs/base", ["runs/hybrid"])                  # with BASE/compare.html
-    summary = simulate_run("runs/base", Target(8, 8, 25e9))               # RUN/policy.json where there is one
+    summary = simulate_run("runs/base", Target(8, 8, 25e9))               # sections derived for 8x8
     frame = query("runs/base", "SELECT op, sum(bytes_out) FROM train_comms GROUP BY op")
 
 Each raises TracekitError (one line naming the run or file) for input it cannot use.
@@ -90,20 +90,20 @@ def compare_runs(base: str | os.PathLike, runs: Sequence[str | os.PathLike], *, 
     return summary
 
 
-def simulate_run(run_dir: str | os.PathLike, target: Target, policy: str = "all", *,
-                 report: bool = True) -> dict[str, Any]:
-    """`tracekit simulate`: the run projected onto `target` with `policy`: a policy file's path,
-    "all" (RUN/policy.json where analyze wrote one, else the baseline alone) or "none"."""
+def simulate_run(run_dir: str | os.PathLike, target: Target, policy: str = "derive", *, report: bool = True,
+                 write_dir: str | os.PathLike | None = None, curve: bool = False, options: Options | None = None
+                 ) -> dict[str, Any]:
+    """`tracekit simulate`: the run projected onto `target` with `policy`: "derive" (each section derived
+    for the target; `write_dir` gets their files), "none" (the baseline alone) or a policy file's path (its
+    sections as written)."""
     from analyses.simulate import project
 
     run_dir = Path(run_dir)
-    policy_path = None if policy == "none" else RunDir.at(run_dir).policy if policy == "all" else Path(policy)
-    if policy != "all" and policy_path is not None and not policy_path.is_file():
+    policy_path = None if policy in ("derive", "none") else Path(policy)
+    if policy_path is not None and not policy_path.is_file():
         raise TracekitError(f"--policy {policy_path}: no such file")
-    unwritten = policy == "all" and not policy_path.is_file()
-    summary = project(run_dir, target, None if unwritten else policy_path)
-    if unwritten:
-        summary["notes"].append(f"no {policy_path}: the baseline only (tracekit analyze writes it)")
+    summary = project(run_dir, target, policy_path, derive=policy == "derive", curve=curve, options=options,
+                      write_dir=None if write_dir is None else Path(write_dir))
     if report:
         summary["report"] = _report_if_analysed([run_dir], RunDir.at(run_dir).report)
     return summary

@@ -76,7 +76,9 @@ def optimize(command: list[str], out_dir: Path, options: Any, *, lookup_every: i
         from analyses.simulate import Target, project
 
         progress("analysing the baseline: simulate")
-        project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s), RunDir.at(base).policy)
+        policy = RunDir.at(base).policy
+        project(base, Target(cluster.nodes, cluster.ranks_per_node, cluster.link_bytes_per_s),
+                policy if policy.is_file() else None, derive=False)
     calibrated = []
     if not (base / PLAN_FILE).exists():
         calibrated = quality_runs.calibrate(
