@@ -170,6 +170,15 @@ def scale_curve(ctx: Context, target: Target, policy: Policy | None = None, poli
     return pl.DataFrame(out)
 
 
+def exchange_on(ctx: Context, target: Target, rows: Path | None = None) -> TargetExchange:
+    """The exchange of one step on `target` (analyses.target_exchange) with the rows of the row list `rows`
+    (a policy's Parquet: table_name, row) replicated; None: the baseline."""
+    src = _source(ctx, target, [])
+    if src is None:
+        raise ValueError(f"{ctx.path}: no lookups or steps to regroup")
+    return exchange(src.routed, None if rows is None else src.routed.rows_in(_keys(ctx, rows)))
+
+
 def _source(ctx: Context, target: Target, notes: list[str]) -> _Source | None:
     looked = recorded_lookups(ctx)
     if not looked.samples or not len(looked.g):
@@ -321,10 +330,17 @@ def _added(src: _Source, links: TargetLinks, case: Case) -> tuple[tuple[str, flo
     return tuple(out)
 
 
-def _compute_s(src: _Source) -> float:
-    per_step = [max(sum(arg for kind, arg in p if kind == "compute") for p in s.programs.values())
-                for s in src.steps]
-    return float(np.median(per_step)) * src.compute_scale
+def _free(src: _Source, links: TargetLinks, case: Case, steps: list[Step] | None = None) -> np.ndarray:
+    """Each step with free communication (no latency, no wire time): its compute, and its ranks' waits on
+    each other. What the links add beyond it is the step's communication."""
+    return step_times(src, replace(links, inter=np.inf, intra=np.inf, latency_s=0.0), case, steps)
+
+
+def _timed(src: _Source, links: TargetLinks, case: Case, steps: list[Step] | None = None) -> tuple[float, float]:
+    """The step (median over the steps) and its communication (the median of each step's time beyond its
+    time with free communication)."""
+    times = step_times(src, links, case, steps)
+    return float(np.median(times)), float(np.median(np.maximum(times - _free(src, links, case, steps), 0.0)))
 
 
 # bytes -----------------------------------------------------------------------------------------
@@ -338,9 +354,7 @@ def _row(src: _Source, links: TargetLinks, case: Case, target: Target) -> dict:
     sync = case.x.syncs[case.sync] if case.sync is not None else None
     ring = 0.0 if case.dp_part is not None else src.ring_bytes
     dp = w * case.dp_part if case.dp_part is not None else 0.0
-    times = step_times(src, links, case)
-    step = float(np.median(times))
-    compute = _compute_s(src)
+    step, comm = _timed(src, links, case)
     figures = {A2A_BYTES: a2a, A2A_REMOTE_BYTES: remote, ALLREDUCE_BYTES: ring * w,
                SYNC_BYTES: sync.wire if sync is not None else 0.0, DP_BYTES: dp}
     figures["bytes_per_step"] = a2a + ring * w + (sync.wire if sync is not None else 0.0) + dp
@@ -350,8 +364,8 @@ def _row(src: _Source, links: TargetLinks, case: Case, target: Target) -> dict:
             HOT_ROWS: 0 if case.hot_keys is None else len(case.hot_keys),
             HOT_SAMPLE_FRACTION: case.hot_fraction, **figures,
             "inter_node_bytes_per_step": _inter_bytes(links, cold, share, ring, sync, dp, case),
-            "compute_s": compute, "comm_s": max(step - compute, 0.0), STEP_TIME: step,
-            "comm_share": max(step - compute, 0.0) / step if step else None, "speedup": None}
+            "compute_s": step - comm, "comm_s": comm, STEP_TIME: step, "comm_share": comm / step if step else None,
+            "speedup": None}
 
 
 def _ratio_of(case: Case, x: TargetExchange, remote: bool = False) -> float:
@@ -586,10 +600,10 @@ def _sweep(src: _Source, links: TargetLinks, cases: list[Case]) -> pl.DataFrame:
     probe = _spaced(src.steps, DERIVE_STEPS)
     for rate in SWEEP_RATES:
         at = replace(links, inter=rate / 8 * network.WIRE_EFFICIENCY)
-        times = {case.name: float(np.median(step_times(src, at, case, probe))) for case in cases}
-        for name, step in times.items():
-            out.append({"policy": name, "inter_bw": rate / 8, "comm_s": max(step - _compute_s(src), 0.0),
-                        STEP_TIME: step, "speedup": times["baseline"] / step if step else None})
+        timed = {case.name: _timed(src, at, case, probe) for case in cases}
+        for name, (step, comm) in timed.items():
+            out.append({"policy": name, "inter_bw": rate / 8, "comm_s": comm, STEP_TIME: step,
+                        "speedup": timed["baseline"][0] / step if step else None})
     return pl.DataFrame(out)
 
 
@@ -630,6 +644,8 @@ def project(path, target: Target, policy_path=None, *, derive: bool = True, writ
                    **result.summary, "notes": result.notes, "written": []}
         for name, frame in result.tables.items():
             summary["written"].append(str(ctx.write(name, frame)))
+        if "simulate_scale" not in result.tables:  # a curve of an earlier projection is not this one's
+            (RunDir.at(ctx.path).analysis / "simulate_scale.parquet").unlink(missing_ok=True)
         if write_dir is not None:
             if projection.policy is None:
                 summary["notes"].append(f"--write-policy {write_dir}: nothing derived to write")

@@ -200,22 +200,33 @@ def cache(run: RunInputs) -> PageSection:
 # simulate ---------------------------------------------------------------------------------------
 
 def simulate(run: RunInputs) -> PageSection | None:
-    """`tracekit simulate`'s projection of the run, where one was made: the table and step time and
-    speedup against the inter-node link rate."""
-    rows, sweep = run.table("simulate"), run.table("simulate_sweep")
-    if rows is None:
+    """`tracekit simulate`'s projection of the run, where one was made: the table, the speedup against the
+    link rate between nodes and, where projected (`--curve`), against the world size."""
+    rows, sweep, scale = run.table("simulate"), run.table("simulate_sweep"), run.table("simulate_scale")
+    if rows is None or not rows.height:
         return None
     first = rows.row(0, named=True)
     s = PageSection("simulate", f"What-if: this run on {first['topology']} ({first['world']} ranks)")
-    s.intro.append(f"<p>Projected from the run's traffic, its compute time and the cost model (bytes "
-                   f"{'as recorded and replayed' if first['method'] == 'replay' else 'scaled per sample'}); "
+    s.intro.append(f"<p>Bytes: the recorded samples regrouped onto the target's ranks as the trainer hands them "
+                   f"out, counted on its placement of the tables ({esc(first['method'])}). Time: the recorded steps "
+                   f"replayed with every collective priced on the target's links: "
                    f"{esc(show('inter_bw', first['inter_bw']))} between nodes, "
-                   f"{esc(show('intra_bw', first['intra_bw']))} within, "
-                   f"batch {first['batch_per_device']:g} per rank.</p>")
+                   f"{esc(show('intra_bw', first['intra_bw']))} within, batch {first['batch_per_device']:g} "
+                   f"per rank.</p>")
     columns = ("policy", "bytes_per_step", "inter_node_bytes_per_step", "compute_s", "comm_s", STEP_TIME,
                "comm_share", "speedup")
-    s.intro.append(table(["policy", "bytes / step", "between nodes / step", "compute", "communication", "step time",
+    s.intro.append(table(["section", "bytes / step", "between nodes / step", "compute", "communication", "step time",
                           "comm share", "speedup"], [_cells(r, columns) for r in rows.iter_rows(named=True)]))
+    if scale is not None and scale.height:
+        fig = figure(title=f"Speedup over the baseline against the world size, at "
+                           f"{esc(show('inter_bw', first['inter_bw']))} between nodes",
+                     x="ranks (log scale)", y="step-time speedup", xaxis_type="log")
+        for (name,), part in scale.sort("world").group_by("policy", maintain_order=True):
+            fig.add_scatter(x=part["world"].to_list(), y=part["speedup"].to_list(), mode="lines+markers",
+                            name=esc(name))
+        s.charts.append(Chart(fig, "Each section derived for each world size: the more ranks, the more of each "
+                                   "lookup crosses the network, and the more replicating its row saves, until the "
+                                   "replicas' sync grows with the ranks too."))
     if sweep is not None:
         fig = figure(title="Speedup over the baseline against the link between nodes", x="link rate (bit/s, log "
                      "scale)", y="step-time speedup", xaxis_type="log", xaxis_exponentformat="SI")
