@@ -58,8 +58,8 @@ SCALE_WORLDS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """World sizes of the scale curve (`curve=True`), the target's ranks per node each."""
 PREDICT_STEPS = 24  # recorded steps a projection replays, evenly spaced
 DERIVE_STEPS = 12  # ... and a candidate of a derivation, and a point of the sweep
-UNMEASURED_INTRA_BW = 10e9
-"""Bytes/s assumed within a node where the run cannot tell (no one-node run to measure it on)."""
+DEFAULT_INTRA_BW = 10e9
+"""Bytes/s a rank each way within a node unless the target gives its own (--intra-bw)."""
 OUTPUTS = (tags.OUTPUT_FWD, tags.OUTPUT_BWD)
 ROW_LISTS = {"replication": ("hot_rows",), "schedule": ("fae_rows",)}
 """The row lists a derived section's file carries (policy/<name>.parquet)."""
@@ -247,20 +247,13 @@ def _dense(steps: list[Step]) -> tuple[float, int]:
 
 
 def _links(ctx: Context, target: Target, notes: list[str]) -> TargetLinks:
-    intra = target.intra_bw or _intra_bw(ctx, notes)
+    intra = target.intra_bw or DEFAULT_INTRA_BW
+    if target.intra_bw is None and target.ranks_per_node > 1:
+        notes.append(f"within a node: {DEFAULT_INTRA_BW / 1e9:g} GB/s a rank each way assumed (--intra-bw sets it; "
+                     "no rate measured where the run was recorded is carried over)")
     latency = DEFAULT_LATENCY_S if target.latency_s is None else target.latency_s
     return TargetLinks(target.nodes, target.ranks_per_node, target.inter_bw * network.WIRE_EFFICIENCY, intra,
                        latency, target.duplex)
-
-
-def _intra_bw(ctx: Context, notes: list[str]) -> float:
-    """Within a node: the run's fitted link (analyses.network) where its ranks shared one node; a run
-    recorded across nodes measured its links instead, so UNMEASURED_INTRA_BW, said in a note."""
-    if Topology.of_run(ctx.manifest, ctx.model.world_size).nodes > 1:
-        notes.append(f"within a node: {UNMEASURED_INTRA_BW / 1e9:g} GB/s assumed (the run was recorded across nodes, "
-                     "so it measured the links between them; --intra-bw sets it)")
-        return UNMEASURED_INTRA_BW
-    return network.network(ctx).fit.bandwidth or UNMEASURED_INTRA_BW
 
 
 # time ------------------------------------------------------------------------------------------

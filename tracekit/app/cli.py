@@ -369,7 +369,8 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
 @RUN_DIR
 @click.option("--topology", required=True, help="The cluster projected onto: NODESxRANKS, e.g. 8x8.")
 @click.option("--inter-bw", required=True, help="Each node's link to the others, each way, e.g. 200mbit, 100gbit.")
-@click.option("--intra-bw", default=None, help="Between ranks of one node (default: measured in the run).")
+@click.option("--intra-bw", default=None, help="Each rank's link to the others of its node, each way "
+              "(default: 10GB/s, i.e. 80gbit).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Samples per rank on the target (default: the run's).")
 @click.option("--latency", default=None, help="Time one collective costs beyond its bytes on the target, e.g. 50us "
