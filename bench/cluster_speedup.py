@@ -7,13 +7,15 @@ Per configuration NODESxRANKS@LINK, on the criteo-kaggle preset (scale 0.01, dim
 1. `tracekit optimize --cluster NODESxRANKS --link LINK --objective bytes`: the baseline recorded on
    the emulated cluster, analysed, each policy section re-run there, and compared: the step-time
    speedup of each policy, the loss curve's largest difference against the baseline, and the
-   baseline's communication share (1 − compute / step, analyses.step_traffic.recorded);
-2. `simulate` of that baseline onto its own topology and link with its policy.json (replay): predicted
+   baseline's communication share (projected onto its own cluster: communication over the step);
+2. `simulate` of that baseline onto its own topology and link with its policy.json as written: predicted
    step time of every policy against the measured one;
-3. `simulate` of a baseline recorded once per world size on loopback (one node,
-   `torchrun --standalone`) onto NODESxRANKS at LINK with the same policy: the projection of a run
-   to a cluster it never ran on, against what that cluster measured; and the same with
-   `duplex=False` (gloo's worst case, each pair's two directions one after the other).
+3. `simulate` of one baseline recorded on loopback at 2 ranks (one node, `torchrun --standalone`) onto
+   NODESxRANKS at LINK with the same policy as written: the projection of a run to a cluster it never
+   ran on, against what that cluster measured. The emulated ranks share the box's 2 cores, so their
+   compute is not a loopback rank's: `--compute-scale` gives the target the cluster baseline's compute
+   (its free-communication step over the loopback run's), which isolates the network; and the same
+   without it (compute as recorded on loopback).
 Prints one table per configuration and writes OUT/results.json.
 """
 
@@ -30,11 +32,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from analyses import simulate, step_traffic  # noqa: E402
+from analyses import simulate  # noqa: E402
 from analyses.compare import compare  # noqa: E402
-from analyses.context import open_context  # noqa: E402
+from analyses.context import Options, open_context  # noqa: E402
+from tracekit.policy import read_policy  # noqa: E402
 from tracekit.topology import Topology  # noqa: E402
-from tracekit.policy import load_policy  # noqa: E402
 from tracekit.units import parse_rate  # noqa: E402
 
 
@@ -58,12 +60,10 @@ def main() -> None:
     for config in args.configs.split(","):
         shape, _, link = config.partition("@")
         nodes, per_node = Topology.parse(shape).nodes, Topology.parse(shape).ranks_per_node
-        world = nodes * per_node
         out = args.out / config.replace("@", "-")
         if args.analyse_only:
             summary = compare(out / "base", sorted(d for d in out.iterdir() if d.is_dir() and d.name != "base")).summary
-            loopback[world] = args.out / f"loopback-w{world}"
-            results.append(measure(config, nodes, per_node, parse_rate(link), out, summary, loopback[world]))
+            results.append(measure(config, nodes, per_node, parse_rate(link), out, summary, args.out / "loopback-w2"))
             show(results[-1])
             continue
         run = subprocess.run([sys.executable, "-m", "tracekit", "optimize", "-o", str(out), "--cluster", shape,
@@ -73,9 +73,9 @@ def main() -> None:
             print(f"{config}: optimize failed ({run.returncode}): {run.stderr[-2000:]}")
             continue
         summary = json.loads(run.stdout.strip().splitlines()[-1])
-        if world not in loopback:
-            loopback[world] = record_loopback(args.out / f"loopback-w{world}", world, train)
-        results.append(measure(config, nodes, per_node, parse_rate(link), out, summary, loopback[world]))
+        if 2 not in loopback:
+            loopback[2] = record_loopback(args.out / "loopback-w2", 2, train)
+        results.append(measure(config, nodes, per_node, parse_rate(link), out, summary, loopback[2]))
         show(results[-1])
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 
@@ -90,14 +90,12 @@ def record_loopback(run_dir: Path, world: int, train: list[str]) -> Path:
 def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summary: dict, loop: Path) -> dict:
     base = out / "base"
     policy_path = base / "policy.json"
-    policy = load_policy(policy_path)
     target = simulate.Target(nodes, per_node, inter_bw=link)
-    with open_context(base) as ctx:
-        _, own = step_traffic.recorded(ctx)
-        on_cluster = _by_policy(simulate.simulate(ctx, target, policy, policy_path))
-    with open_context(loop) as ctx:
-        from_loopback = _by_policy(simulate.simulate(ctx, target, policy, policy_path))
-        half_duplex = _by_policy(simulate.simulate(ctx, replace(target, duplex=False), policy, policy_path))
+    own = simulate.project(base, target, policy_path, derive=False)
+    on_cluster = _by_policy(own)
+    loopback = _by_policy(_projected(loop, target, policy_path))
+    scale = on_cluster["baseline"]["compute_s"] / loopback["baseline"]["compute_s"]
+    isolated = _by_policy(_projected(loop, replace(target, compute_scale=scale), policy_path))
     base_time = summary["runs"][0]["step_time_s"]
     runs = []
     for figures in summary["runs"]:
@@ -107,21 +105,30 @@ def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summ
                      "loss_max_abs_diff": figures.get("loss_max_abs_diff"),
                      "bytes_per_step": figures.get("bytes_per_step"),
                      "predicted_same_cluster_s": on_cluster.get(key, {}).get("step_time_s"),
-                     "predicted_from_loopback_s": from_loopback.get(key, {}).get("step_time_s"),
-                     "predicted_half_duplex_s": half_duplex.get(key, {}).get("step_time_s"),
-                     "predicted_bytes_per_step": from_loopback.get(key, {}).get("bytes_per_step")})
-    return {"config": config, "comm_share": 1 - own["compute_s"] / own["step_time_s"], "runs": runs,
-            "notes": summary.get("notes", [])}
+                     "predicted_from_loopback_s": isolated.get(key, {}).get("step_time_s"),
+                     "predicted_loopback_compute_s": loopback.get(key, {}).get("step_time_s"),
+                     "predicted_bytes_per_step": isolated.get(key, {}).get("bytes_per_step")})
+    return {"config": config, "comm_share": on_cluster["baseline"]["comm_share"], "compute_scale": scale,
+            "runs": runs, "notes": summary.get("notes", [])}
 
 
-def _by_policy(result) -> dict[str, dict]:
-    return {r["policy"]: r for r in result.tables["simulate"].iter_rows(named=True)}
+def _projected(loop: Path, target, policy_path: Path) -> dict:
+    """The loopback run projected onto `target` with the cluster baseline's policy as written (its world
+    may be the target's, not the loopback run's: simulate applies its rows to the regrouped samples)."""
+    with open_context(loop, Options(replay_steps=0)) as ctx:
+        result, _ = simulate.simulate(ctx, target, read_policy(policy_path), policy_path, derive=False)
+    return {"rows": result.tables["simulate"].to_dicts()}
+
+
+def _by_policy(summary: dict) -> dict[str, dict]:
+    return {r["policy"]: r for r in summary["rows"]}
 
 
 def show(r: dict) -> None:
-    print(f"\n{r['config']}: baseline communication share {r['comm_share']:.0%}")
+    print(f"\n{r['config']}: baseline communication share {r['comm_share']:.0%}; the loopback run's compute "
+          f"x{r['compute_scale']:.2f} on the cluster")
     print(f"{'run':<12} {'step ms':>8} {'speedup':>8} {'loss Δ':>9} {'bytes/step':>12} {'sim (same) ms':>14} "
-          f"{'err':>6} {'sim (loopback) ms':>18} {'err':>6} {'half duplex':>12} {'err':>6}")
+          f"{'err':>6} {'sim (loopback) ms':>18} {'err':>6} {'loopback compute':>17} {'err':>6}")
     for x in r["runs"]:
         def err(p):
             return "" if p is None else f"{p / x['step_time_s'] - 1:+.1%}"
@@ -129,7 +136,7 @@ def show(r: dict) -> None:
               f"{(x['loss_max_abs_diff'] or 0):9.2e} {(x['bytes_per_step'] or 0):12,.0f} "
               f"{(x['predicted_same_cluster_s'] or 0) * 1e3:14.1f} {err(x['predicted_same_cluster_s']):>6} "
               f"{(x['predicted_from_loopback_s'] or 0) * 1e3:18.1f} {err(x['predicted_from_loopback_s']):>6} "
-              f"{(x['predicted_half_duplex_s'] or 0) * 1e3:12.1f} {err(x['predicted_half_duplex_s']):>6}")
+              f"{(x['predicted_loopback_compute_s'] or 0) * 1e3:17.1f} {err(x['predicted_loopback_compute_s']):>6}")
     for note in r["notes"]:
         print(f"  note: {note}")
 

@@ -27,8 +27,6 @@ sys.path.insert(0, str(REPO))
 
 from analyses import simulate  # noqa: E402
 from analyses.compare import compare  # noqa: E402
-from analyses.context import open_context  # noqa: E402
-from tracekit.policy import load_policy  # noqa: E402
 from tracekit.topology import Topology  # noqa: E402
 from tracekit.units import parse_rate  # noqa: E402
 
@@ -85,16 +83,15 @@ def main() -> None:
               f"tiers: {rep['step_time_s'] / tiers['step_time_s']:.2f}x; baseline over tiers: "
               f"{base['step_time_s'] / tiers['step_time_s']:.2f}x")
     policy_path = args.out / "base" / "policy.json"
-    policy = load_policy(policy_path)
     projections = []
-    with open_context(args.out / "base") as ctx:
-        for target in (shape, Topology(8, 8)):
-            result = simulate.simulate(ctx, simulate.Target(target.nodes, target.ranks_per_node,
-                                                            inter_bw=parse_rate(args.link)), policy, policy_path)
-            for r in result.tables["simulate"].iter_rows(named=True):
-                projections.append({"target": target.name, "policy": r["policy"], "method": r["method"],
-                                    "step_time_s": r["step_time_s"], "inter_node_bytes_per_step": r["inter_node_bytes_per_step"],
-                                    "speedup": r["speedup"]})
+    for target in (shape, Topology(8, 8)):  # the recorded one as written, 8x8 with sections derived for it
+        summary = simulate.project(args.out / "base", simulate.Target(target.nodes, target.ranks_per_node,
+                                                                      inter_bw=parse_rate(args.link)),
+                                   policy_path if target == shape else None)
+        for r in summary["rows"]:
+            projections.append({"target": target.name, "policy": r["policy"], "method": r["method"],
+                                "step_time_s": r["step_time_s"], "inter_node_bytes_per_step": r["inter_node_bytes_per_step"],
+                                "speedup": r["speedup"]})
     print("\n| simulate onto | policy | method | step (ms) | inter-node MB/step | speedup |\n|---|---|---|---:|---:|---:|")
     for r in projections:
         print(f"| {r['target']} | {r['policy']} | {r['method']} | {_ms(r['step_time_s'])} "

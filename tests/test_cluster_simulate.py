@@ -20,7 +20,7 @@ from analyses.context import Options, open_context
 from analyses.simulate import Target, simulate
 from tests.recorded import REPO
 from tests.test_cluster import needs_cluster
-from tracekit.policy import load_policy, write_policy
+from tracekit.policy import load_policy, read_policy, write_policy
 from tracekit.units import parse_rate
 
 LINK = "50mbit"
@@ -62,10 +62,11 @@ def measured(run_dir: Path) -> dict:
             "all_reduce": ops.get("all_reduce", 0.0), "sync": figures.get("sync_bytes_per_step", 0.0)}
 
 
-def projected(source: Path, nodes: int, per_node: int, policy: dict | None = None) -> dict[str, dict]:
+def projected(source: Path, nodes: int, per_node: int, policy_path: Path | None = None) -> dict[str, dict]:
     target = Target(nodes, per_node, inter_bw=parse_rate(LINK))
-    with open_context(source) as ctx:
-        result = simulate(ctx, target, policy, source / "policy.json" if policy else None)
+    with open_context(source, Options(replay_steps=0)) as ctx:
+        result, _ = simulate(ctx, target, None if policy_path is None else read_policy(policy_path), policy_path,
+                             derive=False)
     return {r["policy"]: r for r in result.tables["simulate"].iter_rows(named=True)}
 
 
@@ -80,7 +81,7 @@ def attempt(tmp_path: Path, nodes: int, per_node: int) -> dict[str, tuple[dict, 
         # applied whether loopback's analysis recommends it or not (as `optimize --check-all` does)
         policy["replication"] = {k: v for k, v in policy["replication"].items() if k != "reason"} | {"recommended": True}
         write_policy(source / "policy.checked.json", policy)
-    projection = projected(source, nodes, per_node, policy)
+    projection = projected(source, nodes, per_node, None if policy is None else source / "policy.checked.json")
     options = {"baseline": ()}
     if policy is not None:
         options["replication"] = ("--policy", str(source / "policy.checked.json"))
