@@ -39,7 +39,7 @@ from analyses.replay.graph import Call, Step, one_way, recorded_steps
 from analyses.replay.simulation import run_steps
 from analyses.replay.target import DEFAULT_LATENCY_S, TargetLinks, priced_links, priced_steps
 from analyses.target_exchange import (DENSE, SPARSE, Routed, TableBytes, TargetExchange, exchange, route)
-from analyses.target_sections import (RECOMMEND_GAIN, Case, candidates, ranked_rows, replication, schedule,
+from analyses.target_sections import (RECOMMEND_GAIN, REFINE_POINTS, Case, candidates, ranked_rows, replication, schedule,
                                       sync_kinds, with_sync)
 from analyses.traffic import A2A_OPS, GATHER_OPS
 from tracekit import tags
@@ -57,7 +57,8 @@ SWEEP_RATES = (10e6, 25e6, 50e6, 100e6, 200e6, 500e6, 1e9, 2.5e9, 10e9, 25e9, 10
 SCALE_WORLDS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """World sizes of the scale curve (`curve=True`), the target's ranks per node each."""
 PREDICT_STEPS = 24  # recorded steps a projection replays, evenly spaced
-DERIVE_STEPS = 12  # ... and a candidate of a derivation, and a point of the sweep
+DERIVE_STEPS = 12  # ... a candidate of a derivation
+SWEEP_STEPS = 6  # ... a point of the sweep
 DEFAULT_INTRA_BW = 10e9
 """Bytes/s a rank each way within a node unless the target gives its own (--intra-bw)."""
 OUTPUTS = (tags.OUTPUT_FWD, tags.OUTPUT_BWD)
@@ -329,18 +330,20 @@ def _free(src: _Source, links: TargetLinks, case: Case, steps: list[Step] | None
     return step_times(src, replace(links, inter=np.inf, intra=np.inf, latency_s=0.0), case, steps)
 
 
-def _timed(src: _Source, links: TargetLinks, case: Case, steps: list[Step] | None = None) -> tuple[float, float]:
+def _timed(src: _Source, links: TargetLinks, case: Case, steps: list[Step] | None = None,
+           free: np.ndarray | None = None) -> tuple[float, float]:
     """The step (median over the steps) and its communication (the median of each step's time beyond its
-    time with free communication)."""
+    time with free communication, `free` where known)."""
     times = step_times(src, links, case, steps)
-    return float(np.median(times)), float(np.median(np.maximum(times - _free(src, links, case, steps), 0.0)))
+    free = _free(src, links, case, steps) if free is None else free
+    return float(np.median(times)), float(np.median(np.maximum(times - free, 0.0)))
 
 
 # bytes -----------------------------------------------------------------------------------------
 
 def _row(src: _Source, links: TargetLinks, case: Case, target: Target) -> dict:
     w = links.world
-    x, cold = case.x, case.step_exchange()
+    cold = case.step_exchange()
     share = 1.0 - case.hot_fraction
     a2a = share * cold.bytes_out * _ratio_of(case, cold)
     remote = share * cold.remote * _ratio_of(case, cold, remote=True)
@@ -437,17 +440,24 @@ def _dp(src: _Source, section: DctDp, recorded_world: int) -> Case:
 
 def _combined(src: _Source, cases: list[Case], policy: Policy | None) -> Case | None:
     """The recommended sections together (with a file: its recommended ones), as the trainer applies them:
-    the replicas of replication or schedule, DCT-MP on their outputs, DCT-DP on the dense gradients."""
-    chosen = [c for c in cases[1:] if _recommended(c, policy)]
+    the union of replication's and the schedule's rows replicated (synchronised as the larger set says),
+    the FAE schedule over that union where it is applied, DCT-MP on the outputs, DCT-DP on the dense
+    gradients."""
+    chosen = {c.name: c for c in cases[1:] if _recommended(c, policy)}
     if len(chosen) < 2:
         return None
-    base = next((c for c in chosen if c.name in ("replication", "schedule")), cases[0])
-    out = replace(base, name="combined")
-    for c in chosen:
-        if c.name == "compression.mp":
-            out = replace(out, output_ratio=c.output_ratio)
-        elif c.name == "compression.dp":
-            out = replace(out, dp_part=c.dp_part)
+    holding = [c for c in (chosen.get("replication"), chosen.get("schedule")) if c is not None]
+    out = replace(cases[0], name="combined", notes=[])
+    if holding:
+        r = src.routed
+        mask = r.rows_in(np.concatenate([c.hot_keys for c in holding]))
+        larger = max(holding, key=lambda c: len(c.hot_keys))
+        out = replication(r, mask, "combined") if "schedule" not in chosen else schedule(r, mask)
+        out = replace(with_sync(out, larger.sync), name="combined")
+    if "compression.mp" in chosen:
+        out = replace(out, output_ratio=chosen["compression.mp"].output_ratio)
+    if "compression.dp" in chosen:
+        out = replace(out, dp_part=chosen["compression.dp"].dp_part)
     return out
 
 
@@ -470,24 +480,33 @@ def _derived(ctx: Context, src: _Source, links: TargetLinks, base: Case,
     budget = _budget(ctx)
     order = ranked_rows(r)
     objective = ctx.options.objective
-    best_rep, fae = None, []
-    for k in candidates(r, order, budget):
+    tried: dict[int, tuple] = {}  # k -> (replication's (merit, case), FAE's [(merit, case)])
+
+    def at(k: int) -> None:
+        if k in tried:
+            return
         mask = np.zeros(len(r.keys), dtype=bool)
         mask[order[:k]] = True
         rep = replication(r, mask)
-        for kind in sync_kinds(rep):
-            case = with_sync(rep, kind)
-            merit = mean_step(case) if objective == "time" else _bytes_of(case)
-            if best_rep is None or merit < best_rep[0]:
-                best_rep = (merit, case, k)
         hot = schedule(r, mask, rep.x)
-        if hot.hot_fraction > 0:
-            for kind in sync_kinds(hot):
-                case = with_sync(hot, kind)
-                fae.append((mean_step(case) if objective == "time" else _bytes_of(case), case, k))
+        def merit(case: Case) -> float:
+            return mean_step(case) if objective == "time" else _bytes_of(case)
+        reps = [(merit(c), c) for c in (with_sync(rep, kind) for kind in sync_kinds(rep))]
+        faes = [(merit(c), c) for c in (with_sync(hot, kind) for kind in sync_kinds(hot))] if hot.hot_fraction else []
+        tried[k] = (min(reps, key=lambda m: m[0]), faes)
+
+    grid = candidates(r, order, budget)
+    for k in grid:  # a coarse grid, then finer between the best point's neighbours
+        at(k)
+    if grid:
+        i = min(range(len(grid)), key=lambda j: tried[grid[j]][0][0])
+        lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+        for k in np.unique(np.round(np.geomspace(lo, hi, REFINE_POINTS + 2)).astype(int))[1:-1]:
+            at(int(k))
+    best_rep = min(((*tried[k][0], k) for k in tried), key=lambda m: m[0], default=None)
     # without a budget FAE's hot set is held to replication's, as analyze holds it (replica_budget)
-    most = max(k for *_, k in fae) if budget is not None or best_rep is None and fae else (best_rep[2] if best_rep else 0)
-    best_fae = min((f for f in fae if f[2] <= most), key=lambda f: f[0], default=None)
+    most = max(tried, default=0) if budget is not None or best_rep is None else best_rep[2]
+    best_fae = min(((m, c, k) for k in tried if k <= most for m, c in tried[k][1]), key=lambda m: m[0], default=None)
     cases = []
     for best in (best_rep, best_fae):
         if best is not None:
@@ -590,10 +609,11 @@ def _mark(projection: Projection, rows: list[dict]) -> None:
 
 def _sweep(src: _Source, links: TargetLinks, cases: list[Case]) -> pl.DataFrame:
     out = []
-    probe = _spaced(src.steps, DERIVE_STEPS)
+    probe = _spaced(src.steps, SWEEP_STEPS)
+    free = {case.name: _free(src, links, case, probe) for case in cases}
     for rate in SWEEP_RATES:
         at = replace(links, inter=rate / 8 * network.WIRE_EFFICIENCY)
-        timed = {case.name: _timed(src, at, case, probe) for case in cases}
+        timed = {case.name: _timed(src, at, case, probe, free[case.name]) for case in cases}
         for name, (step, comm) in timed.items():
             out.append({"policy": name, "inter_bw": rate / 8, "comm_s": comm, STEP_TIME: step,
                         "speedup": timed["baseline"][0] / step if step else None})

@@ -9,7 +9,7 @@ dense gradients' all-reduce.
 Derived for the target, as analyze derives them for the recorded run:
 - replication: the rows by the bytes their lookups would free at W' (ids of remote lookups, and the
   rows back of the remote bags and sequence lookups they alone make), per byte of replica; the prefix,
-  on a geometric grid within the replica budget (Options.budget_*), and the sync (dense or sparse) whose
+  on a geometric grid within the replica budget (Options.budget_*), refined around its best point, and the sync (dense or sparse) whose
   replayed step is least (objective "time") or whose bytes are fewest (objective "bytes");
 - schedule (FAE): the same candidate hot sets, each with its share of all-hot samples h: hot steps make
   no exchange, cold steps carry the cold samples' exchange (a rank's b' cold samples: the lookups'
@@ -28,7 +28,8 @@ import numpy as np
 
 from analyses.target_exchange import DENSE, SPARSE, Routed, TargetExchange, exchange, hot_samples
 
-GRID_POINTS = 14  # candidate hot sets, geometrically spaced
+GRID_POINTS = 8  # candidate hot sets, geometrically spaced
+REFINE_POINTS = 4  # ... and more between the best one's neighbours
 RECOMMEND_GAIN = 0.05
 """A section derived for a target is recommended where its predicted step is this much faster: the
 replay's error on held-out runs at the recorded scale (bench/RESULTS.md) is within it."""
