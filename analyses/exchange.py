@@ -134,7 +134,7 @@ def _replay_baseline(ctx: Context) -> ExchangeBaseline:
     attributed = attribution.attributed(ctx)
     a = attributed.tables
     world = ctx.model.world_size
-    len_bytes, id_bytes = element_bytes(ctx)
+    len_bytes, id_bytes = _elem(ctx, tags.INPUT_LENGTHS, 4), _elem(ctx, tags.INPUT_IDS, 8)
     n_tables = max(len(ctx.model.tables), 1)
     ctx.sql(f"""CREATE OR REPLACE TEMP TABLE tk_onehot AS
                SELECT tid, max(pos) = 0 AND NOT bool_or(seq) AS onehot FROM {a.lookups} GROUP BY tid""")
@@ -165,7 +165,10 @@ def _replay_baseline(ctx: Context) -> ExchangeBaseline:
 def element_bytes(ctx: Context) -> tuple[int, int]:
     """The bytes of a bag length and of an id in the input dist, as the run sent them (int32, int64 unless
     its calls say otherwise)."""
-    return _elem(ctx, tags.INPUT_LENGTHS, 4), _elem(ctx, tags.INPUT_IDS, 8)
+    def elem(role: str, default: int) -> int:
+        rows = ctx.sql("SELECT mode(dtype) FROM train_comms WHERE role = ?", [role]).fetchall() if ctx.has("comms") else []
+        return attribution.elem_bytes(rows[0][0]) if rows and rows[0][0] else default
+    return elem(tags.INPUT_LENGTHS, 4), elem(tags.INPUT_IDS, 8)
 
 
 def _elem(ctx: Context, role: str, default: int) -> int:

@@ -29,16 +29,17 @@ from analyses.context import Context
 
 @dataclass(frozen=True)
 class Lookups:
-    """The recorded lookups of sharded tables in the trainer's sample order (a bag's ids together): per lookup its global
-    sample `g`, table index `tid` (the manifest's), `row` and `feature` (a bag's feature, 0 but for
-    TorchRec tables); `samples` the n samples they come from; `sequence[tid]` whether the table is a
-    sequence (unpooled) one."""
+    """The recorded lookups of sharded tables in the trainer's sample order (a bag's ids together): per
+    lookup its global sample `g`, table index `tid` (the manifest's), `row` and `feature` (a bag's
+    feature, 0 but for TorchRec tables); `samples` the n samples they come from, over `steps` steps;
+    `sequence[tid]` whether the table is a sequence (unpooled) one."""
 
     g: np.ndarray
     tid: np.ndarray
     row: np.ndarray
     feature: np.ndarray
     samples: int
+    steps: int  # the recorded steps they come from
     sequence: np.ndarray
     notes: tuple[str, ...] = ()
 
@@ -75,31 +76,60 @@ def recorded_lookups(ctx: Context) -> Lookups:
 
 
 def _load(ctx: Context) -> Lookups:
-    a = attribution.attributed(ctx).tables
-    names = ctx.frame(f"SELECT tid, kind FROM {a.names} ORDER BY tid")
-    sequence = np.zeros(max(len(ctx.model.tables), 1), dtype=bool)
-    for tid, kind in names.iter_rows():
-        sequence[tid] = kind == "sequence"
+    """The lookups in sample order: read as recorded where every one of a sharded table carries its source
+    (the reference trainer's, schema 1.7: tracekit.sources), else through analyses.attribution."""
+    tables = ctx.model.tables
+    sequence = np.array([t.kind == "sequence" for t in tables] or [False])
     any_sequence = bool(sequence.any())
     k = ("row_number() OVER (PARTITION BY l.step, l.src, l.tid ORDER BY l.owner, l.sample, l.pos) - 1"
          if any_sequence else "0")
     n = "count(*) OVER (PARTITION BY l.step, l.src, l.tid)" if any_sequence else "1"
+    recorded = _recorded(ctx)
+    if recorded is not None:
+        lookups, batches = recorded
+    else:
+        a = attribution.attributed(ctx).tables
+        lookups = f"""SELECT l.step, l.owner, l.src, l.tid, l.sample, l.pos, l."row", l.feature, l.src_sample
+                      FROM {a.lookups} l JOIN {a.names} t USING (tid) WHERE t.sharded AND l.src IS NOT NULL"""
+        batches = f"SELECT step, src, b FROM {a.batches} SEMI JOIN {a.steps} USING (step)"
     frame = ctx.frame(f"""
         WITH b AS (SELECT step, src, b, sum(b) OVER (ORDER BY step, src ROWS UNBOUNDED PRECEDING) - b AS base
-                   FROM {a.batches} SEMI JOIN {a.steps} USING (step)),
-        l AS (SELECT l.step, l.src, l.tid, l."row", l.feature, l.src_sample, {k} AS k, {n} AS n
-              FROM {a.lookups} l JOIN {a.names} t USING (tid) WHERE t.sharded AND l.src IS NOT NULL)
+                   FROM ({batches})),
+        l AS (SELECT l.step, l.src, l.tid, l."row", l.feature, l.src_sample, {k} AS k, {n} AS n FROM ({lookups}) l)
         SELECT (b.base + coalesce(l.src_sample, (l.k * b.b) // l.n))::BIGINT AS g, l.tid::INTEGER AS tid,
                l."row"::BIGINT AS "row", coalesce(l.feature, 0)::SMALLINT AS feature
         FROM l JOIN b USING (step, src) ORDER BY g, tid, feature""")
-    samples = ctx.sql(f"SELECT coalesce(sum(b), 0)::BIGINT FROM {a.batches} SEMI JOIN {a.steps} USING (step)"
-                      ).fetchall()[0][0]
+    samples, steps = ctx.sql(f"SELECT coalesce(sum(b), 0)::BIGINT, count(DISTINCT step) FROM ({batches})").fetchall()[0]
     notes = []
     if any_sequence:
         notes.append("sequence tables: an id's sample within its rank's batch is not on record, so the k-th of a "
                      "rank's n ids of a table in a step is given sample ⌊k·b/n⌋ (approximate)")
     return Lookups(frame["g"].to_numpy(), frame["tid"].to_numpy(), frame["row"].to_numpy(),
-                   frame["feature"].to_numpy(), int(samples), sequence, tuple(notes))
+                   frame["feature"].to_numpy(), int(samples), int(steps), sequence, tuple(notes))
+
+
+def _recorded(ctx: Context) -> tuple[str, str] | None:
+    """SQL of the lookups of sharded tables (step, owner, src, tid, sample, pos, row, feature, src_sample) and
+    of each source's batch (step, src, b) on the steps with lookups, read as recorded; None where some lookup
+    of a sharded table carries no source, or the run has no steps table."""
+    if not ctx.has("steps"):
+        return None
+    sharded = [i for i, t in enumerate(ctx.model.tables) if t.placement in (None, "sharded")]
+    if not sharded:
+        return None
+    ids = ", ".join(f"({i}, ?)" for i in sharded)
+    names = [ctx.model.tables[i].name for i in sharded]
+    ctx.con.execute("CREATE OR REPLACE TEMP TABLE tk_regroup_tables (tid INTEGER, table_name VARCHAR)")
+    ctx.con.execute(f"INSERT INTO tk_regroup_tables VALUES {ids}", names)
+    missing, steps = ctx.sql("""SELECT count(*) FILTER (WHERE src IS NULL), count(DISTINCT step)
+                                FROM train_lookups JOIN tk_regroup_tables USING (table_name)""").fetchall()[0]
+    if missing or not steps:
+        return None
+    lookups = """SELECT l.step, l.rank AS owner, l.src, t.tid, l.sample, l.pos, l."row", l.feature, l.src_sample
+                 FROM train_lookups l JOIN tk_regroup_tables t USING (table_name)"""
+    batches = """SELECT step, rank AS src, samples AS b FROM steps
+                 WHERE step IN (SELECT DISTINCT step FROM train_lookups)"""
+    return lookups, batches
 
 
 def regroup(looked: Lookups, world: int, batch: int) -> Regrouped:

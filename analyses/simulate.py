@@ -46,7 +46,7 @@ from tracekit import tags
 from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, HOT_ROWS,
                               HOT_SAMPLE_FRACTION, STEP_TIME, SYNC_BYTES)
 from tracekit.placement import ShardingPlan, TableSpec
-from tracekit.policy import (Combined, DctDp, DctMp, Policy, Prediction, Replication, Schedule, Section,
+from tracekit.policy import (MIN_HOT_SAMPLES, Combined, DctDp, DctMp, Policy, Prediction, Replication, Schedule, Section,
                              read_policy, row_path, write_policy)
 from tracekit.policy_model import check_model
 from tracekit.run_dir import RunDir
@@ -191,7 +191,7 @@ def _source(ctx: Context, target: Target, notes: list[str]) -> _Source | None:
         return None
     steps = _spaced(steps_all, PREDICT_STEPS)
     world = ctx.model.world_size
-    batch = looked.samples / max(_sampled_steps(ctx), 1) / world
+    batch = looked.samples / max(looked.steps, 1) / world
     new_batch = int(target.batch or round(batch))
     on = regroup(looked, target.world, new_batch)
     kind = target.sharding or _run_sharding(ctx)
@@ -213,11 +213,6 @@ def _spaced(steps: list[Step], n: int) -> list[Step]:
     return [steps[int(i)] for i in np.linspace(0, len(steps) - 1, n)]
 
 
-def _sampled_steps(ctx: Context) -> int:
-    a = attribution.attributed(ctx).tables
-    return int(ctx.sql(f"SELECT count(*) FROM {a.steps}").fetchall()[0][0])
-
-
 def _run_sharding(ctx: Context) -> str:
     """"row" where a sharded table of the run lies on several ranks, else "table"."""
     shards = [len(t.shards) for t in ctx.model.tables if t.placement in (None, "sharded")]
@@ -225,10 +220,11 @@ def _run_sharding(ctx: Context) -> str:
 
 
 def _table_bytes(ctx: Context) -> TableBytes:
-    a = attribution.attributed(ctx).tables
-    f = ctx.frame(f"SELECT tid, rb, n_features, kind, sharded FROM {a.names} ORDER BY tid")
-    return TableBytes(f["rb"].to_numpy().astype(np.float64), f["n_features"].to_numpy(),
-                      (f["kind"] != "sequence").to_numpy(), f["sharded"].to_numpy())
+    tables, features = ctx.model.tables, attribution.features(ctx)
+    return TableBytes(np.array([t.row_bytes for t in tables], dtype=np.float64),
+                      np.array([features.get(t.name, 1) for t in tables]),
+                      np.array([t.kind != "sequence" for t in tables]),
+                      np.array([t.placement in (None, "sharded") for t in tables]))
 
 
 def _ring_size(c: Call) -> float:
@@ -480,33 +476,45 @@ def _derived(ctx: Context, src: _Source, links: TargetLinks, base: Case,
     budget = _budget(ctx)
     order = ranked_rows(r)
     objective = ctx.options.objective
-    tried: dict[int, tuple] = {}  # k -> (replication's (merit, case), FAE's [(merit, case)])
+    tried: dict[int, tuple] = {}  # k -> replication's best merit, FAE's [(merit, sync)]
+    best_rep: tuple | None = None  # (merit, case, k): the one case kept (a case holds W' × W' matrices)
 
-    def at(k: int) -> None:
-        if k in tried:
-            return
+    def merit(case: Case) -> float:
+        return mean_step(case) if objective == "time" else _bytes_of(case)
+
+    def hot_set(k: int) -> np.ndarray:
         mask = np.zeros(len(r.keys), dtype=bool)
         mask[order[:k]] = True
+        return mask
+
+    def at(k: int) -> None:
+        nonlocal best_rep
+        if k in tried:
+            return
+        mask = hot_set(k)
         rep = replication(r, mask)
-        hot = schedule(r, mask, rep.x)
-        def merit(case: Case) -> float:
-            return mean_step(case) if objective == "time" else _bytes_of(case)
         reps = [(merit(c), c) for c in (with_sync(rep, kind) for kind in sync_kinds(rep))]
-        faes = [(merit(c), c) for c in (with_sync(hot, kind) for kind in sync_kinds(hot))] if hot.hot_fraction else []
-        tried[k] = (min(reps, key=lambda m: m[0]), faes)
+        hot = schedule(r, mask, rep.x)
+        # a schedule with fewer all-hot samples is replication by another name (tracekit.policy.nothing_to_apply)
+        faes = ([(merit(c), c.sync) for c in (with_sync(hot, kind) for kind in sync_kinds(hot))]
+                if hot.hot_fraction >= MIN_HOT_SAMPLES else [])
+        best = min(reps, key=lambda m: m[0])
+        tried[k] = (best[0], faes)
+        if best_rep is None or best[0] < best_rep[0]:
+            best_rep = (*best, k)
 
     grid = candidates(r, order, budget)
     for k in grid:  # a coarse grid, then finer between the best point's neighbours
         at(k)
     if grid:
-        i = min(range(len(grid)), key=lambda j: tried[grid[j]][0][0])
+        i = min(range(len(grid)), key=lambda j: tried[grid[j]][0])
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
         for k in np.unique(np.round(np.geomspace(lo, hi, REFINE_POINTS + 2)).astype(int))[1:-1]:
             at(int(k))
-    best_rep = min(((*tried[k][0], k) for k in tried), key=lambda m: m[0], default=None)
     # without a budget FAE's hot set is held to replication's, as analyze holds it (replica_budget)
     most = max(tried, default=0) if budget is not None or best_rep is None else best_rep[2]
-    best_fae = min(((m, c, k) for k in tried if k <= most for m, c in tried[k][1]), key=lambda m: m[0], default=None)
+    fae = min(((m, sync, k) for k in tried if k <= most for m, sync in tried[k][1]), key=lambda m: m[0], default=None)
+    best_fae = None if fae is None else (fae[0], with_sync(schedule(r, hot_set(fae[2])), fae[1]), fae[2])
     cases = []
     for best in (best_rep, best_fae):
         if best is not None:

@@ -53,8 +53,9 @@ class TableBytes:
 
 @dataclass
 class Routed:
-    """The regrouped lookups routed on the target's plan: per kept lookup its target step, rank, owner and
-    row index (into `keys`, the distinct rows), and per pooled bag its lookups."""
+    """The regrouped lookups routed on the target's plan, ordered by row: per kept lookup its target step,
+    rank, owner and row index (into `keys`), its pooled bag (numbered in sample order; per bag its rank and
+    table), its sample."""
 
     on: Regrouped
     plan: ShardingPlan
@@ -74,17 +75,37 @@ class Routed:
     pair: np.ndarray  # per lookup rank · W' + owner
     pooled: np.ndarray  # the pooled lookups' indices
     sequence: np.ndarray  # the sequence lookups' indices
-    _orders: dict = field(default_factory=dict)
+    _cache: dict = field(default_factory=dict)
+    multi_bags: np.ndarray | None = None  # the bags of several ids (_bag_sizes)
 
-    def by(self, what: str) -> tuple[np.ndarray, np.ndarray]:
-        """The lookups ordered by (step, rank, row) (`what` "rank") or (step, row) ("step"): the order and
-        the sorted keys, once."""
-        if what not in self._orders:
-            k = len(self.keys)
-            key = (self.step * self.world + self.rank) * k + self.row_index if what == "rank" else self.step * k + self.row_index
-            order = np.argsort(key, kind="stable")
-            self._orders[what] = (order, key[order])
-        return self._orders[what]
+    def once(self, name: str, build):
+        if name not in self._cache:
+            self._cache[name] = build()
+        return self._cache[name]
+
+    def looked_up(self, hot: np.ndarray) -> np.ndarray:
+        """The indices of the lookups of the rows `hot` (a mask over keys): runs of the lookups, which are
+        ordered by row, so the work is the hot lookups', not every lookup's."""
+        last = self._cache.get("looked_up")
+        if last is not None and last[0] is hot:
+            return last[1]
+        offsets = self.once("offsets", lambda: np.concatenate(
+            [[0], np.cumsum(np.bincount(self.row_index, minlength=len(self.keys)))]))
+        rows = np.flatnonzero(hot)
+        starts, counts = offsets[rows], offsets[rows + 1] - offsets[rows]
+        idx = np.arange(int(counts.sum())) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        self._cache["looked_up"] = (hot, idx)
+        return idx
+
+    def distinct(self, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct (step, rank, row) of the lookups (`what` "rank": their rank and row) or (step, row)
+        ("step": their row, and an empty array), once."""
+        def build():
+            k, step, row = len(self.keys), self.step.astype(np.int64), self.row_index.astype(np.int64)
+            key = np.sort((step * self.world + self.rank) * k + row if what == "rank" else step * k + row)
+            key = key[np.concatenate([[True], key[1:] != key[:-1]])] if len(key) else key
+            return ((key // k) % self.world, key % k) if what == "rank" else (np.zeros(0, dtype=np.int64), key % k)
+        return self.once(f"distinct_{what}", build)
 
     @property
     def world(self) -> int:
@@ -135,13 +156,16 @@ def route(looked: Lookups, on: Regrouped, plan: ShardingPlan, tables: TableBytes
     """The kept lookups of `on` with their owners on `plan` (table-wise: the table's rank; row-wise: the
     row's block), their rows indexed and their pooled bags numbered (lookups come a bag together)."""
     kept = on.kept
-    tid, row, feature, g = looked.tid[kept], looked.row[kept], looked.feature[kept], looked.g[kept]
-    rank, step = on.rank[kept].astype(np.int64), on.step[kept]
+    whole = bool(kept.all())
+    def take(a: np.ndarray) -> np.ndarray:
+        return a if whole else a[kept]
+    tid, row, feature, g = take(looked.tid), take(looked.row), take(looked.feature), take(looked.g)
+    rank, step = take(on.rank).astype(np.int32), take(on.step).astype(np.int32)
     if plan.kind == "table":
-        owner = np.asarray(plan.owners, dtype=np.int64)[tid]
+        owner = np.asarray(plan.owners, dtype=np.int32)[tid]
     else:
         blocks = np.array([plan.block_rows(t) for t in range(len(plan.tables))], dtype=np.int64)
-        owner = row // blocks[tid]
+        owner = (row // blocks[tid]).astype(np.int32)
     keys, row_index = _row_index(tid, row, plan)
     pooled = tables.pooled[tid]
     starts = np.ones(len(tid), dtype=bool)
@@ -151,10 +175,29 @@ def route(looked: Lookups, on: Regrouped, plan: ShardingPlan, tables: TableBytes
     first = np.flatnonzero(starts & pooled)
     bag_id = np.full(int(bag_all[-1]) + 1 if len(tid) else 0, -1, dtype=np.int64)
     bag_id[bag_all[first]] = np.arange(len(first))
-    bag = np.where(pooled, bag_id[bag_all], -1)
-    return Routed(on, plan, tables, len_bytes, id_bytes, step, rank, owner, tid.astype(np.int64),
-                  row_index, keys, bag, rank[first], tid[first].astype(np.int64), g, rank * on.world + owner,
-                  np.flatnonzero(pooled), np.flatnonzero(~pooled))
+    bag = np.where(pooled, bag_id[bag_all], -1).astype(np.int32)
+    bag_rank, bag_tid = rank[first], tid[first].astype(np.int32)
+    del bag_all, bag_id, starts, first
+    # the lookups by row from here on: a row's lookups together, so those of a set of rows are runs
+    by_row = np.argsort(row_index, kind="stable")
+    small = np.int32 if len(keys) < 2**31 else np.int64
+    step, rank, owner, tid, bag = step[by_row], rank[by_row], owner[by_row], tid[by_row].astype(np.int32), bag[by_row]
+    row_index, g = row_index[by_row].astype(small), g[by_row].astype(np.int32 if looked.samples < 2**31 else np.int64)
+    return Routed(on, plan, tables, len_bytes, id_bytes, step, rank, owner, tid, row_index, keys, bag, bag_rank,
+                  bag_tid, g, rank * np.int32(on.world) + owner, np.flatnonzero(bag >= 0), np.flatnonzero(bag < 0))
+
+
+def _bag_sizes(r: Routed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per lookup whether its pooled bag holds it alone, and its index among the bags of several ids (−1
+    for others); per such bag its size. Sets r.multi_bags: those bags' ids."""
+    size = np.bincount(r.bag[r.pooled], minlength=len(r.bag_rank))
+    single = np.zeros(len(r.bag), dtype=bool)
+    single[r.pooled] = size[r.bag[r.pooled]] == 1
+    r.multi_bags = np.flatnonzero(size > 1)
+    compact = np.full(len(size), -1, dtype=np.int64)
+    compact[r.multi_bags] = np.arange(len(r.multi_bags))
+    multi = np.where(r.bag >= 0, compact[np.maximum(r.bag, 0)], -1)
+    return single, multi, size[r.multi_bags]
 
 
 def _row_index(tid: np.ndarray, row: np.ndarray, plan: ShardingPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -169,26 +212,15 @@ def _row_index(tid: np.ndarray, row: np.ndarray, plan: ShardingPlan) -> tuple[np
     return np.unique(tid.astype(np.int64) << 40 | row, return_inverse=True)
 
 
-def _distinct(by: tuple[np.ndarray, np.ndarray], mask: np.ndarray) -> np.ndarray:
-    """The distinct keys of `by`'s lookups where `mask` holds (the sorted keys, each once)."""
-    order, keys = by
-    picked = keys[mask[order]]
-    if not len(picked):
-        return picked
-    first = np.ones(len(picked), dtype=bool)
-    first[1:] = picked[1:] != picked[:-1]
-    return picked[first]
-
-
 def exchange(r: Routed, hot: np.ndarray | None = None, syncs: tuple[str, ...] = (DENSE, SPARSE)) -> TargetExchange:
     """The exchange of one target step with the rows `hot` (a mask over r.keys; None: none) replicated,
     and, where some are, their sync of each kind in `syncs` (module docstring)."""
     w, t = r.world, r.tables
     steps = r.on.steps
     n_tables = len(t.rb)
-    looked_hot = np.zeros(len(r.rank), dtype=bool) if hot is None else hot[r.row_index]
-    cold = ~looked_hot
-    ids = np.bincount(r.pair, weights=cold, minlength=w * w).reshape(w, w) * float(r.id_bytes)
+    hot_idx = r.looked_up(hot) if hot is not None else np.zeros(0, dtype=np.int64)
+    ids = (r.once("ids", lambda: np.bincount(r.pair, minlength=w * w))
+           - np.bincount(r.pair[hot_idx], minlength=w * w)).reshape(w, w) * float(r.id_bytes)
     on_owner = np.zeros((n_tables, w), dtype=bool)  # table t has a shard on rank o
     for o in range(w) if r.plan.kind == "table" else ():
         on_owner[r.plan.tables_on(o), o] = True
@@ -200,22 +232,29 @@ def exchange(r: Routed, hot: np.ndarray | None = None, syncs: tuple[str, ...] = 
     lengths = np.outer(samples, feats @ on_owner) * float(r.len_bytes)
     # pooled bags: F_t · b_q a (rank, table), less those whose ids are all replicated
     bags = np.outer(samples, np.where(t.pooled, feats, 0.0))  # q × t
-    if hot is not None and len(r.bag_rank):
-        cold_in_bag = np.bincount(r.bag[r.pooled], weights=cold[r.pooled], minlength=len(r.bag_rank))
-        all_hot = cold_in_bag == 0
+    hot_bag = r.bag[hot_idx]
+    if len(r.bag_rank) and len(hot_idx):  # a bag is served where its sample is once all its ids are hot
+        single, multi, size = r.once("bags", lambda: _bag_sizes(r))
+        alone = single[hot_idx]  # a bag of one id: all hot with it
+        all_hot = hot_bag[alone]
+        if len(size):
+            in_bag = np.bincount(multi[hot_idx[~alone & (hot_bag >= 0)]], minlength=len(size))
+            all_hot = np.concatenate([all_hot, r.multi_bags[np.flatnonzero(in_bag == size)]])
         bags -= np.bincount(r.bag_rank[all_hot] * n_tables + r.bag_tid[all_hot],
                             minlength=w * n_tables).reshape(w, n_tables)
     rows_back = (bags * t.rb) @ on_owner  # q × o: pooled rows o returns q
     if len(r.sequence):
-        seq = r.sequence[cold[r.sequence]]
-        rows_back = rows_back + np.bincount(r.pair[seq], weights=t.rb[r.tid[seq]], minlength=w * w).reshape(w, w)
+        def rows_of(idx: np.ndarray) -> np.ndarray:
+            return np.bincount(r.pair[idx], weights=t.rb[r.tid[idx]], minlength=w * w).reshape(w, w)
+        hot_seq = hot_idx[hot_bag < 0]
+        rows_back = rows_back + r.once("seq_rows", lambda: rows_of(r.sequence)) - rows_of(hot_seq)
     pairs = {tags.INPUT_LENGTHS: lengths / steps, tags.INPUT_IDS: ids / steps,
              tags.OUTPUT_FWD: rows_back.T / steps, tags.OUTPUT_BWD: rows_back / steps}
     out = TargetExchange(w, pairs)
     if hot is not None and hot.any() and w > 1:
         replica = float(t.rb[(r.keys[hot] >> 40)].sum())
         for kind in syncs:
-            out.syncs[kind] = _sync(r, kind, looked_hot, replica)
+            out.syncs[kind] = _sync(r, kind, hot, replica)
     return out
 
 
@@ -223,19 +262,21 @@ def hot_samples(r: Routed, hot: np.ndarray) -> float:
     """The share of the kept samples whose every id (of the sharded tables) is replicated: FAE's hot
     samples."""
     n = int(r.on.samples.sum())
-    cold = ~hot[r.row_index]
-    with_cold = int(np.count_nonzero(np.bincount(r.sample[cold], minlength=1)))
-    return 1.0 - with_cold / n if n else 0.0
+    if not n:
+        return 0.0
+    total = r.once("per_sample", lambda: np.bincount(r.sample))
+    hot_in = np.bincount(r.sample[r.looked_up(hot)], minlength=len(total))
+    return 1.0 - int(np.count_nonzero(hot_in < total)) / n
 
 
-def _sync(r: Routed, kind: str, looked_hot: np.ndarray, replica: float) -> Sync:
+def _sync(r: Routed, kind: str, hot: np.ndarray, replica: float) -> Sync:
     w, steps = r.world, r.on.steps
     if kind == DENSE:
         return Sync(DENSE, replica, None, 2 * (w - 1) * replica, replica)
-    k = len(r.keys)
-    u = np.bincount((_distinct(r.by("rank"), looked_hot) // k) % w, minlength=w) / steps  # rows a rank touched, a step
-    union = _distinct(r.by("step"), looked_hot) % k
-    touched = float(r.tables.rb[r.keys[union] >> 40].sum()) / steps
+    rank, row = r.distinct("rank")
+    u = np.bincount(rank[hot[row]], minlength=w) / steps  # hot rows a rank touched, a step
+    _, union = r.distinct("step")
+    touched = float(r.tables.rb[r.keys[union[hot[union]]] >> 40].sum()) / steps
     ids = np.repeat(u[:, None] * COUNT_BYTES, w, axis=1)
     np.fill_diagonal(ids, 0.0)
     wire = w * (w - 1) * COUNT_BYTES + float(ids.sum()) + 2 * (w - 1) * touched
