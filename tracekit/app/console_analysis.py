@@ -199,7 +199,7 @@ def print_simulate(summary: dict) -> None:
                    f"{format_rate(target['inter_bw'])} between nodes, {format_rate(target['intra_bw'])} within; "
                    f"latency {format_us(target['latency_s'], 0)} per collective; from {summary['run']} "
                    f"({source['world']} ranks, {source['samples']:,} samples: "
-                   f"{source['target_steps_covered']:.2f} target steps)")
+                   f"{source['samples'] / (target['world'] * target['batch_per_device']):.2f} target steps)")
     derived = "sections derived for the target" if summary.get("derived") else "sections as written"
     table = Table("section", "rec.", "rows", "all-to-all / step", "sync / step", "between nodes / step", "compute",
                   "communication", "step time", "speedup",
