@@ -104,11 +104,11 @@ class _Source:
 # the projection ----------------------------------------------------------------------------------
 
 def simulate(ctx: Context, target: Target, policy: Policy | None = None, policy_path=None, *,
-             derive: bool = True, curve: bool = False) -> tuple[Result, Projection]:
-    """Tables `simulate` (the baseline and each section on `target`), `simulate_sweep` (over SWEEP_RATES)
-    and with `curve` `simulate_scale` (SCALE_WORLDS), a summary and notes; and the sections derived for
-    the target. `policy` (read from `policy_path`, which locates its row lists): project its sections as
-    written; else `derive` them for the target (False: the baseline alone)."""
+             derive: bool = True, curve: bool = False, sweep: bool = True) -> tuple[Result, Projection]:
+    """Tables `simulate` (the baseline and each section on `target`), with `sweep` `simulate_sweep` (over
+    SWEEP_RATES) and with `curve` `simulate_scale` (SCALE_WORLDS), a summary and notes; and the sections
+    derived for the target. `policy` (read from `policy_path`, which locates its row lists): project its
+    sections as written; else `derive` them for the target (False: the baseline alone)."""
     result, projection = Result(), Projection()
     if target.world < 1:
         raise ValueError("the target needs at least one rank")
@@ -138,7 +138,9 @@ def simulate(ctx: Context, target: Target, policy: Policy | None = None, policy_
         row["recommended"] = None if case is base else case.name == "combined" or _recommended(case, policy)
     if projection.policy is not None:
         _mark(projection, rows)
-    result.tables = {"simulate": pl.DataFrame(rows), "simulate_sweep": _sweep(src, links, cases)}
+    result.tables = {"simulate": pl.DataFrame(rows)}
+    if sweep:
+        result.tables["simulate_sweep"] = _sweep(src, links, cases)
     if curve:
         result.tables["simulate_scale"] = scale_curve(ctx, target, policy, policy_path, derive=derive)
     result.notes.append("step times: the recorded steps replayed with every collective priced on the target's links "
@@ -164,7 +166,7 @@ def scale_curve(ctx: Context, target: Target, policy: Policy | None = None, poli
     for world in worlds:
         per_node = min(target.ranks_per_node, world)
         at = replace(target, nodes=max(world // per_node, 1), ranks_per_node=per_node)
-        result, _ = simulate(ctx, at, policy, policy_path, derive=derive)
+        result, _ = simulate(ctx, at, policy, policy_path, derive=derive, sweep=False)
         for row in result.tables.get("simulate", pl.DataFrame()).iter_rows(named=True):
             out.append({"policy": row["policy"], "world": at.world, "topology": at.name, STEP_TIME: row[STEP_TIME],
                         "comm_s": row["comm_s"], "speedup": row["speedup"], A2A_BYTES: row[A2A_BYTES]})
@@ -185,7 +187,7 @@ def _source(ctx: Context, target: Target, notes: list[str]) -> _Source | None:
     if not looked.samples or not len(looked.g):
         notes.append("the run's lookups hold no sample of a sharded table: nothing to regroup")
         return None
-    steps_all = recorded_steps(ctx, notes)
+    steps_all = ctx.memo(_source, lambda: recorded_steps(ctx, notes))
     if not steps_all:
         notes.append("the run's steps do not replay: no step time projected")
         return None
@@ -198,7 +200,7 @@ def _source(ctx: Context, target: Target, notes: list[str]) -> _Source | None:
     specs = [TableSpec(t.name, t.num_rows, t.dim, t.kind != "sequence") for t in ctx.model.tables]
     plan = ShardingPlan.build(specs, target.world, kind)
     routed = route(looked, on, plan, _table_bytes(ctx), *recorded_exchange.element_bytes(ctx))
-    ring, buckets = _dense(steps[0:1] if not steps else steps)
+    ring, buckets = _dense(steps)
     notes.extend(on.notes)
     notes.extend(looked.notes)
     if any(t.sharding_type for t in ctx.manifest.tables or ()):

@@ -19,7 +19,7 @@ from analyses import attribution, exchange
 from analyses.context import open_context
 from analyses.measure import by_op_tag, measure
 from analyses.replay.graph import recorded_steps
-from analyses.roles import part, with_roles
+from analyses.roles import with_roles
 from tests.recorded import REPO, TINY, record
 from tracekit import tags
 
@@ -56,12 +56,6 @@ def test_roles_come_from_labels_legacy_names_or_a_torchrec_steps_order() -> None
     two_groups = [(3, "train", A2A, TORCHREC)] * 4 + [(3, "train", A2A, "DefaultAll2AllSingle.__call__")] * 4
     assert _roles(two_groups) == [None] * 8
     assert _roles([(4, "train", A2A, None)] * 3) == [None] * 3  # fewer than the exchange's four
-
-
-def test_the_input_dist_is_one_part_and_legacy_outputs_read_as_their_labels() -> None:
-    assert {part(t) for t in (tags.INPUT_LENGTHS, tags.INPUT_IDS, tags.LEGACY_INPUT_DIST)} == {"input_dist"}
-    assert [part(t) for t in ("_AllToAll.forward", tags.OUTPUT_BWD, "_CodedAllToAll.forward", TORCHREC, None)] == \
-        [tags.OUTPUT_FWD, tags.OUTPUT_BWD, tags.OUTPUT_FWD_CODED, TORCHREC, ""]
 
 
 LEGACY = {tags.INPUT_LENGTHS: tags.LEGACY_INPUT_DIST, tags.INPUT_IDS: tags.LEGACY_INPUT_DIST,
