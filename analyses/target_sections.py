@@ -23,35 +23,28 @@ Tiers are not projected at another world yet: a note says so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
+import polars as pl
 
+from analyses.context import Context
 from analyses.target_exchange import DENSE, SPARSE, Routed, TargetExchange, exchange, hot_samples
+from analyses.target_time import Case, Source, TargetLinks, spaced, step_times
+from tracekit.figures import (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, DP_BYTES, HOT_ROWS,
+                              HOT_SAMPLE_FRACTION, STEP_TIME, SYNC_BYTES)
+from tracekit.policy import (MIN_HOT_SAMPLES, Combined, DctDp, DctMp, Policy, Prediction, Replication, Schedule,
+                             Section, read_policy, row_path, write_policy)
+from tracekit.run_dir import RunDir
 
+DERIVE_STEPS = 12  # recorded steps a candidate of a derivation replays
 GRID_POINTS = 8  # candidate hot sets, geometrically spaced
 REFINE_POINTS = 4  # ... and more between the best one's neighbours
 RECOMMEND_GAIN = 0.05
 """A section derived for a target is recommended where its predicted step is this much faster: the
 replay's error on held-out runs at the recorded scale (bench/RESULTS.md) is within it."""
-
-
-@dataclass
-class Case:
-    """One section on the target (module docstring)."""
-
-    name: str
-    x: TargetExchange
-    sync: str | None = None  # the kind of x.syncs it applies
-    hot_fraction: float = 0.0  # FAE: the share of steps with no exchange
-    cold: TargetExchange | None = None  # FAE: a cold step's exchange
-    output_ratio: float = 1.0  # DCT-MP: bytes of an output row sent over its plain bytes
-    dp_part: float | None = None  # DCT-DP: bytes each rank gathers to every other a step, in place of the ring
-    hot_keys: np.ndarray | None = None  # the replicated rows (tid << 40 | row)
-    notes: list[str] = field(default_factory=list)
-
-    def step_exchange(self) -> TargetExchange:
-        """The exchange of a step that makes one (FAE: a cold step's)."""
-        return self.cold if self.cold is not None else self.x
+ROW_LISTS = {"replication": ("hot_rows",), "schedule": ("fae_rows",)}
+"""The row lists a derived section's file carries (policy/<name>.parquet)."""
 
 
 def ranked_rows(r: Routed) -> np.ndarray:
@@ -101,3 +94,254 @@ def with_sync(case: Case, kind: str | None) -> Case:
 
 def sync_kinds(case: Case) -> list[str | None]:
     return [kind for kind in (DENSE, SPARSE) if kind in case.x.syncs] or [None]
+
+
+@dataclass
+class Projection:
+    """What `simulate` hands back beside its Result: the sections derived for the target, and their rows."""
+
+    policy: Policy | None = None
+    rows: dict[str, pl.DataFrame] = field(default_factory=dict)
+
+
+def as_written(ctx: Context, src: Source, policy: Policy, policy_path, notes: list[str]) -> list[Case]:
+    """The file's sections that change what is sent, on the target."""
+    out = []
+    r = src.routed
+    for label, section in policy.sections.items():
+        if isinstance(section, Replication):
+            mask = r.rows_in(row_keys(ctx, row_path(policy_path, section.rows)))
+            out.append(with_sync(replication(r, mask), section.sync))
+        elif isinstance(section, Schedule):
+            mask = r.rows_in(row_keys(ctx, row_path(policy_path, section.hot_rows)))
+            out.append(with_sync(schedule(r, mask), section.sync))
+        elif isinstance(section, DctMp):
+            out.append(_mp(src, section))
+        elif isinstance(section, DctDp):
+            out.append(_dp(src, section, ctx.model.world_size))
+        elif label == "tiers":
+            notes.append("tiers: not projected onto another cluster yet (their node copies are the recorded "
+                         "topology's); the other sections are")
+        elif label == "lag":
+            notes.append("lag: not projected (it applies to inference; its makespan is the lag section's)")
+    return out
+
+
+def row_keys(ctx: Context, path: Path) -> np.ndarray:
+    frame = pl.read_parquet(path, columns=["table_name", "row"])
+    tid = {t.name: i for i, t in enumerate(ctx.model.tables)}
+    unknown = set(frame["table_name"].unique().to_list()) - set(tid)
+    if unknown:
+        raise ValueError(f"{path}: rows of tables the run does not have: {', '.join(sorted(unknown))}")
+    tids = frame["table_name"].replace_strict(tid, return_dtype=pl.Int64).to_numpy()
+    return tids << 40 | frame["row"].cast(pl.Int64).to_numpy()
+
+
+def _mp(src: Source, section: DctMp) -> Case:
+    ratio = float(section.prediction.figures.get("ratio") or 1.0)
+    return Case("compression.mp", exchange(src.routed), output_ratio=ratio)
+
+
+def _dp(src: Source, section: DctDp, recorded_world: int) -> Case:
+    """DCT-DP: the bytes a rank sent a step where the run was analysed, gathered by every rank on the target."""
+    sent = float(section.prediction.figures.get(DP_BYTES) or 0.0)
+    return Case("compression.dp", exchange(src.routed), dp_part=sent / max(recorded_world, 1))
+
+
+def combined_case(src: Source, cases: list[Case], policy: Policy | None) -> Case | None:
+    """The recommended sections together (with a file: its recommended ones), as the trainer applies them:
+    the union of replication's and the schedule's rows replicated (synchronised as the larger set says),
+    the FAE schedule over that union where it is applied, DCT-MP on the outputs, DCT-DP on the dense
+    gradients."""
+    chosen = {c.name: c for c in cases[1:] if recommended(c, policy)}
+    if len(chosen) < 2:
+        return None
+    holding = [c for c in (chosen.get("replication"), chosen.get("schedule")) if c is not None]
+    out = replace(cases[0], name="combined", notes=[])
+    if holding:
+        r = src.routed
+        mask = r.rows_in(np.concatenate([c.hot_keys for c in holding]))
+        larger = max(holding, key=lambda c: len(c.hot_keys))
+        out = replication(r, mask, "combined") if "schedule" not in chosen else schedule(r, mask)
+        out = replace(with_sync(out, larger.sync), name="combined")
+    if "compression.mp" in chosen:
+        out = replace(out, output_ratio=chosen["compression.mp"].output_ratio)
+    if "compression.dp" in chosen:
+        out = replace(out, dp_part=chosen["compression.dp"].dp_part)
+    return out
+
+
+def recommended(case: Case, policy: Policy | None) -> bool:
+    if policy is not None:
+        section = policy.sections.get(case.name)
+        return section is not None and section.recommended
+    return "recommended" in case.notes
+
+
+def derived(ctx: Context, src: Source, links: TargetLinks, base: Case,
+             notes: list[str]) -> tuple[list[Case], Projection]:
+    """Replication and the FAE schedule derived for the target, DCT's parts as the run's analysis set them
+    (analyses.target_sections), each with the step the replay predicts."""
+    r = src.routed
+    probe = spaced(src.steps, DERIVE_STEPS)
+    def mean_step(case: Case) -> float:
+        return float(np.median(step_times(src, links, case, probe)))
+    base_s = mean_step(base)
+    budget = _budget(ctx)
+    order = ranked_rows(r)
+    objective = ctx.options.objective
+    tried: dict[int, tuple] = {}  # k -> replication's best merit, FAE's [(merit, sync)]
+    best_rep: tuple | None = None  # (merit, case, k): the one case kept (a case holds W' × W' matrices)
+
+    def merit(case: Case) -> float:
+        return mean_step(case) if objective == "time" else _bytes_of(case)
+
+    def hot_set(k: int) -> np.ndarray:
+        mask = np.zeros(len(r.keys), dtype=bool)
+        mask[order[:k]] = True
+        return mask
+
+    def at(k: int) -> None:
+        nonlocal best_rep
+        if k in tried:
+            return
+        mask = hot_set(k)
+        rep = replication(r, mask)
+        reps = [(merit(c), c) for c in (with_sync(rep, kind) for kind in sync_kinds(rep))]
+        hot = schedule(r, mask, rep.x)
+        # a schedule with fewer all-hot samples is replication by another name (tracekit.policy.nothing_to_apply)
+        faes = ([(merit(c), c.sync) for c in (with_sync(hot, kind) for kind in sync_kinds(hot))]
+                if hot.hot_fraction >= MIN_HOT_SAMPLES else [])
+        best = min(reps, key=lambda m: m[0])
+        tried[k] = (best[0], faes)
+        if best_rep is None or best[0] < best_rep[0]:
+            best_rep = (*best, k)
+
+    grid = candidates(r, order, budget)
+    for k in grid:  # a coarse grid, then finer between the best point's neighbours
+        at(k)
+    if grid:
+        i = min(range(len(grid)), key=lambda j: tried[grid[j]][0])
+        lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+        for k in np.unique(np.round(np.geomspace(lo, hi, REFINE_POINTS + 2)).astype(int))[1:-1]:
+            at(int(k))
+    # without a budget FAE's hot set is held to replication's, as analyze holds it (replica_budget)
+    most = max(tried, default=0) if budget is not None or best_rep is None else best_rep[2]
+    fae = min(((m, sync, k) for k in tried if k <= most for m, sync in tried[k][1]), key=lambda m: m[0], default=None)
+    best_fae = None if fae is None else (fae[0], with_sync(schedule(r, hot_set(fae[2])), fae[1]), fae[2])
+    cases = []
+    for best in (best_rep, best_fae):
+        if best is not None:
+            case = best[1]
+            gain = base_s / mean_step(case) - 1
+            case.notes.append("recommended" if gain >= RECOMMEND_GAIN else
+                              f"not recommended: predicted {gain:+.1%} on the step, under {RECOMMEND_GAIN:.0%}")
+            cases.append(case)
+    if best_rep is None:
+        notes.append("replication: no row's lookups cross ranks on the target (or none fits the budget)")
+    run_policy = _run_policy(ctx)
+    for label, make in (("compression.mp", _mp), ("compression.dp", _dp)):
+        section = run_policy.sections.get(label) if run_policy is not None else None
+        if section is None:
+            continue
+        case = make(src, section) if label == "compression.mp" else make(src, section, ctx.model.world_size)
+        gain = base_s / mean_step(case) - 1
+        if gain < RECOMMEND_GAIN:
+            case.notes.append(f"not recommended: predicted {gain:+.1%} on the step, under {RECOMMEND_GAIN:.0%}")
+        elif not section.recommended:  # the run's analysis refused it (its quality), which no cluster changes
+            case.notes.append(f"not recommended: {section.reason}")
+        else:
+            case.notes.append("recommended")
+        cases.append(case)
+    if run_policy is None:
+        notes.append("compression: the run has no policy.json (tracekit analyze writes it with DCT's settings "
+                     "within the quality its calibration measured): not projected")
+    return cases, _policy_for(ctx, src, cases, run_policy)
+
+
+def _budget(ctx: Context) -> float | None:
+    o = ctx.options
+    if o.budget_bytes is not None:
+        return float(o.budget_bytes)
+    if o.budget_fraction is not None:
+        return o.budget_fraction * ctx.model.embedding_bytes
+    return None
+
+
+def _bytes_of(case: Case) -> float:
+    share = 1.0 - case.hot_fraction
+    sync = case.x.syncs[case.sync].wire if case.sync is not None else 0.0
+    return share * case.step_exchange().bytes_out + sync
+
+
+def _run_policy(ctx: Context) -> Policy | None:
+    path = RunDir.at(ctx.path).policy
+    return read_policy(path) if path.is_file() else None
+
+
+def _policy_for(ctx: Context, src: Source, cases: list[Case], run_policy: Policy | None) -> Projection:
+    """The derived sections as a policy for the target's world (its predictions filled in by `_mark`)."""
+    model = {"tables": ctx.model.policy_model()["tables"], "world_size": src.routed.world}
+    sections: dict[str, Section] = {}
+    rows: dict[str, pl.DataFrame] = {}
+    names = [t.name for t in ctx.model.tables]
+    for case in cases:
+        recommended = "recommended" in case.notes
+        reason = None if recommended else next((n.removeprefix("not recommended: ") for n in case.notes
+                                                if n.startswith("not recommended")), None)
+        decision = {"recommended": recommended, "reason": reason, "prediction": Prediction({}, "")}
+        if case.name in ("replication", "schedule"):
+            keys = case.hot_keys
+            frame = pl.DataFrame({"table_name": [names[int(k >> 40)] for k in keys],
+                                  "row": (keys & ((1 << 40) - 1)).astype(np.int64)})
+            replica = int(case.x.syncs[case.sync].replica_bytes) if case.sync else 0
+            if case.name == "replication":
+                rows["hot_rows"] = frame
+                sections["replication"] = Replication(kind="hybrid", rows="policy/hot_rows.parquet",
+                                                      sync=case.sync or SPARSE, budget_bytes_per_rank=replica,
+                                                      **decision)
+            else:
+                rows["fae_rows"] = frame
+                sections["schedule"] = Schedule(hot_rows="policy/fae_rows.parquet", hot_sample_fraction=case.hot_fraction,
+                                                sync=case.sync or SPARSE, budget_bytes_per_rank=replica, **decision)
+        elif run_policy is not None and case.name in run_policy.sections:
+            sections[case.name] = replace(run_policy.sections[case.name], **decision)
+    policy = Policy(source_run=str(ctx.path), model=model, baseline={}, sections=sections)
+    return Projection(policy, rows)
+
+
+def mark(projection: Projection, rows: list[dict]) -> None:
+    """The derived policy's predictions and baseline, from the projection's rows."""
+    shown = (A2A_BYTES, A2A_REMOTE_BYTES, ALLREDUCE_BYTES, SYNC_BYTES, DP_BYTES, STEP_TIME, HOT_ROWS,
+             HOT_SAMPLE_FRACTION)
+    by_name = {row["policy"]: row for row in rows}
+    why = "projected by tracekit simulate: bytes of the recorded samples regrouped on the target, time replayed on its links"
+    policy = projection.policy
+    sections = {label: replace(section, prediction=Prediction({k: by_name[label][k] for k in shown}, why))
+                for label, section in policy.sections.items() if label in by_name}
+    combined = None
+    if "combined" in by_name:
+        labels = tuple(label for label, s in sections.items() if s.recommended)
+        combined = Combined(labels, Prediction({k: by_name["combined"][k] for k in shown}, why))
+    base = {k: by_name["baseline"][k] for k in shown if k not in (HOT_ROWS, HOT_SAMPLE_FRACTION)}
+    projection.policy = replace(policy, sections=sections, combined=combined, baseline=base)
+
+
+def write_sections(directory: Path, projection: Projection) -> list[Path]:
+    """As `tracekit optimize` writes them: DIR/policy.<section>.json, one a section, and
+    DIR/policy.combined.json with the recommended ones, their row lists in DIR/policy/."""
+    policy = projection.policy
+    written = []
+    for label, section in policy.sections.items():
+        one = replace(policy, sections={label: replace(section, recommended=True, reason=None,
+                                                       extra={**section.extra, **({"not_recommended_because":
+                                                              section.reason} if section.reason else {})})},
+                      combined=None)
+        rows = {name: projection.rows[name] for name in ROW_LISTS.get(label, ())}
+        written.append(write_policy(directory / f"policy.{label}.json", one, rows))
+    if policy.combined is not None:
+        kept = {label: s for label, s in policy.sections.items() if label in policy.combined.sections}
+        written.append(write_policy(directory / "policy.combined.json", replace(policy, sections=kept), projection.rows))
+    return written
+
+

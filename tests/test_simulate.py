@@ -190,13 +190,12 @@ def test_time_answers_to_bytes(run: Path) -> None:
     is predicted faster by the wire time it saves (both directions of the exchange are synchronous calls
     on the step's path); and at 64 ranks on 8 nodes at 100gbit the baseline's communication is within 20%
     of the bound by hand: per call its busiest node link's bytes over the rate, plus the latency."""
-    from analyses.simulate import _source, _links, step_times
-    from analyses.target_sections import Case
     from analyses.target_exchange import exchange
+    from analyses.target_time import Case, links_of, source, step_times
 
     with open_context(run, Options(replay_steps=0)) as ctx:
         target = Target(4, 4, inter_bw=2e6, batch=BATCH)
-        src, links = _source(ctx, target, []), _links(ctx, target, [])
+        src, links = source(ctx, target, []), links_of(target, [])
         x = exchange(src.routed)
         full = float(np.median(step_times(src, links, Case("baseline", x))))
         half = float(np.median(step_times(src, links, Case("halved", x, output_ratio=0.5))))
