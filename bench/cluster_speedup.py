@@ -14,8 +14,8 @@ Per configuration NODESxRANKS@LINK, on the criteo-kaggle preset (scale 0.01, dim
    NODESxRANKS at LINK with the same policy as written: the projection of a run to a cluster it never
    ran on, against what that cluster measured. The emulated ranks share the box's 2 cores, so their
    compute is not a loopback rank's: `--compute-scale` gives the target the cluster baseline's compute
-   (its free-communication step over the loopback run's), which isolates the network; and the same
-   without it (compute as recorded on loopback).
+   (its free-communication step over the loopback run's), which isolates the network; the same
+   without it (compute as recorded on loopback); and with it, priced half duplex (gloo's pairs).
 Prints one table per configuration and writes OUT/results.json.
 """
 
@@ -96,6 +96,7 @@ def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summ
     loopback = _by_policy(_projected(loop, target, policy_path))
     scale = on_cluster["baseline"]["compute_s"] / loopback["baseline"]["compute_s"]
     isolated = _by_policy(_projected(loop, replace(target, compute_scale=scale), policy_path))
+    half = _by_policy(_projected(loop, replace(target, compute_scale=scale, duplex=False), policy_path))
     base_time = summary["runs"][0]["step_time_s"]
     runs = []
     for figures in summary["runs"]:
@@ -107,6 +108,7 @@ def measure(config: str, nodes: int, per_node: int, link: float, out: Path, summ
                      "predicted_same_cluster_s": on_cluster.get(key, {}).get("step_time_s"),
                      "predicted_from_loopback_s": isolated.get(key, {}).get("step_time_s"),
                      "predicted_loopback_compute_s": loopback.get(key, {}).get("step_time_s"),
+                     "predicted_half_duplex_s": half.get(key, {}).get("step_time_s"),
                      "predicted_bytes_per_step": isolated.get(key, {}).get("bytes_per_step")})
     return {"config": config, "comm_share": on_cluster["baseline"]["comm_share"], "compute_scale": scale,
             "runs": runs, "notes": summary.get("notes", [])}
@@ -128,7 +130,8 @@ def show(r: dict) -> None:
     print(f"\n{r['config']}: baseline communication share {r['comm_share']:.0%}; the loopback run's compute "
           f"x{r['compute_scale']:.2f} on the cluster")
     print(f"{'run':<12} {'step ms':>8} {'speedup':>8} {'loss Δ':>9} {'bytes/step':>12} {'sim (same) ms':>14} "
-          f"{'err':>6} {'sim (loopback) ms':>18} {'err':>6} {'loopback compute':>17} {'err':>6}")
+          f"{'err':>6} {'sim (loopback) ms':>18} {'err':>6} {'loopback compute':>17} {'err':>6} {'half duplex':>12} "
+          f"{'err':>6}")
     for x in r["runs"]:
         def err(p):
             return "" if p is None else f"{p / x['step_time_s'] - 1:+.1%}"
@@ -136,7 +139,8 @@ def show(r: dict) -> None:
               f"{(x['loss_max_abs_diff'] or 0):9.2e} {(x['bytes_per_step'] or 0):12,.0f} "
               f"{(x['predicted_same_cluster_s'] or 0) * 1e3:14.1f} {err(x['predicted_same_cluster_s']):>6} "
               f"{(x['predicted_from_loopback_s'] or 0) * 1e3:18.1f} {err(x['predicted_from_loopback_s']):>6} "
-              f"{(x['predicted_loopback_compute_s'] or 0) * 1e3:17.1f} {err(x['predicted_loopback_compute_s']):>6}")
+              f"{(x['predicted_loopback_compute_s'] or 0) * 1e3:17.1f} {err(x['predicted_loopback_compute_s']):>6} "
+              f"{(x['predicted_half_duplex_s'] or 0) * 1e3:12.1f} {err(x['predicted_half_duplex_s']):>6}")
     for note in r["notes"]:
         print(f"  note: {note}")
 
