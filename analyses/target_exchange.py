@@ -138,10 +138,6 @@ class TargetExchange:
     syncs: dict[str, Sync] = field(default_factory=dict)  # by kind: the dense and the sparse one
 
     @property
-    def total(self) -> np.ndarray:
-        return sum(self.pairs.values(), np.zeros((self.world, self.world)))
-
-    @property
     def bytes_out(self) -> float:
         """Σ ranks' bytes_out, self-splits included: `comms`' convention."""
         return float(sum(m.sum() for m in self.pairs.values()))
